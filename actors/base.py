@@ -1,0 +1,40 @@
+"""The actor shell: one inbox, one run loop, state owned by nobody else.
+
+Messages are put with `send` from the actor's own event loop, or `send_threadsafe` from
+any other thread. `Control` carries in-process queries (tests, admin) with a reply future.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+import structlog
+
+
+@dataclasses.dataclass
+class Control:
+    """An in-process query to an actor: `op` names it; the actor resolves `reply`."""
+    op: str
+    reply: asyncio.Future
+    args: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+class Actor:
+    name = "actor"
+
+    def __init__(self) -> None:
+        self.inbox: asyncio.Queue = asyncio.Queue()
+        self.log = structlog.get_logger(f"tokenloom.{self.name}")
+
+    def send(self, msg: Any) -> None:
+        self.inbox.put_nowait(msg)
+
+    async def run(self) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+def resolve(reply: asyncio.Future, value: Any) -> None:
+    if not reply.done():
+        reply.set_result(value)

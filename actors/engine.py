@@ -1,0 +1,201 @@
+"""Assemble the engine: load the model, size the KV pool, wire the actors, run them.
+
+Start-up order: model and tokenizer (slow, synchronous) -> KV pool sized from the memory
+budget -> actors wired inbox to inbox -> `run()` starts every actor loop in one TaskGroup.
+`generate()` is the one way in, for the offline API and the HTTP daemon alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import time
+from pathlib import Path
+from typing import AsyncIterator
+
+import structlog
+import torch
+
+from tokenloom.actors.base import Control
+from tokenloom.actors.kv_actor import KVManagerActor
+from tokenloom.actors.kv_manager import KVCacheManager
+from tokenloom.actors.messages import AbortRequest, GenerateRequest, RequestOutput, Shutdown
+from tokenloom.actors.model_runner import ModelRunner
+from tokenloom.actors.policy import PolicyLimits
+from tokenloom.actors.runner import RunnerActor
+from tokenloom.actors.scheduler import SchedulerActor
+from tokenloom.actors.streams import StreamRegistry
+from tokenloom.actors.tokenizer import TokenizerActor
+from tokenloom.config.schema import ConfigError, EngineConfig, resolve_cache_dir
+from tokenloom.kernels.kv_store import KVCache
+from tokenloom.kernels.loader import DTYPES, load_model, resolve_model_dir
+from tokenloom.kernels.model_spec import ModelSpec
+
+log = structlog.get_logger("tokenloom.engine")
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeInfo:
+    """Values measured or derived at start-up (config stays as the user wrote it)."""
+    model_dir: Path
+    spec: ModelSpec
+    device: torch.device
+    dtype: torch.dtype
+    num_blocks: int
+    block_size: int
+    kv_bytes_per_token: int
+    max_model_len: int
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("config error: model.device is 'cuda' but no CUDA device is available")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name == "float16" and device.type == "cpu":
+        raise ConfigError("config error: model.dtype float16 is not supported on CPU "
+                          "(allowed on CPU: float32, bfloat16)")
+    return DTYPES[name]
+
+
+def size_kv_pool(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype,
+                 device: torch.device) -> tuple[int, int]:
+    """Number of blocks from the budget (bytes on CPU, fraction of free memory on CUDA)."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    per_token = spec.kv_bytes_per_token(elem)
+    per_block = per_token * cfg.cache.block_size
+    if cfg.cache.num_blocks:
+        return cfg.cache.num_blocks, per_token
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        budget = int(free * cfg.cache.gpu_memory_utilization)
+    else:
+        budget = cfg.cache.kv_cache_memory_bytes
+    num_blocks = budget // per_block
+    if num_blocks < 1:
+        raise ConfigError(f"config error: the KV budget ({budget} bytes) is smaller than one "
+                          f"block ({per_block} bytes); raise cache.kv_cache_memory_bytes")
+    return num_blocks, per_token
+
+
+class Engine:
+    """Owns the actors. Build with `Engine.build(config)`, then `await engine.run()`."""
+
+    def __init__(self, config: EngineConfig, info: RuntimeInfo, model, tokenizer):
+        self.config = config
+        self.info = info
+        self.tokenizer = tokenizer
+        self.streams = StreamRegistry()
+        sc = config.scheduler
+        limits = PolicyLimits(max_num_seqs=sc.max_num_seqs,
+                              max_num_batched_tokens=sc.max_num_batched_tokens,
+                              block_size=info.block_size, num_blocks=info.num_blocks)
+        eos = tuple(sorted(set(info.spec.eos_token_ids) | _tokenizer_eos(tokenizer)))
+        self.eos_token_ids = eos
+        kv = KVCache.allocate(info.spec.num_layers, info.num_blocks, info.block_size,
+                              info.spec.num_kv_heads, info.spec.head_dim, info.dtype, info.device)
+        self.tokenizer_actor = TokenizerActor(tokenizer, info.max_model_len, self.streams.emit)
+        self.scheduler = SchedulerActor(limits, eos, info.max_model_len, self.streams.emit)
+        self.kv_manager = KVManagerActor(KVCacheManager(info.num_blocks, info.block_size))
+        self.runner = RunnerActor(ModelRunner(model, kv, info.device, eos))
+        # Wiring: tokenizer -> scheduler <-> {KV manager, runner}.
+        self.tokenizer_actor.next_inbox = self.scheduler.inbox
+        self.scheduler.kv_inbox = self.kv_manager.inbox
+        self.scheduler.runner_inbox = self.runner.inbox
+        self.kv_manager.scheduler_inbox = self.scheduler.inbox
+        self.runner.scheduler_inbox = self.scheduler.inbox
+        self._ids = itertools.count()
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    @classmethod
+    def build(cls, config: EngineConfig, say=print) -> "Engine":
+        device = pick_device(config.model.device)
+        dtype = pick_dtype(config.model.dtype, device)
+        if config.model.num_threads:
+            torch.set_num_threads(config.model.num_threads)
+        torch.manual_seed(config.model.seed)
+        t0 = time.perf_counter()
+        model_dir = resolve_model_dir(config.model.model, resolve_cache_dir(config), log=say)
+        from tokenloom.kernels.loader import load_spec
+        spec = load_spec(model_dir)
+        max_len = config.model.max_model_len or spec.max_position_embeddings
+        model, spec = load_model(model_dir, dtype, device, max_positions=max_len)
+        num_blocks, per_token = size_kv_pool(config, spec, dtype, device)
+        capacity = num_blocks * config.cache.block_size
+        if capacity < max_len:
+            # Any single request must fit alone, or a lone request could preempt itself forever.
+            say(f"max_model_len lowered from {max_len} to the KV capacity of {capacity} tokens")
+            max_len = capacity
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        info = RuntimeInfo(model_dir=model_dir, spec=spec, device=device, dtype=dtype,
+                           num_blocks=num_blocks, block_size=config.cache.block_size,
+                           kv_bytes_per_token=per_token, max_model_len=max_len)
+        say(f"model {spec.architecture} from {model_dir} ({str(dtype).removeprefix('torch.')}, "
+            f"{device}) loaded in {time.perf_counter() - t0:.1f}s")
+        say(f"KV cache: {num_blocks} blocks x {info.block_size} tokens = {capacity} tokens, "
+            f"{per_token} bytes/token ({spec.num_layers} layers x 2 x {spec.num_kv_heads} kv heads "
+            f"x {spec.head_dim} head dim x {torch.tensor([], dtype=dtype).element_size()} bytes), "
+            f"{num_blocks * per_token * info.block_size / 2**20:.0f} MiB")
+        return cls(config, info, model, tokenizer)
+
+    # -- running -------------------------------------------------------------------------
+    async def run(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        async with asyncio.TaskGroup() as tg:
+            for actor in (self.tokenizer_actor, self.scheduler, self.kv_manager, self.runner):
+                tg.create_task(actor.run(), name=actor.name)
+
+    def shutdown(self) -> None:
+        for actor in (self.tokenizer_actor, self.scheduler, self.kv_manager, self.runner):
+            actor.send(Shutdown())
+
+    # -- the one way in ------------------------------------------------------------------
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """Submit and stream outputs; leaving the iterator early aborts the request."""
+        queue = self.streams.open(request.request_id)
+        if not request.arrival_time:
+            request.arrival_time = time.monotonic()
+        self.tokenizer_actor.send(request)
+        finished = False
+        try:
+            while True:
+                out = await queue.get()
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request.request_id)
+            self.streams.close(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        # Through the tokenizer, so an abort can never overtake its own request.
+        self.tokenizer_actor.send(AbortRequest(request_id=request_id))
+
+    async def query(self, actor: str, op: str):
+        target = {"scheduler": self.scheduler, "kv_manager": self.kv_manager,
+                  "runner": self.runner}[actor]
+        reply = asyncio.get_running_loop().create_future()
+        target.send(Control(op=op, reply=reply))
+        return await reply
+
+
+def _tokenizer_eos(tokenizer) -> set[int]:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return {eos} if isinstance(eos, int) else set()

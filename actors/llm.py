@@ -1,0 +1,273 @@
+"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`.
+
+It drives the same actors as the daemon (there is no second engine loop): the engine runs
+on an event loop in a background thread; `generate` submits requests to it and waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import threading
+from typing import Any, Iterator, Sequence
+
+from tokenloom.actors.detokenizer import IncrementalDetokenizer
+from tokenloom.actors.engine import Engine
+from tokenloom.actors.messages import GenerateRequest, RequestOutput, TokenLogprob
+from tokenloom.actors.sampling_params import SamplingParams
+from tokenloom.config.load import load_config
+from tokenloom.config.schema import ConfigError, EngineConfig, field_types, CacheConfig, ModelConfig, SchedulerConfig
+
+_SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+
+
+@dataclasses.dataclass
+class Timings:
+    """Seconds since the request arrived."""
+    queued: float | None          # until first scheduled
+    first_token: float | None     # time to first token
+    token_times: list[float]      # one per generated token
+    e2e: float | None
+    num_preemptions: int
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] | None
+    timings: Timings | None
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class GenerationOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int] | None
+    num_prompt_tokens: int
+    outputs: list[CompletionOutput]
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+
+def options_to_overrides(options: dict[str, Any]) -> dict[str, Any]:
+    """`LLM(max_num_seqs=8, block_size=32)` -> {"scheduler.max_num_seqs": 8, "cache.block_size": 32}."""
+    out: dict[str, Any] = {}
+    for key, value in options.items():
+        if "." in key:
+            out[key] = value
+            continue
+        owners = [name for name, cls in _SECTIONS.items() if key in field_types(cls)]
+        if not owners:
+            allowed = sorted({f for cls in _SECTIONS.values() for f in field_types(cls)})
+            raise ConfigError(f"unknown option {key!r} (allowed: {', '.join(allowed)})", key)
+        out[f"{owners[0]}.{key}"] = value
+    return out
+
+
+class LLM:
+    def __init__(self, model: str = "default", *, config: EngineConfig | None = None,
+                 config_path: str | None = None, quiet: bool = False, **options: Any):
+        overrides = options_to_overrides({"model": model, **options})
+        if config is None:
+            config = load_config(config_path, overrides=overrides)
+        self.engine = Engine.build(config, say=(lambda *_: None) if quiet else print)
+        self.tokenizer = self.engine.tokenizer
+        self._loop = _new_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tokenloom-engine",
+                                        daemon=True)
+        self._thread.start()
+        self._engine_run = asyncio.run_coroutine_threadsafe(self.engine.run(), self._loop)
+
+    # -- public API ----------------------------------------------------------------------
+    def generate(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[GenerationOutput]:
+        items = _normalise_prompts(prompts)
+        params = _per_prompt(sampling_params, len(items))
+        return self._wait(self._generate_all([(p, sp, None) for p, sp in zip(items, params)]))
+
+    def chat(self, conversations: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | None = None) -> list[GenerationOutput]:
+        convs = [conversations] if conversations and isinstance(conversations[0], dict) else conversations
+        params = _per_prompt(sampling_params, len(convs))
+        return self._wait(self._generate_all([(None, sp, c) for c, sp in zip(convs, params)]))
+
+    def stream(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,
+               messages: list[dict] | None = None) -> Iterator[str]:
+        """Yield text deltas of one completion as they are generated."""
+        params = sampling_params or SamplingParams()
+        q: "asyncio.Queue[str | None]"
+        import queue as _queue
+        q = _queue.Queue()
+
+        async def produce():
+            try:
+                await self._one(prompt, params, messages, 0, self.engine.new_request_id(),
+                                on_delta=q.put)
+            finally:
+                q.put(None)
+
+        fut = asyncio.run_coroutine_threadsafe(produce(), self._loop)
+        while True:
+            item = q.get()
+            if item is None:
+                break
+            yield item
+        fut.result()
+
+    def query(self, actor: str, op: str) -> Any:
+        return self._wait(self.engine.query(actor, op))
+
+    def check_integrity(self) -> None:
+        """KV pool integrity (free + used == total, no block owned twice) — raises if broken."""
+        problem = self.query("kv_manager", "integrity")
+        if problem is not None:
+            raise AssertionError(problem)
+
+    def kv_stats(self) -> dict:
+        return self.query("kv_manager", "stats")
+
+    def scheduler_stats(self) -> dict:
+        return self.query("scheduler", "stats")
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        self._loop.call_soon_threadsafe(self.engine.shutdown)
+        try:
+            self._engine_run.result(timeout=30)
+        except Exception:
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- internals -----------------------------------------------------------------------
+    def _wait(self, coro):
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        done, _ = concurrent.futures.wait([fut, self._engine_run],
+                                          return_when=concurrent.futures.FIRST_COMPLETED)
+        if fut not in done:
+            fut.cancel()
+            self._engine_run.result()  # re-raises the engine's failure
+            raise RuntimeError("engine stopped")
+        return fut.result()
+
+    async def _generate_all(self, items) -> list[GenerationOutput]:
+        tasks = []
+        for prompt, params, messages in items:
+            rid = self.engine.new_request_id()
+            tasks.append(self._prompt(prompt, params, messages, rid))
+        return list(await asyncio.gather(*tasks))
+
+    async def _prompt(self, prompt, params: SamplingParams, messages, rid: str) -> GenerationOutput:
+        siblings = []
+        for i in range(params.n):
+            p = params
+            if params.n > 1:
+                # Siblings must differ: each gets its own seed stream derived from the seed.
+                p = _replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            siblings.append(self._one(prompt, p, messages, i, f"{rid}-{i}" if params.n > 1 else rid))
+        results = await asyncio.gather(*siblings)
+        outputs = [r[0] for r in results]
+        num_prompt = results[0][1]
+        ids = list(prompt) if isinstance(prompt, list) else None
+        return GenerationOutput(request_id=rid, prompt=prompt if isinstance(prompt, str) else None,
+                                prompt_token_ids=ids, num_prompt_tokens=num_prompt,
+                                outputs=outputs)
+
+    async def _one(self, prompt, params: SamplingParams, messages, index: int, rid: str,
+                   on_delta=None) -> tuple[CompletionOutput, int]:
+        req = GenerateRequest(request_id=rid, sampling_params=params,
+                              prompt=prompt if isinstance(prompt, str) else None,
+                              prompt_token_ids=list(prompt) if isinstance(prompt, list) else None,
+                              messages=messages)
+        detok = None
+        token_ids: list[int] = []
+        logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        last: RequestOutput | None = None
+        finish_reason = None
+        num_prompt = 0
+        async for out in self.engine.generate(req):
+            last = out
+            num_prompt = out.num_prompt_tokens or num_prompt
+            if detok is None:
+                detok = IncrementalDetokenizer(self.tokenizer, [], stop=params.stop)
+            token_ids.extend(out.new_token_ids)
+            if logprobs is not None and out.new_logprobs:
+                logprobs.extend(out.new_logprobs)
+            delta = detok.add(out.new_token_ids)
+            if out.finished:
+                delta += detok.finish() if detok.stopped is None else ""
+            if delta and on_delta is not None:
+                on_delta(delta)
+            if detok.stopped is not None:
+                finish_reason = "stop"
+                break  # leaving the stream aborts the request and frees its blocks
+        if finish_reason is None and last is not None:
+            finish_reason = last.finish_reason
+        timings = _timings(last.timings) if last is not None and last.timings else None
+        return CompletionOutput(index=index, text=detok.text if detok else "", token_ids=token_ids,
+                                finish_reason=finish_reason, logprobs=logprobs, timings=timings,
+                                error=last.error if last is not None else None), num_prompt
+
+
+def _timings(t) -> Timings:
+    rel = lambda x: None if x is None else x - t.arrival  # noqa: E731
+    return Timings(queued=rel(t.first_scheduled), first_token=rel(t.first_token),
+                   token_times=[x - t.arrival for x in t.token_times], e2e=rel(t.finished),
+                   num_preemptions=t.num_preemptions)
+
+
+def _replace(params: SamplingParams, **changes) -> SamplingParams:
+    import msgspec
+    return msgspec.structs.replace(params, **changes)
+
+
+def _normalise_prompts(prompts) -> list:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return [list(p) if not isinstance(p, str) else p for p in prompts]
+
+
+def _per_prompt(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+    return params
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+        return uvloop.new_event_loop()
+    except ImportError:  # pragma: no cover
+        return asyncio.new_event_loop()

@@ -1,0 +1,120 @@
+"""Every message that crosses an actor boundary, as compact msgspec Structs.
+
+Structs (not Python objects with behaviour) so that any boundary could become a process
+boundary later: each one is encodable with msgspec.msgpack. Actors dispatch with `match`.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from tokenloom.actors.sampling_params import SamplingParams
+
+
+class _Msg(msgspec.Struct, kw_only=True, gc=False):
+    pass
+
+
+# -- front end -> tokenizer -> scheduler ------------------------------------------------
+class GenerateRequest(_Msg):
+    """A request as a client gave it: text, token ids, or chat messages (exactly one)."""
+    request_id: str
+    sampling_params: SamplingParams
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict] | None = None
+    arrival_time: float = 0.0
+
+
+class AddRequest(_Msg):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+
+
+class AbortRequest(_Msg):
+    request_id: str
+
+
+# -- scheduler -> stream registry --------------------------------------------------------
+class TokenLogprob(_Msg):
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] | None = None
+
+
+class RequestTimings(_Msg):
+    """Monotonic-clock seconds; the per-request metrics are derived from these."""
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+    token_times: list[float] = []
+    num_preemptions: int = 0
+
+
+class RequestOutput(_Msg):
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] | None = None
+    num_prompt_tokens: int = 0
+    finished: bool = False
+    finish_reason: str | None = None     # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    timings: RequestTimings | None = None  # sent with the final output
+
+
+# -- scheduler <-> KV manager ------------------------------------------------------------
+class KVUpdate(_Msg):
+    """Apply `frees`, then grow every table in `grants` to hold its token count — atomically."""
+    frees: list[str]
+    grants: list[tuple[str, int]]
+
+
+class KVGrant(_Msg):
+    new_blocks: dict[str, list[int]] | None  # None: refused, nothing was allocated
+    num_free_blocks: int
+    num_used_blocks: int
+    freed: int
+
+
+# -- scheduler <-> runner ----------------------------------------------------------------
+class NewSequence(_Msg):
+    """Sent the first time a request is scheduled (and again after a preemption)."""
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+
+
+class ScheduledSequence(_Msg):
+    request_id: str
+    token_ids: list[int]       # tokens to compute this step (1 for a decode)
+    start_pos: int             # position of token_ids[0]
+    block_table: list[int]     # blocks covering positions [0, start_pos + len(token_ids))
+    sample: bool               # this step completes the sequence's known tokens: sample one
+    new: NewSequence | None = None
+
+
+class ExecuteBatch(_Msg):
+    step: int
+    sequences: list[ScheduledSequence]   # decodes first, then prefill chunks
+    num_decodes: int
+    finished_ids: list[str] = []         # runner may drop their per-request state
+
+
+class SampledToken(_Msg):
+    request_id: str
+    token_id: int
+    logprob: TokenLogprob | None = None
+
+
+class StepOutput(_Msg):
+    step: int
+    sampled: list[SampledToken]
+    compute_seconds: float
+    error: str | None = None             # the whole step failed; message for the requests
+
+
+class Shutdown(_Msg):
+    pass

@@ -1,0 +1,48 @@
+"""The runner actor: executes batches on one dedicated compute thread.
+
+The event loop never runs model code, so the daemon's HTTP layer stays responsive while a
+long prompt is being prefilled. A step that raises ends only the requests in that step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import traceback
+
+from tokenloom.actors.base import Actor, Control, resolve
+from tokenloom.actors.messages import ExecuteBatch, Shutdown, StepOutput
+from tokenloom.actors.model_runner import ModelRunner
+
+
+class RunnerActor(Actor):
+    name = "runner"
+
+    def __init__(self, runner: ModelRunner):
+        super().__init__()
+        self.runner = runner
+        self.scheduler_inbox: asyncio.Queue | None = None  # wired by the engine
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="tokenloom-runner")
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                msg = await self.inbox.get()
+                match msg:
+                    case ExecuteBatch():
+                        try:
+                            out = await loop.run_in_executor(self._executor, self.runner.execute, msg)
+                        except Exception as e:  # the step failed; its requests end with an error
+                            self.log.error("step failed", error=repr(e),
+                                           traceback=traceback.format_exc())
+                            out = StepOutput(step=msg.step, sampled=[], compute_seconds=0.0,
+                                             error=f"model step failed: {e!r}")
+                        self.scheduler_inbox.put_nowait(out)
+                    case Control(op="num_tracked", reply=reply):
+                        resolve(reply, self.runner.num_tracked)
+                    case Shutdown():
+                        return
+        finally:
+            self._executor.shutdown(wait=False)

@@ -1,0 +1,201 @@
+"""The configuration tree: one frozen msgspec Struct per subsystem.
+
+Contract:
+- Every struct validates itself on construction, whether built directly in Python
+  (`EngineConfig(cache=CacheConfig(block_size=32))`) or by `msgspec.convert` from a mapping
+  (see `tokenloom.config.load`). Invalid values raise `ConfigError` naming the dotted key
+  (`scheduler.max_num_seqs`) and the allowed range or values.
+- Structs are frozen: a config never changes after creation. Values measured at run time
+  (e.g. the number of KV blocks that fit) belong in a separate runtime-info object.
+- Each actor receives only its own branch (`cfg.scheduler`, `cfg.cache`, ...).
+
+This module must not import torch: the daemon's CLI validates config before loading it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pathlib
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal
+
+import msgspec
+
+__all__ = [
+    "CacheConfig",
+    "ConfigError",
+    "EngineConfig",
+    "ModelConfig",
+    "SchedulerConfig",
+    "check_field",
+    "field_types",
+    "resolve_cache_dir",
+]
+
+MiB = 1 << 20
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message names the dotted key and what is allowed.
+
+    `key` is the dotted key at fault ("" when the error is not about one key).
+    """
+
+    def __init__(self, message: str, key: str = "") -> None:
+        super().__init__(f"config error: {message}")
+        self.key = key
+
+
+@functools.cache
+def field_types(cls: type[msgspec.Struct]) -> dict[str, msgspec.inspect.Type]:
+    """Field name -> msgspec type info (with constraints) of a config struct, in order."""
+    return {f.name: f.type for f in msgspec.inspect.type_info(cls).fields}
+
+
+def _bounds(t: msgspec.inspect.IntType | msgspec.inspect.FloatType) -> str:
+    ops = ((">=", t.ge), (">", t.gt), ("<=", t.le), ("<", t.lt))
+    return " and ".join(f"{op} {bound}" for op, bound in ops if bound is not None)
+
+
+def _within(t: msgspec.inspect.IntType | msgspec.inspect.FloatType, v: float) -> bool:
+    return (
+        (t.ge is None or v >= t.ge)
+        and (t.gt is None or v > t.gt)
+        and (t.le is None or v <= t.le)
+        and (t.lt is None or v < t.lt)
+    )
+
+
+def _type_error(t: msgspec.inspect.Type, value: Any) -> str | None:
+    """What `value` must be to have type `t`, or None when its type is right."""
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(t, msgspec.inspect.IntType) and not (is_number and isinstance(value, int)):
+        return f"an integer {_bounds(t)}".rstrip()
+    if isinstance(t, msgspec.inspect.FloatType) and not is_number:
+        return f"a number {_bounds(t)}".rstrip()
+    if isinstance(t, msgspec.inspect.StrType) and not isinstance(value, str):
+        return "a string"
+    if isinstance(t, msgspec.inspect.StructType) and not isinstance(value, t.cls):
+        return f"a {t.cls.__name__} (a table)"
+    return None
+
+
+def _range_error(t: msgspec.inspect.Type, value: Any) -> str | None:
+    """What `value` (of the right type) must be to satisfy `t`'s constraints, or None."""
+    if isinstance(t, (msgspec.inspect.IntType, msgspec.inspect.FloatType)):
+        return None if _within(t, value) else _bounds(t)
+    if isinstance(t, msgspec.inspect.StrType) and len(value) < (t.min_length or 0):
+        return f"a string of at least {t.min_length} character(s)"
+    if isinstance(t, msgspec.inspect.LiteralType):
+        # `16.0 in (8, 16)` and `True in (0, 1)` are True in Python; demand the exact type.
+        if value in t.values and any(type(value) is type(v) for v in t.values):
+            return None
+        return "one of " + ", ".join(repr(v) for v in t.values)
+    return None
+
+
+def check_field(cls: type[msgspec.Struct], name: str, value: Any) -> None:
+    """Raise ConfigError unless `value` is a valid value for field `name` of `cls`.
+
+    The message reads "config error: <section>.<name> must be <constraint>, got <value>".
+    """
+    t = field_types(cls)[name]
+    problem = _type_error(t, value) or _range_error(t, value)
+    if problem is not None:
+        key = f"{cls.section}.{name}" if cls.section else name
+        raise ConfigError(f"{key} must be {problem}, got {value!r}", key=key)
+
+
+class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Base of the per-subsystem structs: validates every field on construction.
+
+    msgspec enforces `Meta` constraints only when decoding/converting, not in `__init__`;
+    checking in `__post_init__` makes direct construction just as safe. Subclasses that
+    add cross-field rules call `super().__post_init__()` first.
+    """
+
+    section: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        for name in field_types(type(self)):
+            check_field(type(self), name, getattr(self, name))
+
+
+class ModelConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Which model to serve and how to place it."""
+
+    section: ClassVar[str] = "model"
+
+    # "default" is the bundled SmolLM2-135M-Instruct; anything else is a local HF directory.
+    model: Annotated[str, msgspec.Meta(min_length=1)] = "default"
+    # auto: float32 on CPU, bfloat16 on CUDA.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # Where converted weights live; "" means $XDG_CACHE_HOME/tokenloom or ~/.cache/tokenloom.
+    cache_dir: str = ""
+    # 0 takes the model's own context length.
+    max_model_len: Annotated[int, msgspec.Meta(ge=0)] = 0
+    seed: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # 0 leaves torch's default thread count alone.
+    num_threads: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 0
+
+
+class CacheConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The paged KV cache: block geometry and the memory it may take."""
+
+    section: ClassVar[str] = "cache"
+
+    block_size: Literal[8, 16, 32, 64, 128] = 16
+    # Budget for the KV cache when running on the CPU.
+    kv_cache_memory_bytes: Annotated[int, msgspec.Meta(ge=MiB)] = 1 << 30
+    # Fraction of GPU memory the whole engine may use (weights + activations + KV).
+    gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] = 0.9
+    # 0 derives the block count from the memory budget; tests set it to force preemption.
+    num_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
+class SchedulerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Batch limits and fairness for the continuous-batching scheduler."""
+
+    section: ClassVar[str] = "scheduler"
+
+    max_num_seqs: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 64
+    max_num_batched_tokens: Annotated[int, msgspec.Meta(ge=16, le=1_000_000)] = 2048
+    # K of design invariant 3: a running stream is skipped at most K iterations in a row.
+    max_decode_skip: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 4
+    max_waiting: Annotated[int, msgspec.Meta(ge=1)] = 1024
+    preemption_mode: Literal["recompute"] = "recompute"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # Every running sequence must be able to get at least one token per iteration.
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(
+                "scheduler.max_num_batched_tokens must be >= scheduler.max_num_seqs, got "
+                f"max_num_batched_tokens={self.max_num_batched_tokens} < "
+                f"max_num_seqs={self.max_num_seqs}",
+                key="scheduler.max_num_batched_tokens",
+            )
+
+
+class EngineConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The whole tree; sections default to their own defaults."""
+
+    model: ModelConfig = ModelConfig()
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+
+
+def resolve_cache_dir(
+    cfg: ModelConfig | EngineConfig, env: Mapping[str, str] = os.environ
+) -> pathlib.Path:
+    """The directory for converted weights: `cache_dir` if set (with `~` expanded),
+    else `$XDG_CACHE_HOME/tokenloom`, else `~/.cache/tokenloom`. Nothing is created."""
+    model = cfg.model if isinstance(cfg, EngineConfig) else cfg
+    if model.cache_dir:
+        return pathlib.Path(model.cache_dir).expanduser()
+    # The XDG spec says an empty XDG_CACHE_HOME counts as unset.
+    xdg = env.get("XDG_CACHE_HOME", "")
+    base = pathlib.Path(xdg) if xdg else pathlib.Path("~/.cache").expanduser()
+    return base / "tokenloom"

@@ -1,0 +1,83 @@
+"""Attention over the paged KV cache: the torch reference implementation.
+
+`paged_attention` is correct for any mix of single-token decodes and prefill chunks (a
+chunk may start mid-prompt, after earlier chunks or cached prefix blocks). It reads keys
+and values only through block tables, never from the current step's tensors, so a Triton
+kernel can replace either half behind the same signature.
+
+Grouped-query attention without copying K/V per query head: the G = heads / kv_heads query
+heads that share one KV head are laid out as G query rows against that KV head.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tokenloom.kernels.forward_context import AttentionMetadata
+
+
+def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, H, D]; caches: [num_blocks, block_size, KVH, D] -> out [T, H, D]."""
+    out = torch.empty_like(q)
+    if meta.num_decodes:
+        out[: meta.num_decodes] = decode_attention(
+            q[: meta.num_decodes], key_cache, value_cache,
+            meta.decode_block_tables, meta.decode_context_lens, meta.decode_max_context, scale)
+    for seg in meta.prefills:
+        rows = slice(seg.query_start, seg.query_start + seg.query_len)
+        out[rows] = prefill_attention(q[rows], key_cache, value_cache, seg.block_table,
+                                      seg.start_pos, scale)
+    return out
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, bs, KVH, D] + block ids [..., nb] -> [..., nb * bs, KVH, D] (one copy)."""
+    nb = block_table.shape[-1]
+    bs, kvh, d = cache.shape[1:]
+    flat = cache.index_select(0, block_table.reshape(-1))
+    return flat.view(*block_table.shape[:-1], nb * bs, kvh, d)
+
+
+def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor,
+                     max_context: int, scale: float) -> torch.Tensor:
+    """One query token per sequence. q: [B, H, D] -> [B, H, D]."""
+    b, h, d = q.shape
+    kvh = key_cache.shape[2]
+    bs = key_cache.shape[1]
+    nb = (max_context + bs - 1) // bs
+    tables = block_tables[:, :nb]
+    k = gather_context(key_cache, tables).transpose(1, 2)    # [B, KVH, L, D]
+    v = gather_context(value_cache, tables).transpose(1, 2)
+    length = k.shape[2]
+    qg = q.view(b, kvh, h // kvh, d)                          # [B, KVH, G, D]
+    visible = torch.arange(length, device=q.device)[None, :] < context_lens[:, None]
+    mask = visible[:, None, None, :]                           # [B, 1, 1, L]
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    return o.reshape(b, h, d)
+
+
+def prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      block_table: torch.Tensor, start_pos: int, scale: float) -> torch.Tensor:
+    """A chunk of n query tokens at positions [start_pos, start_pos + n). q: [n, H, D]."""
+    n, h, d = q.shape
+    kvh = key_cache.shape[2]
+    ctx = start_pos + n
+    bs = key_cache.shape[1]
+    nb = (ctx + bs - 1) // bs
+    k = gather_context(key_cache, block_table[:nb])[:ctx].transpose(0, 1)  # [KVH, ctx, D]
+    v = gather_context(value_cache, block_table[:nb])[:ctx].transpose(0, 1)
+    qh = q.transpose(0, 1).unsqueeze(0)                        # [1, H, n, D]
+    if start_pos == 0:
+        # Plain causal prefill: the fused kernel's top-left causal mask is exactly right.
+        o = F.scaled_dot_product_attention(qh, k.unsqueeze(0), v.unsqueeze(0), is_causal=True,
+                                           scale=scale, enable_gqa=h != kvh)
+    else:
+        # Query i sits at position start_pos + i and sees keys 0..start_pos + i.
+        qpos = torch.arange(start_pos, ctx, device=q.device)
+        mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]   # [n, ctx]
+        o = F.scaled_dot_product_attention(qh, k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
+                                           scale=scale, enable_gqa=h != kvh)
+    return o[0].transpose(0, 1)                                # [n, H, D]

@@ -1,0 +1,34 @@
+"""Per-step attention metadata, passed explicitly through the forward (no global context).
+
+A batch is a flat run of tokens: first one token per decoding sequence, then the prefill
+chunks. Decodes are attended together in one batched call; each prefill chunk (which may
+start mid-prompt, after earlier chunks or cached blocks) is attended on its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass
+class PrefillSegment:
+    query_start: int          # index of the chunk's first token in the flat batch
+    query_len: int            # tokens in this chunk
+    start_pos: int            # position of the chunk's first token in its sequence
+    block_table: torch.Tensor  # [num_blocks] int64, blocks holding positions [0, start_pos + query_len)
+
+    @property
+    def context_len(self) -> int:
+        return self.start_pos + self.query_len
+
+
+@dataclasses.dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor        # [num_tokens] int64: cache slot each new token's K/V goes to (-1: skip)
+    num_decodes: int                  # the first num_decodes tokens are single-token decodes
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64, padded with 0
+    decode_context_lens: torch.Tensor  # [num_decodes] int64, including the token being decoded
+    decode_max_context: int
+    prefills: list[PrefillSegment]

@@ -1,0 +1,98 @@
+"""The Llama-family decoder (Llama 2/3, Mistral-style, SmolLM, Qwen2 with qkv bias).
+
+Our own forward over a paged KV cache. q/k/v and gate/up projections are fused into one
+matmul each (the loader concatenates the checkpoint's weights once). The model is built on
+the meta device; the loader assigns real tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenloom.kernels.attention import paged_attention
+from tokenloom.kernels.forward_context import AttentionMetadata
+from tokenloom.kernels.kv_store import KVCache, store_kv
+from tokenloom.kernels.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from tokenloom.kernels.model_spec import ModelSpec
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.num_heads = spec.num_heads
+        self.num_kv_heads = spec.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.q_size, self.kv_size = spec.q_size, spec.kv_size
+        self.scale = spec.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=spec.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                key_cache: torch.Tensor, value_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)                                          # [T, q + 2kv]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = rope(positions, q, k)
+        store_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+        o = paged_attention(q, key_cache, value_cache, meta, self.scale)  # [T, H, D]
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.self_attn = Attention(spec)
+        self.mlp = MLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.rope: RotaryEmbedding | None = None  # built by init_rope() on the real device
+
+    def init_rope(self, max_positions: int, device: torch.device, dtype: torch.dtype) -> None:
+        self.rope = RotaryEmbedding(self.spec.rope, self.spec.head_dim, max_positions, dtype).to(device)
+
+    def tie_weights(self) -> None:
+        if self.spec.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCache,
+                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T] -> logits [len(logits_indices), vocab] (fp32).
+
+        Only the rows that will be sampled go through the LM head: for a prefill chunk
+        that is its last token, if the chunk completes the prompt.
+        """
+        h = self.embed_tokens(input_ids)                                # [T, hidden]
+        for i, layer in enumerate(self.layers):
+            a = layer.self_attn(layer.input_layernorm(h), positions, self.rope,
+                                kv.key[i], kv.value[i], meta)
+            h = h + a
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = self.norm(h[logits_indices])
+        return self.lm_head(h).float()
