@@ -81,11 +81,13 @@ def options_to_overrides(options: dict[str, Any]) -> dict[str, Any]:
 
 class LLM:
     def __init__(self, model: str = "default", *, config: EngineConfig | None = None,
-                 config_path: str | None = None, quiet: bool = False, **options: Any):
-        overrides = options_to_overrides({"model": model, **options})
+                 config_path: str | None = None, quiet: bool = False, say=None, **options: Any):
         if config is None:
+            overrides = options_to_overrides({"model": model, **options})
             config = load_config(config_path, overrides=overrides)
-        self.engine = Engine.build(config, say=(lambda *_: None) if quiet else print)
+        if say is None:
+            say = (lambda *_: None) if quiet else print
+        self.engine = Engine.build(config, say=say)
         self.tokenizer = self.engine.tokenizer
         self._loop = _new_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tokenloom-engine",

@@ -94,8 +94,7 @@ class SchedulerActor(Actor):
         req.error = error
         self.requests.pop(req.request_id, None)
         if req.request_id in self.tables:
-            self._pending_frees.append(req.request_id)  # freed at the next KV update
-            del self.tables[req.request_id]
+            self._release(req.request_id)
         if req.request_id in self._on_runner:
             self._runner_finished.append(req.request_id)
             self._on_runner.discard(req.request_id)
@@ -148,6 +147,12 @@ class SchedulerActor(Actor):
         self.num_free_blocks = grant.num_free_blocks
         return grant
 
+    def _release(self, rid: str) -> None:
+        """Queue rid's blocks for the next KV update. The update applies frees before
+        grants, so the policy may count them as free right away (its view stays exact)."""
+        self._pending_frees.append(rid)
+        self.num_free_blocks += len(self.tables.pop(rid, ()))
+
     def _held(self, rid: str) -> int:
         return len(self.tables.get(rid, ()))
 
@@ -186,8 +191,7 @@ class SchedulerActor(Actor):
             req.num_computed_tokens = 0
             req.num_preemptions += 1
             self.num_preemptions += 1
-            self._pending_frees.append(req.request_id)
-            self.tables.pop(req.request_id, None)
+            self._release(req.request_id)
             self.waiting.appendleft(req)
             self.log.info("preempted", request_id=req.request_id, tokens=req.num_tokens)
 

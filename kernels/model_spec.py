@@ -106,8 +106,14 @@ def spec_from_hf_config(cfg: Any) -> ModelSpec:
         attention_bias = True
     else:
         attention_bias = bool(getattr(cfg, "attention_bias", False))
-    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", False):
-        raise UnsupportedModelError("sliding-window attention is not supported")
+    # Qwen2 applies its window only with `use_sliding_window`; Mistral has no such switch and
+    # always applies a configured window. A window covering the whole context changes nothing.
+    window = getattr(cfg, "sliding_window", None)
+    if (window and getattr(cfg, "use_sliding_window", True)
+            and window < int(cfg.max_position_embeddings)):
+        raise UnsupportedModelError(
+            f"sliding-window attention is not supported (sliding_window={window} is shorter "
+            f"than max_position_embeddings={cfg.max_position_embeddings})")
     return ModelSpec(
         architecture=arch,
         family=family,

@@ -1,0 +1,95 @@
+"""The `tokenloom` command line.
+
+    tokenloom generate "prompt" [--chat] [--max-tokens N] [--temperature T] [--set key=value]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tokenloom.config.schema import ConfigError
+
+
+def _parse_set(items: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set expects key=value (e.g. scheduler.max_num_seqs=8), got {item!r}")
+        out[key.strip()] = _scalar(value.strip())
+    return out
+
+
+def _scalar(raw: str):
+    import tomllib
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML config file (see config/default.toml)")
+    p.add_argument("--model", help="'default' (SmolLM2-135M-Instruct) or a local HF directory")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any config key, e.g. --set scheduler.max_num_seqs=8")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenloom", description="LLM inference serving daemon")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
+    g.add_argument("prompt")
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    g.add_argument("--system", help="system message (with --chat)")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int)
+    _common(g)
+    return parser
+
+
+def cmd_generate(args) -> int:
+    from tokenloom.actors.llm import LLM
+    from tokenloom.actors.sampling_params import SamplingParams
+    from tokenloom.config.load import load_config
+
+    overrides = _parse_set(args.set)
+    if args.model:
+        overrides["model.model"] = args.model
+    config = load_config(args.config, overrides=overrides)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    llm = LLM(config=config, say=lambda m: print(m, file=sys.stderr))
+    try:
+        if args.chat:
+            messages = ([{"role": "system", "content": args.system}] if args.system else [])
+            messages.append({"role": "user", "content": args.prompt})
+            stream = llm.stream(messages=messages, sampling_params=params)
+        else:
+            stream = llm.stream(args.prompt, sampling_params=params)
+        for delta in stream:
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+    finally:
+        llm.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+    except (ConfigError, ValueError) as e:
+        print(f"tokenloom: {e}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

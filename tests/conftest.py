@@ -1,0 +1,23 @@
+"""Shared fixtures. The default model is converted once per machine into the user cache
+(or $TOKENLOOM_TEST_CACHE), exactly as `make serve` would."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+
+def test_cache_dir() -> Path:
+    env = os.environ.get("TOKENLOOM_TEST_CACHE")
+    if env:
+        return Path(env)
+    from tokenloom.config.schema import ModelConfig, resolve_cache_dir
+    return resolve_cache_dir(ModelConfig())
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    from tokenloom.kernels.loader import resolve_model_dir
+    return resolve_model_dir("default", test_cache_dir(), log=lambda *_: None)
