@@ -12,6 +12,7 @@ import dataclasses
 import torch
 
 from tokenloom.actors.messages import ExecuteBatch
+from tokenloom.kernels.attention import decode_mask
 from tokenloom.kernels.forward_context import AttentionMetadata, PrefillSegment
 
 
@@ -77,13 +78,16 @@ def build_batch_inputs(batch: ExecuteBatch, block_size: int, device: torch.devic
             logits_indices.append(t - 1)
             sample_ids.append(s.request_id)
 
+    max_ctx = max(dec_lens, default=0)
     meta = AttentionMetadata(
         slot_mapping=torch.cat(slot_parts).to(device),
         num_decodes=nd,
         decode_block_tables=decode_tables,
         decode_context_lens=decode_lens,
-        decode_max_context=max(dec_lens, default=0),
+        decode_max_context=max_ctx,
         prefills=segments,
+        # Built once per step, shared by every layer.
+        decode_mask=decode_mask(decode_lens, -(-max_ctx // block_size) * block_size) if nd else None,
     )
     return BatchInputs(
         input_ids=torch.tensor(ids, dtype=torch.int64, device=device),

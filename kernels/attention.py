@@ -18,17 +18,30 @@ from tokenloom.kernels.forward_context import AttentionMetadata
 
 
 def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, H, D]; caches: [num_blocks, block_size, KVH, D] -> out [T, H, D]."""
-    out = torch.empty_like(q)
+                    meta: AttentionMetadata, scale: float, key: torch.Tensor | None = None,
+                    value: torch.Tensor | None = None, decode_fn=None) -> torch.Tensor:
+    """q: [T, H, D]; caches: [num_blocks, block_size, KVH, D] -> out [T, H, D].
+
+    `key`/`value` ([T, KVH, D], already stored in the cache) are an optional shortcut: a
+    chunk that starts at position 0 attends to them directly instead of re-reading them
+    through its block table. Results are identical either way.
+    """
+    if not meta.prefills:
+        return decode_attention(q, key_cache, value_cache, meta.decode_block_tables,
+                                meta.decode_context_lens, meta.decode_max_context, scale,
+                                meta.decode_mask)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if meta.num_decodes:
         out[: meta.num_decodes] = decode_attention(
-            q[: meta.num_decodes], key_cache, value_cache,
-            meta.decode_block_tables, meta.decode_context_lens, meta.decode_max_context, scale)
+            q[: meta.num_decodes], key_cache, value_cache, meta.decode_block_tables,
+            meta.decode_context_lens, meta.decode_max_context, scale, meta.decode_mask)
     for seg in meta.prefills:
         rows = slice(seg.query_start, seg.query_start + seg.query_len)
+        local = None
+        if seg.start_pos == 0 and key is not None:
+            local = (key[rows], value[rows])
         out[rows] = prefill_attention(q[rows], key_cache, value_cache, seg.block_table,
-                                      seg.start_pos, scale)
+                                      seg.start_pos, scale, local)
     return out
 
 
@@ -42,8 +55,11 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tens
 
 def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor,
-                     max_context: int, scale: float) -> torch.Tensor:
-    """One query token per sequence. q: [B, H, D] -> [B, H, D]."""
+                     max_context: int, scale: float,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
+    """One query token per sequence. q: [B, H, D] -> [B, H, D].
+
+    `mask` [B, 1, 1, nb * block_size] (key visible) may be precomputed once per step."""
     b, h, d = q.shape
     kvh = key_cache.shape[2]
     bs = key_cache.shape[1]
@@ -51,24 +67,35 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     tables = block_tables[:, :nb]
     k = gather_context(key_cache, tables).transpose(1, 2)    # [B, KVH, L, D]
     v = gather_context(value_cache, tables).transpose(1, 2)
-    length = k.shape[2]
-    qg = q.view(b, kvh, h // kvh, d)                          # [B, KVH, G, D]
-    visible = torch.arange(length, device=q.device)[None, :] < context_lens[:, None]
-    mask = visible[:, None, None, :]                           # [B, 1, 1, L]
+    qg = q.reshape(b, kvh, h // kvh, d)                       # [B, KVH, G, D]
+    if mask is None:
+        mask = decode_mask(context_lens, nb * bs)
     o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
     return o.reshape(b, h, d)
 
 
+def decode_mask(context_lens: torch.Tensor, length: int) -> torch.Tensor:
+    """[B] context lengths -> [B, 1, 1, length] bool, True where the key is visible."""
+    visible = torch.arange(length, device=context_lens.device)[None, :] < context_lens[:, None]
+    return visible[:, None, None, :]
+
+
 def prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      block_table: torch.Tensor, start_pos: int, scale: float) -> torch.Tensor:
-    """A chunk of n query tokens at positions [start_pos, start_pos + n). q: [n, H, D]."""
+                      block_table: torch.Tensor, start_pos: int, scale: float,
+                      local: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """A chunk of n query tokens at positions [start_pos, start_pos + n). q: [n, H, D].
+
+    `local`: the chunk's own (key, value) [n, KVH, D], usable when start_pos == 0."""
     n, h, d = q.shape
     kvh = key_cache.shape[2]
     ctx = start_pos + n
     bs = key_cache.shape[1]
     nb = (ctx + bs - 1) // bs
-    k = gather_context(key_cache, block_table[:nb])[:ctx].transpose(0, 1)  # [KVH, ctx, D]
-    v = gather_context(value_cache, block_table[:nb])[:ctx].transpose(0, 1)
+    if local is not None and start_pos == 0:
+        k, v = local[0].transpose(0, 1), local[1].transpose(0, 1)              # [KVH, n, D]
+    else:
+        k = gather_context(key_cache, block_table[:nb])[:ctx].transpose(0, 1)  # [KVH, ctx, D]
+        v = gather_context(value_cache, block_table[:nb])[:ctx].transpose(0, 1)
     qh = q.transpose(0, 1).unsqueeze(0)                        # [1, H, n, D]
     if start_pos == 0:
         # Plain causal prefill: the fused kernel's top-left causal mask is exactly right.

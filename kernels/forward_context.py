@@ -32,3 +32,4 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor  # [num_decodes] int64, including the token being decoded
     decode_max_context: int
     prefills: list[PrefillSegment]
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks*block_size] bool

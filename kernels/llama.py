@@ -13,7 +13,7 @@ from torch import nn
 from tokenloom.kernels.attention import paged_attention
 from tokenloom.kernels.forward_context import AttentionMetadata
 from tokenloom.kernels.kv_store import KVCache, store_kv
-from tokenloom.kernels.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from tokenloom.kernels.layers import RMSNorm, RotaryEmbedding, apply_rope, silu_and_mul
 from tokenloom.kernels.model_spec import ModelSpec
 
 
@@ -28,19 +28,21 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=spec.attention_bias)
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
+        self.decode_fn = None  # None: torch reference; see LlamaForCausalLM.set_decode_kernel
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)                                          # [T, q + 2kv]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+        # Rotate q and k heads in one go: [T, H + KVH, D].
+        qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, h + kvh, d), cos, sin)
+        q, k = qk[:, :h], qk[:, h:]
+        v = qkv[:, self.q_size + self.kv_size:].view(t, kvh, d)
         store_kv(k, v, key_cache, value_cache, meta.slot_mapping)
-        o = paged_attention(q, key_cache, value_cache, meta, self.scale)  # [T, H, D]
+        o = paged_attention(q, key_cache, value_cache, meta, self.scale, k, v,
+                            self.decode_fn)                     # [T, H, D]
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -76,6 +78,11 @@ class LlamaForCausalLM(nn.Module):
     def init_rope(self, max_positions: int, device: torch.device, dtype: torch.dtype) -> None:
         self.rope = RotaryEmbedding(self.spec.rope, self.spec.head_dim, max_positions, dtype).to(device)
 
+    def set_decode_kernel(self, decode_fn) -> None:
+        """Route decode attention through `decode_fn` (same contract as decode_attention)."""
+        for layer in self.layers:
+            layer.self_attn.decode_fn = decode_fn
+
     def tie_weights(self) -> None:
         if self.spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -89,10 +96,10 @@ class LlamaForCausalLM(nn.Module):
         that is its last token, if the chunk completes the prompt.
         """
         h = self.embed_tokens(input_ids)                                # [T, hidden]
+        cos, sin = self.rope.lookup(positions)                          # [T, 1, D] each
         for i, layer in enumerate(self.layers):
-            a = layer.self_attn(layer.input_layernorm(h), positions, self.rope,
-                                kv.key[i], kv.value[i], meta)
-            h = h + a
+            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin,
+                                    kv.key[i], kv.value[i], meta)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         h = self.norm(h[logits_indices])
         return self.lm_head(h).float()

@@ -1,0 +1,101 @@
+// Paged-attention decode for the CPU: one query token per sequence, keys and values read
+// straight from the block pool through each sequence's block table (no gathered copy).
+//
+// Work item = (sequence, kv head); its G = heads / kv_heads query heads are processed
+// together so every key/value row is loaded once. Two passes over the context: scores
+// (q . k) then the weighted sum of values; softmax in fp32 in between.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+template <typename T>
+static inline float to_f(T x) { return static_cast<float>(x); }
+
+template <typename T>
+static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* tables,
+                          const int64_t* lens, T* out, int64_t B, int64_t H, int64_t KVH,
+                          int64_t D, int64_t BS, int64_t max_blocks, int64_t blk_stride,
+                          int64_t row_stride, float scale) {
+  const int64_t G = H / KVH;
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), acc(G * D), scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / KVH, kh = item % KVH;
+      const int64_t ctx = lens[b];
+      const int64_t* table = tables + b * max_blocks;
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d)
+          qf[g * D + d] = to_f(q[(b * H + kh * G + g) * D + d]) * scale;
+      scores.assign(G * ctx, 0.f);
+      // Pass 1: scores[g, t] = q_g . k_t
+      for (int64_t t = 0; t < ctx; ++t) {
+        const T* k = kc + table[t / BS] * blk_stride + (t % BS) * row_stride + kh * D;
+        float kf[256];
+        for (int64_t d = 0; d < D; ++d) kf[d] = to_f(k[d]);
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = &qf[g * D];
+          float s = 0.f;
+          for (int64_t d = 0; d < D; ++d) s += qg[d] * kf[d];
+          scores[g * ctx + t] = s;
+        }
+      }
+      // Softmax per query head (fp32).
+      for (int64_t g = 0; g < G; ++g) {
+        float* s = &scores[g * ctx];
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < ctx; ++t) m = s[t] > m ? s[t] : m;
+        float sum = 0.f;
+        for (int64_t t = 0; t < ctx; ++t) { s[t] = std::exp(s[t] - m); sum += s[t]; }
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < ctx; ++t) s[t] *= inv;
+      }
+      // Pass 2: acc[g] = sum_t p[g, t] * v_t
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < ctx; ++t) {
+        const T* v = vc + table[t / BS] * blk_stride + (t % BS) * row_stride + kh * D;
+        float vf[256];
+        for (int64_t d = 0; d < D; ++d) vf[d] = to_f(v[d]);
+        for (int64_t g = 0; g < G; ++g) {
+          const float p = scores[g * ctx + t];
+          float* a = &acc[g * D];
+          for (int64_t d = 0; d < D; ++d) a[d] += p * vf[d];
+        }
+      }
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d)
+          out[(b * H + kh * G + g) * D + d] = static_cast<T>(acc[g * D + d]);
+    }
+  });
+}
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
+                           torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3, "q must be [B, H, D]");
+  TORCH_CHECK(key_cache.dim() == 4, "key_cache must be [num_blocks, block_size, kv_heads, D]");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && context_lens.scalar_type() == torch::kInt64,
+              "block_tables and context_lens must be int64");
+  q = q.contiguous();
+  block_tables = block_tables.contiguous();
+  context_lens = context_lens.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t BS = key_cache.size(1), KVH = key_cache.size(2);
+  TORCH_CHECK(D <= 256, "head_dim must be <= 256");
+  TORCH_CHECK(H % KVH == 0, "heads must be a multiple of kv_heads");
+  auto out = torch::empty_like(q);
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t blk_stride = BS * KVH * D, row_stride = KVH * D;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+    decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(),
+                            value_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int64_t>(),
+                            context_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), B, H, KVH,
+                            D, BS, max_blocks, blk_stride, row_stride, static_cast<float>(scale));
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged-attention decode over the block pool (CPU)");
+}
