@@ -30,5 +30,10 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/offline.py
 
+# On a GPU host: needs only that machine's torch + triton (no venv, no network, no install).
+GPU_PY  ?= python3
+gpu-check:
+	$(GPU_PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+
 clean:
 	rm -rf $(VENV) build *.egg-info

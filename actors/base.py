@@ -26,7 +26,8 @@ class Actor:
 
     def __init__(self) -> None:
         self.inbox: asyncio.Queue = asyncio.Queue()
-        self.log = structlog.get_logger(f"tokenloom.{self.name}")
+        # Every line names its actor; lines about a request also carry request_id.
+        self.log = structlog.get_logger(f"tokenloom.{self.name}").bind(actor=self.name)
 
     def send(self, msg: Any) -> None:
         self.inbox.put_nowait(msg)

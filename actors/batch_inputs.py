@@ -8,12 +8,15 @@ complete their sequence's known tokens and therefore get a sampled token.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 
-from tokenloom.actors.messages import ExecuteBatch
 from tokenloom.kernels.attention import decode_mask
 from tokenloom.kernels.forward_context import AttentionMetadata, PrefillSegment
+
+if TYPE_CHECKING:  # torch-only at run time: the GPU check imports this without msgspec
+    from tokenloom.actors.messages import ExecuteBatch
 
 
 @dataclasses.dataclass

@@ -20,9 +20,11 @@ import torch
 from tokenloom.actors.base import Control
 from tokenloom.actors.kv_actor import KVManagerActor
 from tokenloom.actors.kv_manager import KVCacheManager
-from tokenloom.actors.messages import AbortRequest, GenerateRequest, RequestOutput, Shutdown
+from tokenloom.actors.messages import (AbortRequest, GenerateRequest, RequestFinished,
+                                       RequestOutput, Shutdown)
 from tokenloom.actors.model_runner import ModelRunner
 from tokenloom.actors.policy import PolicyLimits
+from tokenloom.actors.router import RouterActor
 from tokenloom.actors.runner import RunnerActor
 from tokenloom.actors.scheduler import SchedulerActor
 from tokenloom.actors.streams import StreamRegistry
@@ -46,6 +48,7 @@ class RuntimeInfo:
     block_size: int
     kv_bytes_per_token: int
     max_model_len: int
+    attention_backend: str = "torch"
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -80,6 +83,8 @@ def size_kv_pool(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype,
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         budget = int(free * cfg.cache.gpu_memory_utilization)
+        if not cfg.graphs.enforce_eager:
+            budget -= cfg.graphs.memory_budget_bytes  # held back for CUDA graph capture
     else:
         budget = cfg.cache.kv_cache_memory_bytes
     num_blocks = budget // per_block
@@ -89,10 +94,61 @@ def size_kv_pool(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype,
     return num_blocks, per_token
 
 
+def select_decode_backend(model, wanted: str, device: torch.device, say,
+                          max_model_len: int = 0) -> str:
+    """Pick the decode-attention implementation; falls back to the torch reference with a
+    stated reason when the wanted kernel is unavailable."""
+    if device.type == "cuda":
+        return _select_cuda_backend(model, wanted, max_model_len, say)
+    if wanted == "triton":
+        raise ConfigError("model.attention_backend 'triton' needs model.device cuda "
+                          "(on CPU: auto, torch or cpu_kernel)", key="model.attention_backend")
+    if wanted == "torch" or (wanted == "auto" and device.type != "cpu"):
+        return "torch"
+    if device.type != "cpu":
+        raise ConfigError("config error: model.attention_backend 'cpu_kernel' needs model.device cpu")
+    from tokenloom.kernels.cpu_attention import (cpu_kernel_status, load_cpu_decode_kernel,
+                                                 paged_decode_cpu)
+    if load_cpu_decode_kernel() is None:
+        say(f"decode attention: torch reference (C++ kernel unavailable: {cpu_kernel_status()})")
+        return "torch"
+    model.set_decode_kernel(paged_decode_cpu)
+    return "cpu_kernel"
+
+
+def _select_cuda_backend(model, wanted: str, max_model_len: int, say) -> str:
+    """On CUDA: Triton paged decode (auto/triton), else the torch reference. The Triton KV
+    store (skips padded slots without a host sync, which CUDA graphs need) is used whenever
+    Triton works, whatever the attention backend."""
+    if wanted == "cpu_kernel":
+        raise ConfigError("model.attention_backend 'cpu_kernel' needs model.device cpu",
+                          key="model.attention_backend")
+    reason = None
+    head_dim = model.spec.head_dim
+    try:
+        from tokenloom.kernels.triton_attention import (make_decode_kernel, smoke_test,
+                                                        store_kv_triton)
+    except Exception as e:  # triton missing or broken: the reference still works
+        reason = f"{type(e).__name__}: {e}"
+    if reason is None and torch.cuda.is_available():
+        reason = smoke_test("cuda")
+    if reason is None:
+        model.set_kv_store_kernel(store_kv_triton)
+        if head_dim < 16 or head_dim & (head_dim - 1):
+            reason = f"head dim {head_dim} is not a power of two >= 16"
+    if wanted == "torch":
+        return "torch"
+    if reason is not None:
+        say(f"decode attention: torch reference (Triton kernel unavailable: {reason})")
+        return "torch"
+    model.set_decode_kernel(make_decode_kernel(max_model_len or model.spec.max_position_embeddings))
+    return "triton"
+
+
 class Engine:
     """Owns the actors. Build with `Engine.build(config)`, then `await engine.run()`."""
 
-    def __init__(self, config: EngineConfig, info: RuntimeInfo, model, tokenizer):
+    def __init__(self, config: EngineConfig, info: RuntimeInfo, model, tokenizer, say=print):
         self.config = config
         self.info = info
         self.tokenizer = tokenizer
@@ -106,17 +162,33 @@ class Engine:
         kv = KVCache.allocate(info.spec.num_layers, info.num_blocks, info.block_size,
                               info.spec.num_kv_heads, info.spec.head_dim, info.dtype, info.device)
         self.tokenizer_actor = TokenizerActor(tokenizer, info.max_model_len, self.streams.emit)
-        self.scheduler = SchedulerActor(limits, eos, info.max_model_len, self.streams.emit)
+        self.router = RouterActor(sc.max_num_seqs, sc.max_waiting, self.streams.emit)
+        self.scheduler = SchedulerActor(limits, eos, info.max_model_len, self._emit_scheduled)
         self.kv_manager = KVManagerActor(KVCacheManager(info.num_blocks, info.block_size))
-        self.runner = RunnerActor(ModelRunner(model, kv, info.device, eos))
-        # Wiring: tokenizer -> scheduler <-> {KV manager, runner}.
-        self.tokenizer_actor.next_inbox = self.scheduler.inbox
+        from tokenloom.graphs.setup import build_decode_graphs
+        dispatcher, graphs = build_decode_graphs(
+            config.graphs, model, kv, max_num_seqs=sc.max_num_seqs,
+            max_model_len=info.max_model_len, device=info.device, say=say)
+        self.runner = RunnerActor(ModelRunner(model, kv, info.device, eos, graphs, dispatcher))
+        # Wiring: tokenizer -> router -> scheduler <-> {KV manager, runner}.
+        self.tokenizer_actor.next_inbox = self.router.inbox
+        self.router.next_inbox = self.scheduler.inbox
         self.scheduler.kv_inbox = self.kv_manager.inbox
         self.scheduler.runner_inbox = self.runner.inbox
         self.kv_manager.scheduler_inbox = self.scheduler.inbox
         self.runner.scheduler_inbox = self.scheduler.inbox
         self._ids = itertools.count()
         self.loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def actors(self) -> tuple:
+        return (self.tokenizer_actor, self.router, self.scheduler, self.kv_manager, self.runner)
+
+    def _emit_scheduled(self, out: RequestOutput) -> None:
+        """Outputs of admitted requests: to their stream; a finish also tells the router."""
+        self.streams.emit(out)
+        if out.finished:
+            self.router.send(RequestFinished(request_id=out.request_id))
 
     @classmethod
     def build(cls, config: EngineConfig, say=print) -> "Engine":
@@ -131,6 +203,8 @@ class Engine:
         spec = load_spec(model_dir)
         max_len = config.model.max_model_len or spec.max_position_embeddings
         model, spec = load_model(model_dir, dtype, device, max_positions=max_len)
+        backend = select_decode_backend(model, config.model.attention_backend, device, say,
+                                        max_model_len=max_len)
         num_blocks, per_token = size_kv_pool(config, spec, dtype, device)
         capacity = num_blocks * config.cache.block_size
         if capacity < max_len:
@@ -141,36 +215,54 @@ class Engine:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         info = RuntimeInfo(model_dir=model_dir, spec=spec, device=device, dtype=dtype,
                            num_blocks=num_blocks, block_size=config.cache.block_size,
-                           kv_bytes_per_token=per_token, max_model_len=max_len)
+                           kv_bytes_per_token=per_token, max_model_len=max_len,
+                           attention_backend=backend)
         say(f"model {spec.architecture} from {model_dir} ({str(dtype).removeprefix('torch.')}, "
             f"{device}) loaded in {time.perf_counter() - t0:.1f}s")
         say(f"KV cache: {num_blocks} blocks x {info.block_size} tokens = {capacity} tokens, "
             f"{per_token} bytes/token ({spec.num_layers} layers x 2 x {spec.num_kv_heads} kv heads "
             f"x {spec.head_dim} head dim x {torch.tensor([], dtype=dtype).element_size()} bytes), "
             f"{num_blocks * per_token * info.block_size / 2**20:.0f} MiB")
-        return cls(config, info, model, tokenizer)
+        return cls(config, info, model, tokenizer, say=say)
 
     # -- running -------------------------------------------------------------------------
     async def run(self) -> None:
         self.loop = asyncio.get_running_loop()
         async with asyncio.TaskGroup() as tg:
-            for actor in (self.tokenizer_actor, self.scheduler, self.kv_manager, self.runner):
-                tg.create_task(actor.run(), name=actor.name)
+            for actor in self.actors:
+                task = tg.create_task(actor.run(), name=actor.name)
+                if actor is self.scheduler:
+                    task.add_done_callback(lambda _: self._stop_back_end())
 
     def shutdown(self) -> None:
-        for actor in (self.tokenizer_actor, self.scheduler, self.kv_manager, self.runner):
+        """Stop front to back. The KV manager and runner serve only the scheduler, which may
+        be mid-step (waiting for a grant or a step output): they stop once it has stopped,
+        or it would wait forever for a reply."""
+        for actor in (self.tokenizer_actor, self.router, self.scheduler):
+            actor.send(Shutdown())
+
+    def _stop_back_end(self) -> None:
+        for actor in (self.kv_manager, self.runner):
             actor.send(Shutdown())
 
     # -- the one way in ------------------------------------------------------------------
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        """Submit and stream outputs; leaving the iterator early aborts the request."""
-        queue = self.streams.open(request.request_id)
+    def submit(self, request: GenerateRequest,
+               queue: asyncio.Queue[RequestOutput] | None = None) -> asyncio.Queue[RequestOutput]:
+        """Submit; outputs go to the returned queue (`queue` if given: it may be shared by
+        several requests). The stream closes itself on the finished output; a caller that
+        stops listening before that must `abort(request_id)` and `streams.close(request_id)`."""
+        queue = self.streams.open(request.request_id, queue)
         if not request.arrival_time:
             request.arrival_time = time.monotonic()
         self.tokenizer_actor.send(request)
+        return queue
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """Submit and stream outputs; leaving the iterator early aborts the request."""
+        queue = self.submit(request)
         finished = False
         try:
             while True:
@@ -185,12 +277,12 @@ class Engine:
             self.streams.close(request.request_id)
 
     def abort(self, request_id: str) -> None:
-        # Through the tokenizer, so an abort can never overtake its own request.
+        # Through the tokenizer and router, so an abort can never overtake its own request.
         self.tokenizer_actor.send(AbortRequest(request_id=request_id))
 
     async def query(self, actor: str, op: str):
-        target = {"scheduler": self.scheduler, "kv_manager": self.kv_manager,
-                  "runner": self.runner}[actor]
+        target = {"router": self.router, "scheduler": self.scheduler,
+                  "kv_manager": self.kv_manager, "runner": self.runner}[actor]
         reply = asyncio.get_running_loop().create_future()
         target.send(Control(op=op, reply=reply))
         return await reply

@@ -9,17 +9,23 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import logging
+import queue
+import sys
 import threading
 from typing import Any, Iterator, Sequence
+
+import structlog
 
 from tokenloom.actors.detokenizer import IncrementalDetokenizer
 from tokenloom.actors.engine import Engine
 from tokenloom.actors.messages import GenerateRequest, RequestOutput, TokenLogprob
 from tokenloom.actors.sampling_params import SamplingParams
 from tokenloom.config.load import load_config
-from tokenloom.config.schema import ConfigError, EngineConfig, field_types, CacheConfig, ModelConfig, SchedulerConfig
+from tokenloom.config.schema import ConfigError, EngineConfig, field_types, CacheConfig, ModelConfig, SchedulerConfig, GraphsConfig
 
-_SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+_SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+             "graphs": GraphsConfig}
 
 
 @dataclasses.dataclass
@@ -87,6 +93,11 @@ class LLM:
             config = load_config(config_path, overrides=overrides)
         if say is None:
             say = (lambda *_: None) if quiet else print
+        if not structlog.is_configured():
+            # A library must not spray debug lines on stdout: warnings and up, to stderr.
+            structlog.configure(
+                wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+                logger_factory=structlog.PrintLoggerFactory(sys.stderr))
         self.engine = Engine.build(config, say=say)
         self.tokenizer = self.engine.tokenizer
         self._loop = _new_loop()
@@ -113,9 +124,7 @@ class LLM:
                messages: list[dict] | None = None) -> Iterator[str]:
         """Yield text deltas of one completion as they are generated."""
         params = sampling_params or SamplingParams()
-        q: "asyncio.Queue[str | None]"
-        import queue as _queue
-        q = _queue.Queue()
+        q: queue.Queue[str | None] = queue.Queue()  # engine thread -> caller thread
 
         async def produce():
             try:
@@ -140,6 +149,20 @@ class LLM:
         problem = self.query("kv_manager", "integrity")
         if problem is not None:
             raise AssertionError(problem)
+
+    def wait_for_idle(self, timeout: float = 10.0) -> dict:
+        """Block until no request is queued or running and every block is back in the pool
+        (frees land at the scheduler's next KV update, an iteration after the final output).
+        Returns the KV stats; raises TimeoutError if that does not happen in `timeout`."""
+        import time
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.kv_stats()
+            if stats["used"] == 0 and self.query("scheduler", "idle"):
+                return stats
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engine not idle after {timeout}s: {stats}")
+            time.sleep(0.01)
 
     def kv_stats(self) -> dict:
         return self.query("kv_manager", "stats")
@@ -216,6 +239,8 @@ class LLM:
             num_prompt = out.num_prompt_tokens or num_prompt
             if detok is None:
                 detok = IncrementalDetokenizer(self.tokenizer, [], stop=params.stop)
+            if finish_reason is not None:
+                continue  # stopped by a stop string: drain until the aborted final output
             token_ids.extend(out.new_token_ids)
             if logprobs is not None and out.new_logprobs:
                 logprobs.extend(out.new_logprobs)
@@ -224,9 +249,10 @@ class LLM:
                 delta += detok.finish() if detok.stopped is None else ""
             if delta and on_delta is not None:
                 on_delta(delta)
-            if detok.stopped is not None:
+            if detok.stopped is not None and finish_reason is None:
+                # Abort, but keep reading: the final output carries the timings.
                 finish_reason = "stop"
-                break  # leaving the stream aborts the request and frees its blocks
+                self.engine.abort(rid)
         if finish_reason is None and last is not None:
             finish_reason = last.finish_reason
         timings = _timings(last.timings) if last is not None and last.timings else None

@@ -24,6 +24,9 @@ class GenerateRequest(_Msg):
     prompt_token_ids: list[int] | None = None
     messages: list[dict] | None = None
     arrival_time: float = 0.0
+    # True when the client left max_tokens unset: the tokenizer lowers max_tokens (and
+    # min_tokens) to whatever the context window leaves after the prompt.
+    fit_max_tokens: bool = False
 
 
 class AddRequest(_Msg):
@@ -34,6 +37,12 @@ class AddRequest(_Msg):
 
 
 class AbortRequest(_Msg):
+    request_id: str
+
+
+# -- scheduler/tokenizer -> router (via the engine's emit) -------------------------------
+class RequestFinished(_Msg):
+    """A request the router forwarded has ended (any reason); it no longer counts as queued."""
     request_id: str
 
 
@@ -54,6 +63,12 @@ class RequestTimings(_Msg):
     num_preemptions: int = 0
 
 
+# What kind of failure a finished-with-error output reports; the HTTP layer maps it to a status.
+ERROR_INVALID = "invalid_request"   # the request itself is bad (400)
+ERROR_OVERLOADED = "overloaded"     # the waiting queue is full (429, retry later)
+ERROR_INTERNAL = "internal"         # the engine failed or shut down (500/503)
+
+
 class RequestOutput(_Msg):
     request_id: str
     new_token_ids: list[int]
@@ -62,6 +77,8 @@ class RequestOutput(_Msg):
     finished: bool = False
     finish_reason: str | None = None     # "stop" | "length" | "abort" | "error"
     error: str | None = None
+    error_kind: str | None = None          # ERROR_* when finish_reason is "error"
+    error_param: str | None = None         # the request field at fault, if one is
     timings: RequestTimings | None = None  # sent with the final output
 
 

@@ -1,5 +1,9 @@
 """Executes scheduled batches: builds inputs, runs the forward, samples.
 
+Graph or eager is decided per step by the dispatcher (graphs/dispatch.py), the one place
+that decides it: decode-only batches up to the largest bucket replay a captured CUDA graph
+over static buffers; everything else (and everything on CPU) runs the eager forward.
+
 Synchronous and single-threaded by contract: the runner actor calls `execute` from its one
 dedicated compute thread. Keeps the little per-request state the sampler needs (params,
 RNG, token history), mirrored from the scheduler's messages.
@@ -13,6 +17,8 @@ import time
 import torch
 
 from tokenloom.actors.batch_inputs import build_batch_inputs
+from tokenloom.graphs.capture import DecodeGraphs
+from tokenloom.graphs.dispatch import GRAPH, Dispatcher
 from tokenloom.actors.messages import (ExecuteBatch, NewSequence, SampledToken, StepOutput,
                                        TokenLogprob)
 from tokenloom.kernels.kv_store import KVCache
@@ -28,11 +34,15 @@ class _SeqState:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv: KVCache, device: torch.device,
-                 eos_token_ids: tuple[int, ...]):
+                 eos_token_ids: tuple[int, ...], graphs: DecodeGraphs | None = None,
+                 dispatcher: Dispatcher | None = None):
         self.model = model
         self.kv = kv
         self.device = device
         self.eos_token_ids = eos_token_ids
+        self.graphs = graphs
+        self.dispatcher = dispatcher or Dispatcher(None, "eager only")
+        assert graphs is not None or self.dispatcher.table is None, "a graph table needs graphs"
         self._seqs: dict[str, _SeqState] = {}
 
     @property
@@ -61,13 +71,11 @@ class ModelRunner:
                 self._register(s.request_id, s.new)
         if not batch.sequences:
             return StepOutput(step=batch.step, sampled=[], compute_seconds=0.0)
-        inputs = build_batch_inputs(batch, self.kv.block_size, self.device)
-        logits = self.model(inputs.input_ids, inputs.positions, self.kv, inputs.meta,
-                            inputs.logits_indices)                  # [S, vocab]
+        logits, sample_ids = self._forward(batch)                   # [S, vocab]
         sampled: list[SampledToken] = []
-        if inputs.sample_ids:
-            rows = [self._seqs[rid].row for rid in inputs.sample_ids]
-            for rid, tok in zip(inputs.sample_ids, sample(logits, rows)):
+        if sample_ids:
+            rows = [self._seqs[rid].row for rid in sample_ids]
+            for rid, tok in zip(sample_ids, sample(logits, rows)):
                 self._seqs[rid].output_token_ids.append(tok.token_id)
                 lp = None
                 if tok.logprob is not None:
@@ -79,6 +87,29 @@ class ModelRunner:
 
     def forward_logits(self, batch: ExecuteBatch) -> torch.Tensor:
         """The raw logits of a batch's sampled rows (for parity tests and debugging)."""
+        return self._forward(batch)[0].clone()
+
+    def graph_stats(self) -> dict:
+        stats = self.dispatcher.stats()
+        if self.graphs is not None:
+            stats["captured_sizes"] = list(self.graphs.sizes)
+            stats["capture_seconds"] = self.graphs.capture_seconds
+            stats["capture_bytes"] = self.graphs.capture_bytes
+        return stats
+
+    def _forward(self, batch: ExecuteBatch) -> tuple[torch.Tensor, list[str]]:
+        """Logits of the rows to sample [S, vocab] and their request ids."""
+        seqs = batch.sequences
+        num_tokens = sum(len(s.token_ids) for s in seqs)
+        decision = self.dispatcher.dispatch(len(seqs), batch.num_decodes, num_tokens)
+        if decision.mode == GRAPH:
+            logits = self.graphs.run(seqs, decision.padded_size)    # [padded, vocab], static
+            rows = [i for i, s in enumerate(seqs) if s.sample]
+            sample_ids = [seqs[i].request_id for i in rows]
+            if len(rows) == len(seqs):          # every decode samples: a view, no copy
+                return logits[: len(seqs)], sample_ids
+            return logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)], sample_ids
         inputs = build_batch_inputs(batch, self.kv.block_size, self.device)
-        return self.model(inputs.input_ids, inputs.positions, self.kv, inputs.meta,
-                          inputs.logits_indices)
+        logits = self.model(inputs.input_ids, inputs.positions, self.kv, inputs.meta,
+                            inputs.logits_indices)
+        return logits, inputs.sample_ids

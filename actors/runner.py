@@ -42,6 +42,9 @@ class RunnerActor(Actor):
                         self.scheduler_inbox.put_nowait(out)
                     case Control(op="num_tracked", reply=reply):
                         resolve(reply, self.runner.num_tracked)
+                    case Control(op="graph_stats", reply=reply):
+                        # Graph/eager step counts, padding waste, decode batch-size histogram.
+                        resolve(reply, self.runner.graph_stats())
                     case Shutdown():
                         return
         finally:

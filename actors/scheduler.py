@@ -13,9 +13,10 @@ from collections import deque
 from typing import Callable
 
 from tokenloom.actors.base import Actor, Control, resolve
-from tokenloom.actors.messages import (AbortRequest, AddRequest, ExecuteBatch, KVGrant, KVUpdate,
-                                       NewSequence, RequestOutput, RequestTimings,
-                                       ScheduledSequence, Shutdown, StepOutput)
+from tokenloom.actors.messages import (ERROR_INTERNAL, ERROR_INVALID, AbortRequest, AddRequest,
+                                       ExecuteBatch, KVGrant, KVUpdate, NewSequence,
+                                       RequestOutput, RequestTimings, ScheduledSequence, Shutdown,
+                                       StepOutput)
 from tokenloom.actors.policy import Decision, PolicyLimits, ScheduledWork, schedule
 from tokenloom.actors.request import FinishReason, Request, RequestStatus
 
@@ -68,7 +69,8 @@ class SchedulerActor(Actor):
     def _add(self, msg: AddRequest) -> None:
         if msg.request_id in self.requests:
             self.emit(RequestOutput(request_id=msg.request_id, new_token_ids=[], finished=True,
-                                    finish_reason="error", error="duplicate request id"))
+                                    finish_reason="error", error="duplicate request id",
+                                    error_kind=ERROR_INVALID))
             return
         req = Request(msg.request_id, msg.prompt_token_ids, msg.sampling_params,
                       eos_token_ids=self.eos_token_ids, arrival_time=msg.arrival_time,
@@ -88,7 +90,7 @@ class SchedulerActor(Actor):
 
     def _finish(self, req: Request, status: RequestStatus, reason: FinishReason,
                 error: str | None = None, new_tokens: list[int] | None = None,
-                new_logprobs=None) -> None:
+                new_logprobs=None, error_kind: str | None = None) -> None:
         req.transition(status)
         req.finish_reason = reason
         req.error = error
@@ -101,7 +103,8 @@ class SchedulerActor(Actor):
         self.emit(RequestOutput(
             request_id=req.request_id, new_token_ids=new_tokens or [], new_logprobs=new_logprobs,
             num_prompt_tokens=req.num_prompt_tokens, finished=True,
-            finish_reason=reason.as_openai(), error=error, timings=self._timings(req)))
+            finish_reason=reason.as_openai(), error=error, error_kind=error_kind,
+            timings=self._timings(req)))
 
     def _timings(self, req: Request) -> RequestTimings:
         return RequestTimings(arrival=req.arrival_time, first_scheduled=req.first_scheduled_time,
@@ -138,7 +141,8 @@ class SchedulerActor(Actor):
                 continue
             await self.step()
         for req in list(self.waiting) + list(self.running):
-            self._finish(req, S.CANCELLED, FinishReason.ABORT, error="engine shut down")
+            self._finish(req, S.CANCELLED, FinishReason.ABORT, error="engine shut down",
+                         error_kind=ERROR_INTERNAL)
 
     async def _kv_update(self, grants: list[tuple[str, int]]) -> KVGrant:
         self.kv_inbox.put_nowait(KVUpdate(frees=self._pending_frees, grants=grants))
@@ -162,7 +166,7 @@ class SchedulerActor(Actor):
         self._apply_preemptions(decision)
         for req, why in decision.rejected:
             self.waiting.remove(req)
-            self._finish(req, S.FINISHED, FinishReason.ERROR, error=why)
+            self._finish(req, S.FINISHED, FinishReason.ERROR, error=why, error_kind=ERROR_INVALID)
         grant = await self._kv_update(decision.grants)
         if grant.new_blocks is None:
             # Cannot happen while the scheduler's view is exact; fail loudly, not silently.
@@ -237,7 +241,8 @@ class SchedulerActor(Actor):
             for w in d.decodes + d.prefills:
                 if not w.request.is_finished:
                     self.running.remove(w.request)
-                    self._finish(w.request, S.FINISHED, FinishReason.ERROR, error=out.error)
+                    self._finish(w.request, S.FINISHED, FinishReason.ERROR, error=out.error,
+                                 error_kind=ERROR_INTERNAL)
             return
         for w in d.decodes + d.prefills:
             if not w.request.is_finished:  # an abort may have landed during the step

@@ -10,8 +10,19 @@ import asyncio
 import time
 from typing import Callable
 
+import msgspec
+
 from tokenloom.actors.base import Actor
-from tokenloom.actors.messages import AddRequest, GenerateRequest, RequestOutput, Shutdown
+from tokenloom.actors.messages import (ERROR_INVALID, AddRequest, GenerateRequest, RequestOutput,
+                                       Shutdown)
+
+
+class PromptError(ValueError):
+    """A request the tokenizer refuses; `param` names the request field at fault."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
 
 
 class TokenizerActor(Actor):
@@ -22,7 +33,7 @@ class TokenizerActor(Actor):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.emit = emit
-        self.next_inbox: asyncio.Queue | None = None  # the scheduler (later: the router)
+        self.next_inbox: asyncio.Queue | None = None  # the router
 
     def encode(self, req: GenerateRequest) -> list[int]:
         if req.prompt_token_ids is not None:
@@ -30,32 +41,52 @@ class TokenizerActor(Actor):
             vocab = len(self.tokenizer)
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
-                raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+                raise PromptError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})",
+                                  "prompt")
             return ids
         if req.messages is not None:
-            return list(self.tokenizer.apply_chat_template(
-                req.messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+            try:
+                return list(self.tokenizer.apply_chat_template(
+                    req.messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+            except Exception as e:  # no template, or the template rejects these messages
+                raise PromptError(f"cannot apply the chat template: {e}", "messages") from e
         return self.tokenizer.encode(req.prompt or "", add_special_tokens=True)
 
-    def check(self, req: GenerateRequest, ids: list[int]) -> None:
+    def check(self, req: GenerateRequest, ids: list[int]):
+        """Validate the prompt against the context window; returns the sampling params to
+        use (max_tokens lowered to fit when the request asked for that)."""
+        prompt_field = "messages" if req.messages is not None else "prompt"
+        params = req.sampling_params
         if not ids:
-            raise ValueError("prompt is empty")
-        total = len(ids) + req.sampling_params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({req.sampling_params.max_tokens}) = "
-                f"{total} exceeds the context window of {self.max_model_len} tokens")
+            raise PromptError(f"{prompt_field} is empty", prompt_field)
+        room = self.max_model_len - len(ids)
+        if req.fit_max_tokens and room >= 1 and params.max_tokens > room:
+            params = msgspec.structs.replace(params, max_tokens=room,
+                                             min_tokens=min(params.min_tokens, room))
+        if len(ids) + params.max_tokens > self.max_model_len:
+            if room < 1:
+                raise PromptError(
+                    f"{prompt_field} has {len(ids)} tokens, which leaves no room for output in "
+                    f"the context window of {self.max_model_len} tokens", prompt_field)
+            raise PromptError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = "
+                f"{len(ids) + params.max_tokens} exceeds the context window of "
+                f"{self.max_model_len} tokens", "max_tokens")
+        return params
 
     def handle(self, req: GenerateRequest) -> None:
         try:
             ids = self.encode(req)
-            self.check(req, ids)
+            params = self.check(req, ids)
         except Exception as e:  # a bad request ends only itself
+            param = e.param if isinstance(e, PromptError) else None
+            self.log.info("request rejected", request_id=req.request_id, error=str(e))
             self.emit(RequestOutput(request_id=req.request_id, new_token_ids=[], finished=True,
-                                    finish_reason="error", error=str(e)))
+                                    finish_reason="error", error=str(e), error_kind=ERROR_INVALID,
+                                    error_param=param))
             return
         self.next_inbox.put_nowait(AddRequest(
-            request_id=req.request_id, prompt_token_ids=ids, sampling_params=req.sampling_params,
+            request_id=req.request_id, prompt_token_ids=ids, sampling_params=params,
             arrival_time=req.arrival_time or time.monotonic()))
 
     async def run(self) -> None:

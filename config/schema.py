@@ -26,8 +26,10 @@ __all__ = [
     "CacheConfig",
     "ConfigError",
     "EngineConfig",
+    "GraphsConfig",
     "ModelConfig",
     "SchedulerConfig",
+    "ServerConfig",
     "check_field",
     "field_types",
     "resolve_cache_dir",
@@ -76,6 +78,8 @@ def _type_error(t: msgspec.inspect.Type, value: Any) -> str | None:
         return f"a number {_bounds(t)}".rstrip()
     if isinstance(t, msgspec.inspect.StrType) and not isinstance(value, str):
         return "a string"
+    if isinstance(t, msgspec.inspect.BoolType) and not isinstance(value, bool):
+        return "true or false"
     if isinstance(t, msgspec.inspect.StructType) and not isinstance(value, t.cls):
         return f"a {t.cls.__name__} (a table)"
     return None
@@ -139,6 +143,9 @@ class ModelConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     seed: Annotated[int, msgspec.Meta(ge=0)] = 0
     # 0 leaves torch's default thread count alone.
     num_threads: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 0
+    # Decode attention: "auto" = the C++ paged kernel on CPU (torch reference if it cannot
+    # be built), the torch reference on CUDA; "torch" forces the reference everywhere.
+    attention_backend: Literal["auto", "torch", "cpu_kernel", "triton"] = "auto"
 
 
 class CacheConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -179,12 +186,63 @@ class SchedulerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only
             )
 
 
+class ServerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The HTTP front end (`tokenloom serve`); CLI --host/--port override host and port."""
+
+    section: ClassVar[str] = "server"
+
+    host: Annotated[str, msgspec.Meta(min_length=1)] = "127.0.0.1"
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000
+    # Larger request bodies are refused with 413 before they are read.
+    max_body_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 4 * MiB
+    # Most completions one request may ask for (`n`).
+    max_n: Annotated[int, msgspec.Meta(ge=1, le=128)] = 16
+    # The model id clients send and /v1/models lists; "" derives it from model.model.
+    served_model_name: str = ""
+    # Seconds a client is told to wait (Retry-After) when the waiting queue is full.
+    retry_after_seconds: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 1
+    # On SIGTERM/SIGINT, seconds to let running requests finish before cancelling them.
+    drain_timeout_seconds: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = 30.0
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class GraphsConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """CUDA graphs for decode batches (CUDA only; the CPU always runs eager)."""
+
+    section: ClassVar[str] = "graphs"
+
+    # True: never capture; every step runs eager (debugging, or to save capture time).
+    enforce_eager: bool = False
+    # Batch sizes to capture; empty = 1, 2, 4, 8, 16, 24, 32, ... up to max_capture_size.
+    capture_sizes: list[int] = []
+    # Largest bucket; 0 = scheduler.max_num_seqs (larger decode batches run eager).
+    max_capture_size: Annotated[int, msgspec.Meta(ge=0, le=4096)] = 0
+    # A JSON file {batch_size: count} of observed decode batch sizes (the runner's
+    # `decode_batch_size_histogram` stat); when set, buckets minimise padding over it.
+    histogram_path: str = ""
+    # Most buckets derived from a histogram.
+    max_graphs: Annotated[int, msgspec.Meta(ge=1, le=512)] = 16
+    # Device memory the captured graphs may take; more falls back to eager. On CUDA this
+    # much is held back from the KV pool.
+    memory_budget_bytes: Annotated[int, msgspec.Meta(ge=0)] = 1 << 30
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        bad = [s for s in self.capture_sizes
+               if isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= 4096]
+        if bad:
+            raise ConfigError(f"graphs.capture_sizes must be integers in 1..4096, got {bad!r}",
+                              key="graphs.capture_sizes")
+
+
 class EngineConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The whole tree; sections default to their own defaults."""
 
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    server: ServerConfig = ServerConfig()
+    graphs: GraphsConfig = GraphsConfig()
 
 
 def resolve_cache_dir(

@@ -1,6 +1,9 @@
 """The `tokenloom` command line.
 
     tokenloom generate "prompt" [--chat] [--max-tokens N] [--temperature T] [--set key=value]
+    tokenloom serve [--host H] [--port P] [--config PATH] [--model M] [--set key=value]
+
+A bad config file, key or value exits with status 2 and a message naming the key.
 """
 
 from __future__ import annotations
@@ -49,7 +52,28 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int)
     _common(g)
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    s.add_argument("--host", help="address to bind (default: server.host, 127.0.0.1)")
+    s.add_argument("--port", type=int, help="TCP port (default: server.port, 8000; 0 = any free)")
+    _common(s)
     return parser
+
+
+def cmd_serve(args) -> int:
+    from tokenloom.config.load import load_config
+    from tokenloom.daemon import logs
+
+    overrides = _parse_set(args.set)
+    if args.model:
+        overrides["model.model"] = args.model
+    if args.host is not None:
+        overrides["server.host"] = args.host
+    if args.port is not None:
+        overrides["server.port"] = args.port
+    config = load_config(args.config, overrides=overrides)  # ConfigError: exit 2, before loading
+    logs.configure(config.server.log_level)
+    from tokenloom.daemon import lifecycle
+    return lifecycle.run(config, config.server.host, config.server.port)
 
 
 def cmd_generate(args) -> int:
@@ -61,6 +85,8 @@ def cmd_generate(args) -> int:
     if args.model:
         overrides["model.model"] = args.model
     config = load_config(args.config, overrides=overrides)
+    from tokenloom.daemon import logs
+    logs.configure("warning")  # stdout carries only the generated text
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     llm = LLM(config=config, say=lambda m: print(m, file=sys.stderr))
@@ -85,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return cmd_generate(args)
+        if args.command == "serve":
+            return cmd_serve(args)
     except (ConfigError, ValueError) as e:
         print(f"tokenloom: {e}", file=sys.stderr)
         return 2

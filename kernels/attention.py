@@ -26,13 +26,13 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     chunk that starts at position 0 attends to them directly instead of re-reading them
     through its block table. Results are identical either way.
     """
+    decode = decode_fn or decode_attention  # a kernel with decode_attention's contract
     if not meta.prefills:
-        return decode_attention(q, key_cache, value_cache, meta.decode_block_tables,
-                                meta.decode_context_lens, meta.decode_max_context, scale,
-                                meta.decode_mask)
+        return decode(q, key_cache, value_cache, meta.decode_block_tables,
+                      meta.decode_context_lens, meta.decode_max_context, scale, meta.decode_mask)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if meta.num_decodes:
-        out[: meta.num_decodes] = decode_attention(
+        out[: meta.num_decodes] = decode(
             q[: meta.num_decodes], key_cache, value_cache, meta.decode_block_tables,
             meta.decode_context_lens, meta.decode_max_context, scale, meta.decode_mask)
     for seg in meta.prefills:

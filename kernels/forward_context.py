@@ -33,3 +33,6 @@ class AttentionMetadata:
     decode_max_context: int
     prefills: list[PrefillSegment]
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks*block_size] bool
+    # True when slot_mapping may hold -1 (padded rows of a graph bucket): the reference
+    # store must then filter (a host sync), a store kernel skips them in place.
+    has_skip_slots: bool = False

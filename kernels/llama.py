@@ -29,6 +29,7 @@ class Attention(nn.Module):
                                   bias=spec.attention_bias)
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
         self.decode_fn = None  # None: torch reference; see LlamaForCausalLM.set_decode_kernel
+        self.store_fn = None   # None: kv_store.store_kv; see LlamaForCausalLM.set_kv_store_kernel
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -40,7 +41,10 @@ class Attention(nn.Module):
         qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, h + kvh, d), cos, sin)
         q, k = qk[:, :h], qk[:, h:]
         v = qkv[:, self.q_size + self.kv_size:].view(t, kvh, d)
-        store_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+        if self.store_fn is None:
+            store_kv(k, v, key_cache, value_cache, meta.slot_mapping, meta.has_skip_slots)
+        else:
+            self.store_fn(k, v, key_cache, value_cache, meta.slot_mapping)
         o = paged_attention(q, key_cache, value_cache, meta, self.scale, k, v,
                             self.decode_fn)                     # [T, H, D]
         return self.o_proj(o.reshape(t, self.q_size))
@@ -82,6 +86,12 @@ class LlamaForCausalLM(nn.Module):
         """Route decode attention through `decode_fn` (same contract as decode_attention)."""
         for layer in self.layers:
             layer.self_attn.decode_fn = decode_fn
+
+    def set_kv_store_kernel(self, store_fn) -> None:
+        """Route the KV store through `store_fn(key, value, key_cache, value_cache, slots)`,
+        which must skip slots < 0 without a host sync (what a captured graph needs)."""
+        for layer in self.layers:
+            layer.self_attn.store_fn = store_fn
 
     def tie_weights(self) -> None:
         if self.spec.tie_word_embeddings:

@@ -4,9 +4,13 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
+
+# Shared helpers (tinymodel, ...) are plain modules in tests/; make them importable.
+sys.path.insert(0, str(Path(__file__).parent))
 
 
 def test_cache_dir() -> Path:

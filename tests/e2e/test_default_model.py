@@ -155,3 +155,21 @@ def test_logits_match_transformers(default_model_dir, hf_model, prompt_ids):
     with torch.no_grad():
         ref_d = hf_model(torch.tensor([ids + [nxt]])).logits[0, -1]
     assert (ours_d - ref_d).abs().max().item() < 1e-3
+
+
+def test_stop_string_ends_request_with_timings(default_model_dir):
+    """A stop string cuts the text, never leaks, frees the blocks, and keeps the timings."""
+    llm = _llm(default_model_dir)
+    try:
+        full = llm.generate(PROMPTS[0], GREEDY)[0]
+        assert "\n" in full.text, "the greedy continuation must contain a newline"
+        out = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=MAX_NEW,
+                                                      stop=("\n",)))[0]
+        assert out.finish_reason == "stop"
+        assert out.text == full.text.split("\n")[0]
+        assert out.token_ids == full.token_ids[: len(out.token_ids)]
+        assert out.outputs[0].timings is not None
+        llm.wait_for_idle()  # the aborted request's blocks come back within an iteration
+        llm.check_integrity()
+    finally:
+        llm.close()

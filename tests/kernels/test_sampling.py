@@ -9,6 +9,7 @@ from tokenloom.actors.sampling_params import SamplingParams
 from tokenloom.kernels.sampling import (
     SampledToken,
     SamplingRow,
+    filter_logits,
     make_generator,
     process_logits,
     sample,
@@ -324,3 +325,184 @@ def test_logprobs_ignore_penalties():
     assert out.token_id == 1
     assert out.logprob == pytest.approx(raw[1].item())
     assert out.top_logprobs == [(0, pytest.approx(raw[0].item()))]
+
+
+# ---- fast filters against a full-sort reference -------------------------------------------
+
+INF = float("inf")
+
+
+def reference_filter(row, params):
+    """One row through temperature, min_p, top_k, top_p the straightforward way: sort it all.
+
+    top_p ranks tokens by value, ties by lower token id, and drops each token whose tail mass
+    (row total minus the float64 mass ranked above it, in float32) is <= 1 - top_p; the top
+    token always stays.
+    """
+    x = row / torch.tensor(params.temperature)
+    if params.min_p > 0:
+        probs = x.softmax(-1)
+        x = x.masked_fill(probs < torch.tensor(params.min_p) * probs.max(), -INF)
+    if 0 < params.top_k < len(x):
+        kth = x.sort(descending=True).values[params.top_k - 1]
+        x = x.masked_fill(x < kth, -INF)
+    if params.top_p < 1.0:
+        probs = x.softmax(-1)
+        total = probs.sum(dtype=torch.float64).item()
+        values, probs = x.tolist(), probs.tolist()
+        ranking = sorted(range(len(values)), key=lambda t: (-values[t], t))
+        tails, above = [], 0.0
+        for t in ranking:
+            tails.append(total - above)
+            above += probs[t]
+        keep = torch.tensor(tails, dtype=torch.float64).float() > 1 - torch.tensor(params.top_p)
+        keep[0] = True
+        dropped = torch.ones(len(values), dtype=torch.bool)
+        dropped[torch.tensor(ranking)[keep]] = False
+        x = x.masked_fill(dropped, -INF)
+    return x
+
+
+def legacy_filter(row, params):
+    """The sampler's former top_k/top_p: an ascending sort, dropping while cum <= 1 - top_p."""
+    x = (row / torch.tensor(params.temperature))[None]
+    vocab = x.shape[1]
+    if params.min_p > 0:
+        probs = x.softmax(-1)
+        x = x.masked_fill(probs < torch.tensor(params.min_p) * probs.amax(-1, True), -INF)
+    sorted_x, order = x.sort(-1)
+    if 0 < params.top_k < vocab:
+        kth = sorted_x[:, vocab - params.top_k : vocab - params.top_k + 1]
+        sorted_x = sorted_x.masked_fill(sorted_x < kth, -INF)
+    cum = sorted_x.softmax(-1).cumsum(-1)
+    drop = cum <= 1 - torch.tensor(params.top_p)
+    drop[:, -1] = False
+    sorted_x = sorted_x.masked_fill(drop, -INF)
+    return torch.empty_like(sorted_x).scatter_(1, order, sorted_x)[0]
+
+
+def logits_zoo(vocab, seed):
+    """Rows whose top_p=0.9 nuclei range from 1 token to most of the vocab, with many ties."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for sigma in (0.3, 1.0, 2.0, 4.0, 8.0):  # smooth: nuclei from thousands down to a few
+        rows.append(torch.randn(vocab, generator=g) * sigma)
+    peaked = torch.randn(vocab, generator=g) * 2
+    peaked[torch.randint(0, vocab, (20,), generator=g)] += 12
+    rows.append(peaked)
+    rows.append(torch.randint(0, 4, (vocab,), generator=g).float())  # four huge tie groups
+    rows.append(torch.randint(0, 60, (vocab,), generator=g).float() / 6)  # many tie groups
+    rows.append(torch.zeros(vocab))  # one tie group: ranking is by token id alone
+    head_tie = torch.randn(vocab, generator=g)
+    head_tie[torch.randint(0, vocab, (300,), generator=g)] = 9.0  # nucleus ends inside the tie
+    rows.append(head_tie)
+    masked = torch.randn(vocab, generator=g) * 3
+    masked[torch.randint(0, vocab, (vocab // 2,), generator=g)] = -INF  # min_tokens-style holes
+    rows.append(masked)
+    few = torch.full((vocab,), -INF)
+    few[torch.randint(0, vocab, (40,), generator=g)] = torch.randn(40, generator=g)
+    rows.append(few)  # fewer finite tokens than the first candidate round
+    return torch.stack(rows)
+
+
+FILTERS = [
+    SamplingParams(temperature=0.7),
+    SamplingParams(top_k=5),
+    SamplingParams(top_k=50, temperature=1.3),
+    SamplingParams(top_k=700),
+    SamplingParams(top_p=0.9),
+    SamplingParams(top_p=0.5, temperature=0.6),
+    SamplingParams(top_p=0.999),
+    SamplingParams(top_p=0.05),
+    SamplingParams(top_p=0.9, top_k=50),
+    SamplingParams(top_p=0.95, top_k=2000),
+    SamplingParams(min_p=0.05),
+    SamplingParams(min_p=0.2, top_p=0.8, top_k=100, temperature=1.5),
+]
+
+
+def zoo_batch(vocab, seed):
+    logits = logits_zoo(vocab, seed)
+    pairs = [(r, p) for r in range(len(logits)) for p in FILTERS]
+    return logits[[r for r, _ in pairs]], [p for _, p in pairs]
+
+
+# top_p `topk` rounds: None ships as is; () sends every row to the histogram bound.
+@pytest.mark.parametrize("candidates", [None, (2, 8, 32), (1000,), ()])
+@pytest.mark.parametrize("vocab", [4096, 3000])
+def test_filters_keep_exactly_the_full_sort_reference_set(monkeypatch, candidates, vocab):
+    from tokenloom.kernels import sampling
+
+    if candidates is not None:
+        monkeypatch.setattr(sampling, "TOP_P_CANDIDATES", candidates)
+    logits, params = zoo_batch(vocab, seed=vocab)
+    got = sampling.filter_logits(logits, params)
+    want = torch.stack([reference_filter(row, p) for row, p in zip(logits, params)])
+    assert torch.equal(got, want)  # same values, same -inf pattern
+    # The zoo must reach every round: nuclei within 64, within 1024, and beyond.
+    top_p_rows = [i for i, p in enumerate(params) if p.top_p < 1 and p.top_k in (0, 2000)]
+    sizes = [int(want[i].isfinite().sum()) for i in top_p_rows]
+    assert min(sizes) == 1 and any(64 < s < 1024 for s in sizes) and max(sizes) > 1024
+
+
+def test_fast_filters_match_the_previous_implementation_on_tie_free_logits():
+    # Old and new differ only where the old sort's order among equal logits or a float32
+    # rounding of the cumulative mass decided; continuous random logits hit neither.
+    g = torch.Generator().manual_seed(5)
+    logits = torch.cat([torch.randn(8, 5000, generator=g) * s for s in (1.0, 3.0, 6.0)])
+    for params in FILTERS:
+        got = filter_logits(logits, [params] * len(logits))
+        want = torch.stack([legacy_filter(row, params) for row in logits])
+        assert torch.equal(got, want), params
+
+
+def test_sampled_tokens_match_reference_draw():
+    """Same token as the reference filters followed by the documented noise draw."""
+    vocab = 4096
+    logits, params = zoo_batch(vocab, seed=11)
+    params[3] = SamplingParams(temperature=0.0)  # a greedy row in the mix
+    rows = [make_row(p, seed=100 + i) for i, p in enumerate(params)]
+    got = [t.token_id for t in sample(logits, rows)]
+    want = []
+    for i, (row, p) in enumerate(zip(logits, params)):
+        if p.is_greedy:
+            want.append(int(row.argmax()))
+            continue
+        noise = torch.empty(vocab).exponential_(generator=make_generator(100 + i, "cpu"))
+        probs = reference_filter(row, p).softmax(-1)
+        want.append(int((probs / noise.clamp_min(torch.finfo(torch.float32).tiny)).argmax()))
+    assert got == want
+
+
+def test_fast_paths_do_not_sort_the_vocabulary(monkeypatch):
+    vocab = 4096
+    sorted_sizes = []
+    real_sort = torch.Tensor.sort
+
+    def spy(self, *args, **kwargs):
+        sorted_sizes.append(self.shape[-1])
+        return real_sort(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "sort", spy)
+    g = torch.Generator().manual_seed(3)
+    peaked = torch.randn(6, vocab, generator=g)
+    peaked[:, :10] += 15  # top_p=0.9 nucleus within the first candidate round
+    cheap = [
+        SamplingParams(temperature=0.8),
+        SamplingParams(top_k=50),
+        SamplingParams(min_p=0.05),
+        SamplingParams(top_p=0.9),
+        SamplingParams(top_p=0.9, top_k=50),
+        SamplingParams(top_p=0.99, top_k=1000),
+    ]
+    sample(peaked, [make_row(p, seed=i) for i, p in enumerate(cheap)])
+    assert sorted_sizes and max(sorted_sizes) <= 64
+    # A broad nucleus (~1000 tokens here) is bounded by the histogram: still no full sort.
+    sorted_sizes.clear()
+    broad = torch.randn(1, vocab, generator=g) * 2
+    sample(broad, [make_row(SamplingParams(top_p=0.9))])
+    assert len(sorted_sizes) == 1 and sorted_sizes[0] < vocab / 2
+    # One tie across the whole vocab: all of it is the candidate set.
+    sorted_sizes.clear()
+    sample(torch.zeros(1, vocab), [make_row(SamplingParams(top_p=0.9))])
+    assert sorted_sizes == [vocab]

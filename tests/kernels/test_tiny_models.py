@@ -7,7 +7,7 @@ small word-level tokenizer, and then:
    token for token, one prompt at a time, all at once, with chunked prefill mixed with decodes,
    and with a KV pool so small that requests are preempted;
 2. prefill, chunked-prefill and decode logits of our forward agree with `transformers` (fp32);
-3. bf16 on CPU runs and stays close to fp32;
+3. bf16 on CPU runs, rounds like transformers' bf16 and stays loosely close to fp32;
 4. every way a model directory can be wrong fails with a message naming the problem.
 """
 
@@ -27,13 +27,10 @@ from tokenloom.actors.messages import ExecuteBatch, ScheduledSequence
 from tokenloom.kernels.kv_store import KVCache
 from tokenloom.kernels.loader import ModelLoadError, load_model, load_spec, resolve_model_dir
 from tokenloom.kernels.model_spec import UnsupportedModelError
+from tinymodel import VOCAB, build_tiny_model
 
-VOCAB = 256            # tokenizer and model vocabulary; ids 0-2 are <unk>, <s>, </s>
 MAX_TOKENS = 16
 BLOCK_SIZE = 8
-_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3,
-               rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,35 +75,6 @@ class TinyModel:
         if self._reference is None:
             self._reference = [hf_greedy(self.hf, p, MAX_TOKENS) for p in self.prompts]
         return self._reference
-
-
-def save_tiny_tokenizer(path: Path) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                                   eos_token="</s>")
-    fast.save_pretrained(path)
-
-
-def build_tiny_model(path: Path, config_class: str, config: dict, seed: int) -> None:
-    """Save a randomly initialised fp32 model (config.json + model.safetensors + tokenizer)."""
-    import transformers
-
-    cfg = getattr(transformers, config_class)(**{**_COMMON, **config})
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif name.endswith("_proj.bias"):
-                p.copy_(0.5 * torch.randn_like(p))  # random init leaves biases at zero
-    model.save_pretrained(path, safe_serialization=True)
-    save_tiny_tokenizer(path)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,414 @@
+"""One-shot GPU check: every CUDA test plus the decode benchmarks, in a few minutes.
+
+    python benchmarks/gpu_check.py                    # on a GPU host (make gpu-check)
+    python benchmarks/gpu_check.py --json out.json    # also write the results there
+    python benchmarks/gpu_check.py --dry-run          # CPU: plan, bucket tables, smoke run
+
+Needs only PyTorch and Triton (no network, no checkpoints, no install of this project:
+the repository is made importable as `tokenloom` from a temporary directory). Models are
+random, generated on the machine, in bf16, of two shapes: SmolLM2-135M and Llama-3-8B.
+
+1. CUDA tests: `pytest tests/gpu` in a subprocess (skipped, with a note, if pytest is absent).
+2. Copy bandwidth: device-to-device copy of 2 GiB, (read + write bytes) / time.
+3. Decode benchmark per shape: step time and tokens/s at batch 1, 8, 32, 128, 256, with
+   CUDA graphs vs eager, side by side; graph-vs-eager logits difference per batch; the
+   memory roofline = (weight bytes + KV bytes read per step) / copy bandwidth.
+4. Triton decode kernel at 8k context (Llama-3-8B layer shape): achieved bandwidth as a
+   fraction of copy bandwidth, with the torch reference as the baseline.
+Prints a table, checks the issue's targets, writes JSON (default benchmarks/results/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parent.parent
+BATCHES = (1, 8, 32, 128, 256)
+SHAPE_NAMES = ("smollm2-135m", "llama3-8b")
+BLOCK_SIZE = 16
+TARGETS = {
+    "graphs_speedup_135m_b1_8": 2.0,        # graphs >= 2x eager at batch 1-8 (135M shape)
+    "llama8b_b1_roofline_ratio": 1.3,       # 8B batch-1 step within 1.3x of its roofline
+    "triton_8k_fraction_of_copy_bw": 0.70,  # Triton decode >= 70% of copy bandwidth at 8k
+}
+
+
+def make_importable() -> str:
+    """Import `tokenloom` from this checkout, installed or not; returns the sys.path entry."""
+    try:
+        import tokenloom  # noqa: F401
+        return str(Path(tokenloom.__file__).resolve().parent.parent)
+    except ImportError:
+        pass
+    tmp = tempfile.mkdtemp(prefix="tokenloom-path-")
+    os.symlink(ROOT, os.path.join(tmp, "tokenloom"))
+    sys.path.insert(0, tmp)
+    return tmp
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dry-run", action="store_true",
+                   help="no GPU needed: print the plan and bucket tables, run a CPU smoke step")
+    p.add_argument("--json", type=Path, default=None, help="where to write the JSON results")
+    p.add_argument("--shapes", default=",".join(SHAPE_NAMES),
+                   help=f"comma-separated model shapes (from {', '.join(SHAPE_NAMES)}, tiny)")
+    p.add_argument("--batches", default=",".join(map(str, BATCHES)),
+                   help="comma-separated decode batch sizes")
+    p.add_argument("--context", type=int, default=512,
+                   help="tokens already in each sequence's context during the decode benchmark")
+    p.add_argument("--steps", type=int, default=20, help="timed decode steps per point")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--kernel-context", type=int, default=8192,
+                   help="context length for the Triton kernel bandwidth test")
+    p.add_argument("--skip-tests", action="store_true", help="do not run pytest tests/gpu")
+    p.add_argument("--test-timeout", type=int, default=240)
+    args = p.parse_args(argv)
+    args.shape_list = [s for s in args.shapes.split(",") if s]
+    args.batch_list = sorted({int(b) for b in args.batches.split(",") if b})
+    if not args.batch_list or args.batch_list[0] < 1:
+        p.error("--batches must be positive integers")
+    return args
+
+
+# -- pieces that run anywhere ----------------------------------------------------------------
+def plan(args) -> dict:
+    """Shapes, bytes and bucket tables: what the run will do (no GPU needed)."""
+    from tokenloom.graphs.buckets import PaddedSizeTable, default_capture_sizes
+    from tokenloom.kernels.random_model import SHAPES, num_parameters
+
+    max_b = max(args.batch_list)
+    out = {"batches": args.batch_list, "context": args.context,
+           "default_capture_sizes": list(default_capture_sizes(max_b)),
+           "padded_batches": {b: PaddedSizeTable(default_capture_sizes(max_b)).padded(b)
+                              for b in args.batch_list},
+           "shapes": {}}
+    for name in args.shape_list:
+        spec = SHAPES[name]
+        params = num_parameters(spec)
+        kv_tok = spec.kv_bytes_per_token(2)
+        out["shapes"][name] = {
+            "parameters": params, "weight_bytes_bf16": 2 * params, "kv_bytes_per_token": kv_tok,
+            "kv_pool_bytes": max_b * (args.context + BLOCK_SIZE) * kv_tok,
+            "bytes_per_step": {b: 2 * params + b * (args.context + 1) * kv_tok
+                               for b in args.batch_list},
+        }
+    return out
+
+
+def seqs_for(batch: int, context: int, blocks_per_seq: int, vocab: int):
+    """`batch` decode rows, each at position `context` in its own blocks (block 0 unused)."""
+    n_blocks = context // BLOCK_SIZE + 1
+    return [SimpleNamespace(request_id=f"r{i}", token_ids=[(7 * i + 3) % vocab], start_pos=context,
+                            block_table=[1 + i * blocks_per_seq + j for j in range(n_blocks)],
+                            sample=True) for i in range(batch)]
+
+
+def build(shape: str, device: str, max_batch: int, context: int, dtype):
+    """Random model + KV pool + static buffers; Triton kernels on CUDA."""
+    import torch
+
+    from tokenloom.graphs.buffers import DecodeBuffers
+    from tokenloom.graphs.capture import DecodeGraphs
+    from tokenloom.kernels.kv_store import KVCache
+    from tokenloom.kernels.random_model import SHAPES, random_model
+
+    spec = SHAPES[shape]
+    max_len = context + BLOCK_SIZE
+    model = random_model(spec, dtype, device, max_positions=max_len)
+    if device == "cuda":
+        from tokenloom.kernels.triton_attention import make_decode_kernel, store_kv_triton
+        model.set_decode_kernel(make_decode_kernel(max_len))
+        model.set_kv_store_kernel(store_kv_triton)
+    bps = -(-max_len // BLOCK_SIZE)
+    kv = KVCache.allocate(spec.num_layers, max_batch * bps + 1, BLOCK_SIZE, spec.num_kv_heads,
+                          spec.head_dim, dtype, device)
+    for k, v in zip(kv.key, kv.value):
+        k.normal_()
+        v.normal_()
+    buffers = DecodeBuffers(max_batch, bps, BLOCK_SIZE, spec.vocab_size, device)
+    return SimpleNamespace(spec=spec, model=model, kv=kv, graphs=DecodeGraphs(model, kv, buffers),
+                           bps=bps)
+
+
+def eager_step(m, seqs, device):
+    import torch
+
+    from tokenloom.actors.batch_inputs import build_batch_inputs
+
+    inputs = build_batch_inputs(SimpleNamespace(sequences=seqs, num_decodes=len(seqs)),
+                                BLOCK_SIZE, torch.device(device))
+    return m.model(inputs.input_ids, inputs.positions, m.kv, inputs.meta, inputs.logits_indices)
+
+
+def time_steps(fn, steps: int, warmup: int, sync) -> float:
+    """Median wall seconds of one step (each step ends with a device sync, as sampling does)."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def bench_decode(m, batches, context, steps, warmup, device, use_graphs: bool) -> list[dict]:
+    """Per batch: eager and graph (replay on CUDA; static-buffer eager on CPU) step times."""
+    import torch
+
+    from tokenloom.graphs.buckets import PaddedSizeTable
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    table = PaddedSizeTable(sorted(batches))
+    rows = []
+    for b in batches:
+        seqs = seqs_for(b, context, m.bps, m.spec.vocab_size)
+        with torch.inference_mode():
+            eager_logits = eager_step(m, seqs, device).float()
+            graph_logits = m.graphs.run(seqs, table.padded(b))[:b].float()
+            diff = (eager_logits - graph_logits).abs().max().item()
+            rel = diff / max(1e-6, eager_logits.abs().max().item())
+            t_eager = time_steps(lambda: eager_step(m, seqs, device), steps, warmup, sync)
+            t_graph = time_steps(lambda: m.graphs.run(seqs, table.padded(b)), steps, warmup, sync)
+        rows.append({"batch": b, "eager_ms": 1e3 * t_eager, "graph_ms": 1e3 * t_graph,
+                     "eager_tok_s": b / t_eager, "graph_tok_s": b / t_graph,
+                     "speedup": t_eager / t_graph, "graph_vs_eager_max_rel_diff": rel,
+                     "graphs_replayed": use_graphs})
+    return rows
+
+
+def dry_run(args) -> dict:
+    """Plan + a CPU smoke run of the benchmark code on the tiny shape (no graphs on CPU)."""
+    import torch
+
+    result = {"mode": "dry-run", "plan": plan(args)}
+    m = build("tiny", "cpu", 4, 40, torch.float32)
+    rows = bench_decode(m, [1, 3], 40, steps=2, warmup=1, device="cpu", use_graphs=False)
+    result["cpu_smoke"] = rows
+    for r in rows:
+        assert r["graph_vs_eager_max_rel_diff"] < 1e-4, r
+    return result
+
+
+# -- GPU-only pieces -------------------------------------------------------------------------
+def copy_bandwidth() -> float:
+    """Bytes/s of a device-to-device copy, counting the read and the write."""
+    import torch
+
+    a = torch.empty(1 << 30, dtype=torch.int16, device="cuda")  # 2 GiB
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(10):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        best = min(best, s.elapsed_time(e) / 1e3)
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * (2 << 30) / best
+
+
+def kernel_bandwidth(context: int, copy_bw: float) -> list[dict]:
+    """Triton decode vs torch reference on one Llama-3-8B layer at `context` tokens."""
+    import torch
+
+    from tokenloom.kernels.attention import decode_attention
+    from tokenloom.kernels.triton_attention import make_decode_kernel
+
+    heads, kvh, d = 32, 8, 128
+    nb = -(-context // BLOCK_SIZE)
+    rows = []
+    fn = make_decode_kernel(context)
+    for b in (1, 8, 32):
+        kc = torch.randn(b * nb + 1, BLOCK_SIZE, kvh, d, device="cuda", dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        tables = (1 + torch.randperm(b * nb, device="cuda")).view(b, nb)
+        lens = torch.full((b,), context, device="cuda")
+        q = torch.randn(b, heads, d, device="cuda", dtype=torch.bfloat16)
+        nbytes = 2 * b * context * kvh * d * 2
+
+        def timed(f, n=20):
+            for _ in range(3):
+                f()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            for _ in range(n):
+                f()
+            e.record()
+            e.synchronize()
+            return s.elapsed_time(e) / 1e3 / n
+
+        t_tri = timed(lambda: fn(q, kc, vc, tables, lens, context, d ** -0.5))
+        t_ref = timed(lambda: decode_attention(q, kc, vc, tables, lens, context, d ** -0.5), n=5)
+        ref = decode_attention(q.float(), kc.float(), vc.float(), tables, lens, context, d ** -0.5)
+        err = (fn(q, kc, vc, tables, lens, context, d ** -0.5).float() - ref).abs().max().item()
+        rows.append({"batch": b, "context": context, "bytes": nbytes,
+                     "triton_us": t_tri * 1e6, "torch_ref_us": t_ref * 1e6,
+                     "triton_gb_s": nbytes / t_tri / 1e9,
+                     "fraction_of_copy_bw": nbytes / t_tri / copy_bw,
+                     "speedup_vs_ref": t_ref / t_tri, "max_abs_err": err})
+        del kc, vc
+        torch.cuda.empty_cache()
+    return rows
+
+
+def run_tests(pythonpath: str, timeout: int) -> dict:
+    try:
+        import pytest  # noqa: F401
+    except ImportError:
+        return {"ran": False, "note": "pytest is not installed on this machine"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [pythonpath, os.environ.get("PYTHONPATH")]))}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-s", "-o", "addopts=", "-p", "no:cacheprovider",
+           "--import-mode=importlib", str(ROOT / "tests" / "gpu")]
+    t = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        return {"ran": True, "ok": False, "note": f"timed out after {timeout}s",
+                "tail": (e.stdout or "")[-3000:] if isinstance(e.stdout, str) else ""}
+    tail = (proc.stdout + proc.stderr)[-4000:]
+    print(tail)
+    return {"ran": True, "ok": proc.returncode == 0, "returncode": proc.returncode,
+            "seconds": time.perf_counter() - t, "summary": proc.stdout.strip().splitlines()[-1:],
+            "tail": tail}
+
+
+def gpu_run(args, pythonpath: str) -> dict:
+    import torch
+
+    result = {"mode": "gpu", "plan": plan(args), "device": torch.cuda.get_device_name(),
+              "torch": torch.__version__}
+    import triton
+    result["triton"] = triton.__version__
+    if not args.skip_tests:
+        print("== CUDA tests (tests/gpu)")
+        result["tests"] = run_tests(pythonpath, args.test_timeout)
+    bw = copy_bandwidth()
+    result["copy_bandwidth_gb_s"] = bw / 1e9
+    print(f"== copy bandwidth: {bw / 1e9:.0f} GB/s (read + write)")
+    result["decode"] = {}
+    for shape in args.shape_list:
+        print(f"== decode benchmark: {shape} (bf16, random weights, context {args.context})")
+        t0 = time.perf_counter()
+        m = build(shape, "cuda", max(args.batch_list), args.context, torch.bfloat16)
+        build_s = time.perf_counter() - t0
+        m.graphs.capture(tuple(args.batch_list), memory_budget_bytes=16 << 30, progress=False)
+        rows = bench_decode(m, args.batch_list, args.context, args.steps, args.warmup, "cuda", True)
+        plan_shape = result["plan"]["shapes"][shape]
+        for r in rows:
+            r["roofline_ms"] = 1e3 * plan_shape["bytes_per_step"][r["batch"]] / bw
+            r["graph_vs_roofline"] = r["graph_ms"] / r["roofline_ms"]
+        result["decode"][shape] = {"build_seconds": build_s,
+                                   "capture_seconds": m.graphs.capture_seconds,
+                                   "capture_bytes": m.graphs.capture_bytes, "rows": rows}
+        del m
+        torch.cuda.empty_cache()
+    print(f"== Triton decode kernel at {args.kernel_context} context")
+    result["kernel"] = kernel_bandwidth(args.kernel_context, bw)
+    result["targets"] = check_targets(result)
+    return result
+
+
+def check_targets(result: dict) -> dict:
+    out = {}
+    small = result["decode"].get("smollm2-135m")
+    if small:
+        worst = min((r["speedup"] for r in small["rows"] if r["batch"] <= 8), default=None)
+        if worst is not None:
+            out["graphs_speedup_135m_b1_8"] = {"value": worst, "target": ">= 2.0",
+                                              "met": worst >= TARGETS["graphs_speedup_135m_b1_8"]}
+    big = result["decode"].get("llama3-8b")
+    if big:
+        r1 = next((r for r in big["rows"] if r["batch"] == 1), None)
+        if r1:
+            v = r1["graph_vs_roofline"]
+            out["llama8b_b1_roofline_ratio"] = {"value": v, "target": "<= 1.3",
+                                               "met": v <= TARGETS["llama8b_b1_roofline_ratio"]}
+    if result.get("kernel"):
+        best = max(r["fraction_of_copy_bw"] for r in result["kernel"])
+        out["triton_8k_fraction_of_copy_bw"] = {
+            "value": best, "target": ">= 0.70",
+            "met": best >= TARGETS["triton_8k_fraction_of_copy_bw"]}
+    return out
+
+
+def print_tables(result: dict) -> None:
+    plan_ = result["plan"]
+    print(f"\nbuckets (default up to {max(plan_['batches'])}): {plan_['default_capture_sizes']}")
+    print(f"padded batch sizes: {plan_['padded_batches']}")
+    for name, s in plan_["shapes"].items():
+        print(f"{name}: {s['parameters'] / 1e6:.1f}M params, {s['weight_bytes_bf16'] / 2**30:.2f} GiB "
+              f"bf16 weights, {s['kv_bytes_per_token']} KV bytes/token, KV pool "
+              f"{s['kv_pool_bytes'] / 2**30:.2f} GiB")
+    for shape, d in result.get("decode", {}).items():
+        print(f"\n{shape}: capture {d['capture_seconds']:.1f}s, {d['capture_bytes'] / 2**20:.0f} MiB")
+        print(f"{'batch':>6} {'eager ms':>9} {'graph ms':>9} {'speedup':>8} {'eager tok/s':>12} "
+              f"{'graph tok/s':>12} {'roofline ms':>12} {'x roofline':>10} {'rel diff':>9}")
+        for r in d["rows"]:
+            print(f"{r['batch']:>6} {r['eager_ms']:>9.3f} {r['graph_ms']:>9.3f} {r['speedup']:>8.2f} "
+                  f"{r['eager_tok_s']:>12.0f} {r['graph_tok_s']:>12.0f} {r.get('roofline_ms', 0):>12.3f} "
+                  f"{r.get('graph_vs_roofline', 0):>10.2f} {r['graph_vs_eager_max_rel_diff']:>9.1e}")
+    if result.get("kernel"):
+        print(f"\nTriton decode kernel (Llama-3-8B layer, bf16), copy bandwidth "
+              f"{result['copy_bandwidth_gb_s']:.0f} GB/s")
+        print(f"{'batch':>6} {'context':>8} {'triton us':>10} {'GB/s':>8} {'of copy':>8} "
+              f"{'torch ref us':>13} {'speedup':>8} {'max err':>8}")
+        for r in result["kernel"]:
+            print(f"{r['batch']:>6} {r['context']:>8} {r['triton_us']:>10.1f} {r['triton_gb_s']:>8.0f} "
+                  f"{r['fraction_of_copy_bw']:>8.2f} {r['torch_ref_us']:>13.1f} "
+                  f"{r['speedup_vs_ref']:>8.2f} {r['max_abs_err']:>8.1e}")
+    for name, t in result.get("targets", {}).items():
+        print(f"target {name}: {t['value']:.2f} (want {t['target']}) -> {'MET' if t['met'] else 'NOT MET'}")
+    if "tests" in result:
+        t = result["tests"]
+        print(f"CUDA tests: {'ok' if t.get('ok') else 'FAILED' if t.get('ran') else t.get('note')}")
+    if "cpu_smoke" in result:
+        print(f"CPU smoke (tiny, static-buffer path vs eager): {result['cpu_smoke']}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    pythonpath = make_importable()
+    import torch
+
+    started = time.perf_counter()
+    if args.dry_run:
+        result = dry_run(args)
+    elif not torch.cuda.is_available():
+        print("no CUDA device: nothing to check (use --dry-run for the CPU-safe parts)")
+        return 2
+    else:
+        result = gpu_run(args, pythonpath)
+    result["seconds"] = time.perf_counter() - started
+    result["host"] = platform.node()
+    print_tables(result)
+    path = args.json or ROOT / "benchmarks" / "results" / (
+        f"gpu_check{'_dry' if args.dry_run else ''}_{dt.datetime.now():%Y%m%d_%H%M%S}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2, default=str))
+    print(f"\nwrote {path} ({result['seconds']:.0f}s)")
+    tests_failed = result.get("tests", {}).get("ran") and not result["tests"].get("ok")
+    return 1 if tests_failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

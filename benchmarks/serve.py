@@ -1,0 +1,340 @@
+"""HTTP load generator for `tokenloom serve`: TTFT, inter-token latency, end-to-end latency
+(p50/p90/p99) and output tokens/s, printed as a table and written as JSON.
+
+Workload: `--num-requests` streaming /v1/completions requests whose prompts are random token
+ids of `--prompt-len` tokens, each generating exactly `--output-len` tokens (ignore_eos),
+sent either at a fixed concurrency (`--concurrency N`) or as Poisson arrivals
+(`--rate R` requests/s).
+
+Server: `--url` benchmarks a running server; otherwise one is started as a subprocess
+(`tokenloom serve --port 0`) with `--model` (default: the bundled model) or, with `--tiny`,
+a tiny random-weight Llama with the default model's vocabulary, so that compute is negligible
+and the number measures serving overhead (HTTP, SSE, actors, detokenization).
+`--offline` also runs the same requests through the offline engine (`LLM.generate`) in this
+process, after the server has stopped, and reports the HTTP/offline throughput ratio.
+`--transformers` then runs the same workload against `transformers serve
+--continuous-batching` (needs `pip install "transformers[serving]"`), one server after the
+other, and reports the tokenloom/transformers throughput ratio. That server knows neither
+token-id prompts nor ignore_eos, so in this mode both servers get the same text prompts
+(random token ids decoded), and output tokens are counted as streamed.
+
+    python benchmarks/serve.py --tiny --concurrency 64 --num-requests 256 --output-len 64
+    python benchmarks/serve.py --concurrency 16 --prompt-len 256 --output-len 64 --offline
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+
+
+# -- the server ----------------------------------------------------------------------------
+def start_server(args, model: str) -> tuple[subprocess.Popen, str]:
+    """`tokenloom serve` on a free port, with request logging off (it would cost CPU)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    exe = str(Path(sys.executable).with_name("tokenloom"))
+    cmd = [exe, "serve", "--host", "127.0.0.1", "--port", str(port), "--model", model,
+           "--set", "server.log_level=warning", *sum((["--set", s] for s in args.set), [])]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with status {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/ready", timeout=1) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit("the server did not become ready")
+
+
+def build_tiny_model(path: Path, default_dir: Path) -> None:
+    """A 2-layer random Llama with the default model's tokenizer and vocabulary."""
+    import shutil
+
+    import torch
+    import transformers
+
+    src = json.loads((default_dir / "config.json").read_text())
+    cfg = transformers.LlamaConfig(vocab_size=src["vocab_size"], hidden_size=64,
+                                   intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=4096, tie_word_embeddings=True,
+                                   bos_token_id=src.get("bos_token_id"),
+                                   eos_token_id=src.get("eos_token_id"))
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
+    for f in default_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(f, path / f.name)
+
+
+def resolve_dir(model: str) -> str:
+    if model != "default":
+        return model
+    from tokenloom.config.schema import ModelConfig, resolve_cache_dir
+    from tokenloom.kernels.loader import resolve_model_dir
+
+    return str(resolve_model_dir("default", resolve_cache_dir(ModelConfig()), log=lambda *_: None))
+
+
+def text_prompts(url: str, prompts: list[list[int]]) -> list[str]:
+    """Token-id prompts as text, through the server's /detokenize."""
+    async def convert():
+        async with aiohttp.ClientSession() as s:
+            out = []
+            for ids in prompts:
+                async with s.post(url + "/detokenize", json={"tokens": ids}) as r:
+                    out.append((await r.json())["prompt"])
+            return out
+    return asyncio.run(convert())
+
+
+async def model_name(url: str) -> str:
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url + "/v1/models") as r:
+            return (await r.json())["data"][0]["id"]
+
+
+# -- the load -------------------------------------------------------------------------------
+def start_transformers(model_dir: str) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    exe = str(Path(sys.executable).with_name("transformers"))
+    proc = subprocess.Popen([exe, "serve", "--continuous-batching", "--host", "127.0.0.1",
+                             "--port", str(port), model_dir], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"transformers serve exited with status {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=1):
+                return proc, url
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("transformers serve did not start")
+
+
+async def one_request(session, url, model, prompt, output_len, tokenloom=True) -> dict:
+    body = dict(model=model, prompt=prompt, max_tokens=output_len, temperature=0, stream=True,
+                stream_options={"include_usage": True})
+    if tokenloom:
+        body["ignore_eos"] = True
+    t0 = time.perf_counter()
+    chunk_times, tokens = [], 0
+    async with session.post(url + "/v1/completions", json=body) as r:
+        if r.status != 200:
+            return {"error": f"{r.status} {await r.text()}"}
+        buf = b""
+        async for data in r.content.iter_any():
+            buf += data
+            while b"\n\n" in buf:
+                frame, buf = buf.split(b"\n\n", 1)
+                payload = frame[len(b"data: "):]
+                if payload == b"[DONE]":
+                    continue
+                event = json.loads(payload)
+                if event.get("choices"):
+                    chunk_times.append(time.perf_counter())
+                elif event.get("usage"):
+                    tokens = event["usage"]["completion_tokens"]
+    end = time.perf_counter()
+    tokens = tokens or len(chunk_times)  # no usage chunk: one token per chunk
+    return {"ttft": chunk_times[0] - t0 if chunk_times else None,
+            "itl": list(np.diff(chunk_times)), "e2e": end - t0, "tokens": tokens}
+
+
+async def run_load(url, model, prompts, output_len, concurrency, rate, seed,
+                   tokenloom=True) -> tuple[list, float]:
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None)
+    rng = random.Random(seed)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        t0 = time.perf_counter()
+        if rate:
+            tasks = []
+            for p in prompts:
+                tasks.append(asyncio.create_task(one_request(session, url, model, p,
+                                                             output_len, tokenloom)))
+                await asyncio.sleep(rng.expovariate(rate))
+            results = await asyncio.gather(*tasks)
+        else:
+            queue = list(reversed(prompts))
+            results = []
+
+            async def worker():
+                while queue:
+                    results.append(await one_request(session, url, model, queue.pop(),
+                                                     output_len, tokenloom))
+
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return results, time.perf_counter() - t0
+
+
+def summarise(results: list, elapsed: float) -> dict:
+    ok = [r for r in results if "error" not in r]
+    errors = [r["error"] for r in results if "error" in r]
+    pct = lambda xs, q: float(np.percentile(xs, q)) * 1000 if xs else None  # noqa: E731
+    ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
+    itl = [x for r in ok for x in r["itl"]]
+    e2e = [r["e2e"] for r in ok]
+    tokens = sum(r["tokens"] for r in ok)
+    out = {"requests": len(results), "errors": len(errors), "elapsed_s": elapsed,
+           "output_tokens": tokens, "output_tokens_per_s": tokens / elapsed,
+           "requests_per_s": len(ok) / elapsed}
+    for name, xs in (("ttft_ms", ttft), ("itl_ms", itl), ("e2e_ms", e2e)):
+        out[name] = {"p50": pct(xs, 50), "p90": pct(xs, 90), "p99": pct(xs, 99),
+                     "mean": float(np.mean(xs)) * 1000 if xs else None}
+    if errors:
+        out["first_error"] = errors[0]
+    return out
+
+
+def run_offline(model: str, prompts, output_len: int, settings: list[str],
+                concurrency: int) -> dict:
+    """The same requests through LLM.generate, all submitted at once but with at most
+    `concurrency` running (max_num_seqs), like the HTTP run's closed loop."""
+    from tokenloom import LLM, SamplingParams
+
+    options = {"scheduler.max_num_seqs": concurrency}
+    for item in settings:
+        key, _, value = item.partition("=")
+        options[key] = json.loads(value) if value[:1].isdigit() else value.strip('"')
+    llm = LLM(model=model, quiet=True, **options)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+        llm.generate(prompts[:2], SamplingParams(max_tokens=2))  # warm-up
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        elapsed = time.perf_counter() - t0
+    finally:
+        llm.close()
+    tokens = sum(len(o.token_ids) for o in outs)
+    return {"elapsed_s": elapsed, "output_tokens": tokens, "output_tokens_per_s": tokens / elapsed}
+
+
+def print_table(label: str, s: dict) -> None:
+    print(f"\n{label}: {s['requests']} requests, {s['errors']} errors, {s['elapsed_s']:.2f} s, "
+          f"{s['output_tokens_per_s']:.0f} output tok/s, {s['requests_per_s']:.2f} req/s")
+    print(f"{'metric':<10}{'p50':>10}{'p90':>10}{'p99':>10}{'mean':>10}   (ms)")
+    for name in ("ttft_ms", "itl_ms", "e2e_ms"):
+        row = s[name]
+        cells = "".join(f"{row[k]:>10.2f}" if row[k] is not None else f"{'-':>10}"
+                        for k in ("p50", "p90", "p99", "mean"))
+        print(f"{name[:-3]:<10}{cells}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", help="benchmark this running server instead of starting one")
+    p.add_argument("--model", default="default")
+    p.add_argument("--tiny", action="store_true",
+                   help="serve a tiny random Llama with the default vocabulary")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override for the started server (and --offline)")
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--offline", action="store_true", help="also run the offline engine")
+    p.add_argument("--transformers", action="store_true",
+                   help="also run `transformers serve --continuous-batching`")
+    p.add_argument("--json", default="benchmarks/results/serve.json")
+    args = p.parse_args()
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    model = args.model
+    tmp = None
+    if args.tiny:
+        from tokenloom.config.schema import ModelConfig, resolve_cache_dir
+        from tokenloom.kernels.loader import resolve_model_dir
+
+        tmp = tempfile.TemporaryDirectory()
+        default_dir = resolve_model_dir("default", resolve_cache_dir(ModelConfig()),
+                                        log=lambda *_: None)
+        build_tiny_model(Path(tmp.name), default_dir)
+        model = tmp.name
+    proc = None
+    url = args.url
+    if url is None:
+        proc, url = start_server(args, model)
+    try:
+        name = asyncio.run(model_name(url))
+        rng = random.Random(args.seed)
+        # Ids from the middle of the vocabulary: ordinary tokens, no special ones.
+        prompts = [[rng.randrange(1000, 20000) for _ in range(args.prompt_len)]
+                   for _ in range(args.num_requests)]
+        if args.transformers:
+            prompts = text_prompts(url, prompts)
+        asyncio.run(run_load(url, name, prompts[:2], 2, 2, 0, args.seed))  # warm-up
+        results, elapsed = asyncio.run(run_load(url, name, prompts, args.output_len,
+                                                args.concurrency, args.rate, args.seed))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(60)
+    summary = {"workload": {k: getattr(args, k) for k in (
+        "concurrency", "rate", "num_requests", "prompt_len", "output_len", "tiny")},
+        "model": name, "http": summarise(results, elapsed)}
+    print_table("HTTP (tokenloom serve)", summary["http"])
+    if args.offline:
+        settings = [s for s in args.set if not s.startswith("server.")]
+        summary["offline"] = run_offline(model, prompts, args.output_len, settings,
+                                         args.concurrency)
+        ratio = summary["http"]["output_tokens_per_s"] / summary["offline"]["output_tokens_per_s"]
+        summary["http_over_offline"] = ratio
+        print(f"\noffline LLM.generate: {summary['offline']['output_tokens_per_s']:.0f} output "
+              f"tok/s; HTTP/offline = {ratio:.3f}")
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(summary, indent=2))
+    print(f"\nwrote {out}")
+    if args.transformers:
+        tproc, turl = start_transformers(resolve_dir(model))
+        try:
+            tname = asyncio.run(model_name(turl))
+            asyncio.run(run_load(turl, tname, prompts[:2], 2, 2, 0, args.seed, False))
+            tresults, telapsed = asyncio.run(run_load(turl, tname, prompts, args.output_len,
+                                                      args.concurrency, args.rate, args.seed,
+                                                      False))
+        finally:
+            tproc.terminate()
+            tproc.wait(60)
+        summary["transformers"] = summarise(tresults, telapsed)
+        print_table("transformers serve --continuous-batching", summary["transformers"])
+        ratio = (summary["http"]["output_tokens_per_s"]
+                 / summary["transformers"]["output_tokens_per_s"])
+        summary["tokenloom_over_transformers"] = ratio
+        print(f"\ntokenloom / transformers output tok/s = {ratio:.2f}")
+        out.write_text(json.dumps(summary, indent=2))
+    if tmp is not None:
+        tmp.cleanup()
+
+
+if __name__ == "__main__":
+    main()

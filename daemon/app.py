@@ -1,0 +1,194 @@
+"""The aiohttp application: routes, the error/logging middleware, and the engine's lifetime.
+
+The engine's actors are started and stopped by a `cleanup_ctx`: the model is loaded (in a
+worker thread, so signals are still handled), the actors start, one warm-up request runs,
+then the server is ready; on cleanup the actors are shut down and awaited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import structlog
+from aiohttp import web
+
+from tokenloom.config.schema import EngineConfig
+from tokenloom.daemon import openai_api
+from tokenloom.daemon.errors import APIError
+from tokenloom.daemon.metrics import CONTENT_TYPE, Metrics
+from tokenloom.daemon.protocol import Limits
+from tokenloom.daemon.state import STATE, ServerState
+
+log = structlog.get_logger("tokenloom.http")
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    """Every error leaves as an OpenAI-style JSON body; one log line per HTTP request."""
+    structlog.contextvars.clear_contextvars()
+    t0 = time.monotonic()
+    status = 500
+    try:
+        resp = await handler(request)
+        status = resp.status
+        return resp
+    except APIError as e:
+        status = e.status
+        if e.status >= 500:
+            log.error("request failed", status=e.status, error=e.message)
+        else:
+            log.info("request refused", status=e.status, error=e.message, param=e.param)
+        return e.response()
+    except web.HTTPException as e:
+        status = e.status
+        if e.status < 400:
+            raise
+        reason = {404: f"no route for {request.method} {request.path}",
+                  405: f"method {request.method} is not allowed on {request.path}"}
+        return APIError(e.status, reason.get(e.status, e.reason),
+                        headers={k: v for k, v in e.headers.items()
+                                 if k.lower() == "allow"}).response()
+    except (asyncio.CancelledError, ConnectionResetError):
+        status = 499  # the client went away (nginx's convention)
+        raise
+    except Exception as e:  # a bug: end this request only
+        log.exception("unhandled error", error=repr(e))
+        return APIError(500, f"internal error: {e!r}").response()
+    finally:
+        state = request.app[STATE]
+        if state.metrics is not None and request.match_info.route.resource is not None:
+            endpoint = request.match_info.route.resource.canonical
+            state.metrics.http.labels(endpoint, str(status)).inc()
+        if request.path not in ("/health", "/metrics"):
+            log.info("http", method=request.method, path=request.path, status=status,
+                     seconds=round(time.monotonic() - t0, 6))
+        structlog.contextvars.clear_contextvars()
+
+
+async def health(request: web.Request) -> web.Response:
+    """Liveness: the event loop answers and the engine's actors are alive."""
+    state = request.app[STATE]
+    task = state.engine_task
+    if task is not None and task.done():
+        raise APIError(503, "the engine has stopped")
+    return web.Response(status=200)
+
+
+async def ready(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if state.draining:
+        raise APIError(503, "draining")
+    if not state.ready:
+        raise APIError(503, "loading")
+    return web.json_response({"status": "ready"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if state.engine is not None and state.ready:
+        await state.metrics.refresh(state.engine)
+    return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+def served_model_name(config: EngineConfig, engine) -> str:
+    return config.server.served_model_name or engine.info.model_dir.name
+
+
+async def warm_up(engine) -> None:
+    """One single-token request through every actor: first-call costs are paid before ready."""
+    from tokenloom.actors.messages import GenerateRequest
+    from tokenloom.actors.sampling_params import SamplingParams
+
+    first = engine.tokenizer.bos_token_id
+    req = GenerateRequest(request_id="warmup-0", prompt_token_ids=[first if first is not None
+                                                                   else 0],
+                          sampling_params=SamplingParams(max_tokens=1, temperature=0.0))
+    async for out in engine.generate(req):
+        if out.finished and out.finish_reason == "error":
+            raise RuntimeError(f"warm-up failed: {out.error}")
+
+
+def _engine_stopped(state: ServerState, task: asyncio.Task) -> None:
+    """The actors' TaskGroup ended. Unless we are shutting down that is a crash: requests
+    waiting on their streams would wait forever, so end them with an error; /health and
+    /ready turn 503."""
+    if state.draining or not state.ready:
+        return
+    state.ready = False
+    error = None if task.cancelled() else task.exception()
+    log.error("engine stopped unexpectedly", error=repr(error))
+    from tokenloom.actors.messages import ERROR_INTERNAL
+    state.engine.streams.fail_all(f"the engine stopped: {error!r}", ERROR_INTERNAL)
+
+
+async def engine_ctx(app: web.Application):
+    """cleanup_ctx: load (unless an engine was given), start actors, warm up; then stop."""
+    state = app[STATE]
+    loop = asyncio.get_running_loop()
+    if state.engine is None:
+        from tokenloom.actors.engine import Engine
+
+        say = lambda m: log.info(m)  # noqa: E731
+        state.engine = await loop.run_in_executor(None, lambda: Engine.build(state.config,
+                                                                             say=say))
+    engine = state.engine
+    state.engine_task = asyncio.create_task(engine.run(), name="engine")
+    state.engine_task.add_done_callback(lambda task: _engine_stopped(state, task))
+    state.model_name = served_model_name(state.config, engine)
+    state.limits = Limits(max_n=state.config.server.max_n, served_name=state.model_name,
+                          model_names=frozenset({state.model_name, state.config.model.model}),
+                          max_model_len=engine.info.max_model_len)
+    state.metrics = Metrics(state.model_name)
+    state.token_text = openai_api.token_text_cache(engine.tokenizer)
+    await warm_up(engine)
+    state.ready = True
+    log.info("ready", model=state.model_name, max_model_len=engine.info.max_model_len,
+             kv_blocks=engine.info.num_blocks)
+    try:
+        yield
+    finally:
+        state.ready = False
+        state.draining = True
+        engine.shutdown()
+        task = state.engine_task
+        done, _ = await asyncio.wait({task}, timeout=30)  # never raises the task's error
+        if not done:
+            log.error("engine did not stop within 30 s; cancelling it")
+            task.cancel()
+        elif not task.cancelled() and task.exception() is not None:
+            log.error("engine stopped with an error", error=repr(task.exception()))
+
+
+def create_app(config: EngineConfig, engine=None) -> web.Application:
+    """The application. `engine`: an already built (not yet running) Engine, e.g. in tests;
+    None builds one from `config` at start-up."""
+    app = web.Application(middlewares=[error_middleware],
+                          client_max_size=config.server.max_body_bytes)
+    app[STATE] = ServerState(config=config, engine=engine,
+                             metrics=Metrics(config.server.served_model_name or "loading"))
+    app.cleanup_ctx.append(engine_ctx)
+    app.router.add_post("/v1/completions", openai_api.completions)
+    app.router.add_post("/v1/chat/completions", openai_api.chat_completions)
+    app.router.add_get("/v1/models", openai_api.models)
+    app.router.add_post("/tokenize", openai_api.tokenize)
+    app.router.add_post("/detokenize", openai_api.detokenize)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+async def start(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Run `app` on host:port (0: any free port); returns the runner and the bound port.
+
+    handler_cancellation: a client that disconnects cancels its handler, which aborts its
+    engine requests (streaming or not) so their KV blocks are freed within one iteration.
+    """
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=5.0)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = site._server.sockets[0].getsockname()[1] if port == 0 else port
+    return runner, bound

@@ -1,0 +1,144 @@
+"""Prometheus metrics, named and shaped like vLLM's so dashboards built for vLLM work unchanged.
+
+Two sources:
+- per-request observations (TTFT, ITL, end-to-end, queue time, token counts), made by the HTTP
+  layer when a request finishes, from the timings the scheduler attaches to its last output;
+- engine state (running/waiting, KV usage, preemptions, ...), read from the actors at scrape
+  time (`refresh`) and exported by a collector, so there is no polling loop.
+
+Every server owns its own registry (tests run several in one process).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (CollectorRegistry, Counter, Histogram, disable_created_metrics,
+                               generate_latest)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from tokenloom.actors.messages import RequestTimings
+
+# As vLLM does: no `_created` series next to every counter and histogram.
+disable_created_metrics()
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# vLLM's bucket boundaries, so histogram quantiles compare like for like.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class _EngineCollector:
+    """Gauges and counters whose source of truth is an actor; values from the last refresh."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.snapshot: dict = {}
+
+    def collect(self):
+        s = self.snapshot
+        labels = ["model_name"]
+        value = [self.model_name]
+
+        def gauge(name, doc, v):
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(value, v)
+            return g
+
+        def counter(name, doc, v):
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric(value, v)
+            return c
+
+        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
+                    s.get("running", 0))
+        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                    s.get("waiting", 0))
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                    s.get("usage", 0.0))
+        yield counter("vllm:num_preemptions", "Cumulative number of preemptions.",
+                      s.get("num_preemptions", 0))
+        yield gauge("tokenloom:kv_blocks_total", "KV-cache blocks in the pool.",
+                    s.get("num_blocks", 0))
+        yield gauge("tokenloom:kv_blocks_free", "KV-cache blocks free.", s.get("free", 0))
+        yield counter("tokenloom:engine_steps", "Engine iterations (batches) executed.",
+                      s.get("num_steps", 0))
+        yield gauge("tokenloom:requests_in_flight",
+                    "Requests admitted by the router and not yet finished.",
+                    s.get("in_flight", 0))
+        yield counter("tokenloom:requests_rejected_overload",
+                      "Requests refused with 429 because the waiting queue was full.",
+                      s.get("num_rejected", 0))
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        m = ["model_name"]
+        self.engine = _EngineCollector(model_name)
+        r.register(self.engine)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
+                                     m, registry=r).labels(model_name)
+        self.generation_tokens = Counter("vllm:generation_tokens",
+                                         "Number of generation tokens processed.", m,
+                                         registry=r).labels(model_name)
+        self.request_success = Counter("vllm:request_success",
+                                       "Count of successfully processed requests.",
+                                       m + ["finished_reason"], registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds",
+                              "Histogram of time to first token in seconds.", m,
+                              buckets=TTFT_BUCKETS, registry=r).labels(model_name)
+        self.itl = Histogram("vllm:inter_token_latency_seconds",
+                             "Histogram of inter-token latency in seconds.", m,
+                             buckets=ITL_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds",
+                             "Histogram of e2e request latency in seconds.", m,
+                             buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.", m,
+                                    buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.decode_time = Histogram("tokenloom:request_decode_time_seconds",
+                                     "Histogram of first-to-last token time per request.", m,
+                                     buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.aborted = Counter("tokenloom:requests_aborted",
+                               "Requests aborted because the client went away.", m,
+                               registry=r).labels(model_name)
+        self.http = Counter("tokenloom:http_requests", "HTTP requests by endpoint and status.",
+                            ["endpoint", "status"], registry=r)
+
+    def observe_finished(self, num_prompt_tokens: int, num_output_tokens: int,
+                         finish_reason: str | None, t: RequestTimings | None) -> None:
+        """One engine request ended (stop, length, stop string or abort)."""
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.generation_tokens.inc(num_output_tokens)
+        if finish_reason in ("stop", "length", "abort"):
+            self.request_success.labels(self.model_name, finish_reason).inc()
+        if t is None:
+            return
+        if t.first_scheduled is not None:
+            self.queue_time.observe(t.first_scheduled - t.arrival)
+        if t.first_token is not None:
+            self.ttft.observe(t.first_token - t.arrival)
+        times = t.token_times
+        for a, b in zip(times, times[1:]):
+            self.itl.observe(b - a)
+        if times:
+            self.decode_time.observe(times[-1] - times[0])
+        if t.finished is not None:
+            self.e2e.observe(t.finished - t.arrival)
+
+    async def refresh(self, engine) -> None:
+        """Read the actors' current state for the collector (at scrape time)."""
+        snap = {}
+        snap.update(await engine.query("scheduler", "stats"))
+        snap.update(await engine.query("kv_manager", "stats"))
+        snap.update(await engine.query("router", "stats"))
+        self.engine.snapshot = snap
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

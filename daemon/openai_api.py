@@ -1,0 +1,306 @@
+"""The OpenAI-compatible handlers: /v1/completions, /v1/chat/completions, /v1/models,
+/tokenize, /detokenize. Response bodies follow OpenAI's shapes exactly, streamed and not.
+
+The opt-in per-request `metrics` object: send `"return_metrics": true` in the body (with the
+openai client: `extra_body={"return_metrics": True}`); the JSON response, or the last SSE
+chunk before `[DONE]`, then carries
+`{"queue_time", "time_to_first_token", "decode_time", "e2e_time", "cached_tokens",
+"num_preemptions"}` (seconds since the request arrived; see Generation.request_metrics).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from functools import lru_cache
+
+import structlog
+from aiohttp import web
+
+from tokenloom.daemon import protocol, sse
+from tokenloom.daemon.errors import APIError
+from tokenloom.daemon.generation import Delta, Generation
+from tokenloom.daemon.state import STATE, ServerState
+
+log = structlog.get_logger("tokenloom.http")
+
+JSON = "application/json"
+
+
+async def read_body(request: web.Request, state: ServerState) -> bytes:
+    """The raw JSON body, or APIError: 415 (not JSON), 413 (too large), 400 (not UTF-8)."""
+    if request.content_type != JSON:
+        raise APIError(415, f"Content-Type must be {JSON}, got "
+                            f"{request.headers.get('Content-Type', '(none)')!r}")
+    limit = state.config.server.max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise APIError(413, f"the request body ({request.content_length} bytes) is larger than "
+                            f"the limit of {limit} bytes")
+    try:
+        body = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise APIError(413, f"the request body is larger than the limit of {limit} bytes") from None
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"the request body is not valid UTF-8 (byte {e.start})") from None
+    return body
+
+
+def _check_serving(state: ServerState) -> None:
+    if state.draining:
+        raise APIError(503, "the server is shutting down")
+    if state.engine_task is not None and state.engine_task.done():
+        raise APIError(503, "the engine has stopped")
+    if state.engine is None or not state.ready:
+        raise APIError(503, "the model is not loaded yet")
+
+
+# -- completions -----------------------------------------------------------------------------
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    _check_serving(state)
+    parsed = protocol.parse_completion(await read_body(request, state), state.limits)
+    return await _serve(request, state, parsed, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    _check_serving(state)
+    parsed = protocol.parse_chat(await read_body(request, state), state.limits)
+    return await _serve(request, state, parsed, chat=True)
+
+
+async def _serve(request: web.Request, state: ServerState, parsed: protocol.ParsedRequest,
+                 chat: bool) -> web.StreamResponse:
+    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    structlog.contextvars.bind_contextvars(request_id=request_id)
+    prompts = [None] if chat else parsed.prompts
+    gen = Generation(state.engine, request_id, prompts, parsed.messages, parsed.params,
+                     parsed.fit_max_tokens, metrics=state.metrics, log=log)
+    fmt = _Formatter(state, request_id, parsed, chat)
+    log.info("request", endpoint="chat" if chat else "completions", stream=parsed.stream,
+             choices=len(gen.choices), max_tokens=parsed.params.max_tokens)
+    finished = False
+    try:
+        try:
+            await gen.start()  # refusals become the HTTP status (400, 429) here
+        except APIError as e:
+            if e.param == "max_tokens" and parsed.max_tokens_field != "max_tokens":
+                e.param = parsed.max_tokens_field
+                e.message = e.message.replace("max_tokens", parsed.max_tokens_field)
+            if e.status == 429:
+                e.headers["Retry-After"] = str(state.config.server.retry_after_seconds)
+            raise
+        if parsed.stream:
+            resp = await _stream(request, gen, fmt, parsed)
+        else:
+            choices = await gen.run_to_end()
+            body = fmt.full_response(choices, gen)
+            resp = web.json_response(body, headers={"X-Request-Id": request_id},
+                                     dumps=_dumps)
+        finished = True
+        return resp
+    finally:
+        if gen.close() and not finished:
+            state.metrics.aborted.inc()
+            log.info("request aborted", reason="the client went away")
+
+
+async def _stream(request: web.Request, gen: Generation, fmt: "_Formatter",
+                  parsed: protocol.ParsedRequest) -> web.StreamResponse:
+    resp = await sse.open_stream(request, {"X-Request-Id": gen.request_id})
+    try:
+        for first in fmt.first_chunks(gen):
+            await resp.write(sse.frame(first))
+        remaining = len(gen.choices)
+        async for delta in gen.deltas():
+            if delta.finish_reason is not None:
+                remaining -= 1
+            elif not delta.text and parsed.logprobs is None:
+                continue  # tokens whose text is held back (half a character, a stop prefix)
+            last = remaining == 0 and not parsed.include_usage
+            chunk = fmt.chunk(delta, gen if last else None)
+            await resp.write(sse.frame(chunk))
+        if parsed.include_usage:
+            await resp.write(sse.frame(fmt.usage_chunk(gen)))
+    except APIError as e:
+        # The status line is gone already: report the error as the stream's last event.
+        log.warning("stream failed", error=e.message)
+        await resp.write(sse.frame(e.body()))
+    await resp.write(sse.DONE)
+    await resp.write_eof()
+    return resp
+
+
+def _dumps(obj) -> str:
+    return sse._encode(obj).decode()
+
+
+class _Formatter:
+    """Builds OpenAI's response objects for one request."""
+
+    def __init__(self, state: ServerState, request_id: str, parsed: protocol.ParsedRequest,
+                 chat: bool):
+        self.state = state
+        self.id = request_id
+        self.parsed = parsed
+        self.chat = chat
+        self.created = int(time.time())
+        self.model = parsed.model
+        self.object = "chat.completion" if chat else "text_completion"
+        self._offsets: dict[int, int] = {}
+        self.token_text = state.token_text
+
+    def _base(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": None}
+
+    # -- logprobs ------------------------------------------------------------------------
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def _logprobs(self, index: int, lps) -> dict | None:
+        if self.parsed.logprobs is None:
+            return None
+        if self.chat:
+            content = []
+            for lp in lps:
+                e = self._entry(lp.token_id, lp.logprob)
+                e["top_logprobs"] = [self._entry(t, v) for t, v in (lp.top or ())]
+                content.append(e)
+            return {"content": content, "refusal": None}
+        tokens, token_logprobs, tops, offsets = [], [], [], []
+        offset = self._offsets.get(index, 0)
+        for lp in lps:
+            text = self.token_text(lp.token_id)
+            tokens.append(text)
+            token_logprobs.append(lp.logprob)
+            top = {self.token_text(t): v for t, v in (lp.top or ())}
+            top.setdefault(text, lp.logprob)
+            tops.append(top)
+            offsets.append(offset)
+            offset += len(text)
+        self._offsets[index] = offset
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
+                "text_offset": offsets}
+
+    # -- whole responses -----------------------------------------------------------------
+    def full_response(self, choices, gen: Generation) -> dict:
+        out = self._base(self.object)
+        items = []
+        for c in choices:
+            lps = self._logprobs(c.index, c.logprobs)
+            if self.chat:
+                items.append({"index": c.index,
+                              "message": {"role": "assistant", "content": c.full_text,
+                                          "refusal": None},
+                              "logprobs": lps, "finish_reason": c.finish_reason})
+            else:
+                items.append({"index": c.index, "text": c.full_text, "logprobs": lps,
+                              "finish_reason": c.finish_reason})
+        out["choices"] = items
+        out["usage"] = gen.usage()
+        if self.parsed.return_metrics:
+            out["metrics"] = gen.request_metrics()
+        return out
+
+    # -- stream chunks -------------------------------------------------------------------
+    def first_chunks(self, gen: Generation) -> list[dict]:
+        if not self.chat:
+            return []
+        chunks = []
+        for c in gen.results():
+            chunk = self._base("chat.completion.chunk")
+            chunk["choices"] = [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                 "logprobs": None, "finish_reason": None}]
+            self._usage_slot(chunk)
+            chunks.append(chunk)
+        return chunks
+
+    def chunk(self, d: Delta, final_of: Generation | None) -> dict:
+        lps = self._logprobs(d.index, d.logprobs) if d.logprobs else None
+        if self.chat:
+            chunk = self._base("chat.completion.chunk")
+            delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+            chunk["choices"] = [{"index": d.index, "delta": delta, "logprobs": lps,
+                                 "finish_reason": d.finish_reason}]
+        else:
+            chunk = self._base("text_completion")
+            chunk["choices"] = [{"index": d.index, "text": d.text, "logprobs": lps,
+                                 "finish_reason": d.finish_reason}]
+        self._usage_slot(chunk)
+        if final_of is not None and self.parsed.return_metrics:
+            chunk["metrics"] = final_of.request_metrics()
+        return chunk
+
+    def _usage_slot(self, chunk: dict) -> None:
+        # With include_usage, OpenAI sends "usage": null on every chunk but the last.
+        if self.parsed.include_usage:
+            chunk["usage"] = None
+
+    def usage_chunk(self, gen: Generation) -> dict:
+        chunk = self._base("chat.completion.chunk" if self.chat else "text_completion")
+        chunk["choices"] = []
+        chunk["usage"] = gen.usage()
+        if self.parsed.return_metrics:
+            chunk["metrics"] = gen.request_metrics()
+        return chunk
+
+
+# -- models, tokenize, detokenize ------------------------------------------------------------
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    data = [{"id": state.model_name, "object": "model", "created": state.started,
+             "owned_by": "tokenloom", "root": str(state.engine.info.model_dir) if state.engine
+             else None, "parent": None,
+             "max_model_len": state.engine.info.max_model_len if state.engine else None}]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    _check_serving(state)
+    req = protocol.decode(await read_body(request, state), protocol.TokenizeRequest)
+    if req.model is not None and req.model not in state.limits.model_names:
+        raise APIError(404, f"the model `{req.model}` does not exist", param="model",
+                       code="model_not_found")
+    tok = state.engine.tokenizer
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+    if req.messages is not None:
+        messages = protocol.chat_messages(req.messages)
+        try:
+            ids = list(tok.apply_chat_template(messages, add_generation_prompt=True,
+                                               tokenize=True, return_dict=False))
+        except Exception as e:
+            raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from e
+    else:
+        ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    return web.json_response({"tokens": ids, "count": len(ids),
+                              "max_model_len": state.engine.info.max_model_len})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    _check_serving(state)
+    req = protocol.decode(await read_body(request, state), protocol.DetokenizeRequest)
+    vocab = len(state.engine.tokenizer)
+    bad = [t for t in req.tokens if not 0 <= t < vocab]
+    if bad:
+        raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})",
+                       param="tokens")
+    return web.json_response({"prompt": state.engine.tokenizer.decode(req.tokens)})
+
+
+def token_text_cache(tokenizer, size: int = 65536):
+    """token id -> its text (as logprobs report it), memoised."""
+    @lru_cache(maxsize=size)
+    def text(token_id: int) -> str:
+        return tokenizer.decode([token_id])
+    return text
+
+
+__all__ = ["chat_completions", "completions", "detokenize", "models", "tokenize",
+           "token_text_cache"]

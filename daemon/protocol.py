@@ -1,0 +1,301 @@
+"""OpenAI request bodies as msgspec Structs, validated into engine requests.
+
+Contract: `parse_completion(body, limits)` / `parse_chat(body, limits)` either return a
+`ParsedRequest` (prompts + SamplingParams + options) or raise `APIError` whose `param` names
+the field at fault, in the body's own spelling (`max_completion_tokens`, `messages[1].role`).
+Decoding (JSON syntax, types, required fields) is msgspec's; ranges and cross-field rules are
+checked here and by `SamplingParams`. Unknown fields are ignored, as vLLM does.
+
+Extensions beyond OpenAI, as in vLLM: top_k, min_p, repetition_penalty, ignore_eos,
+min_tokens, stop_token_ids, cache_salt, priority, and tokenloom's `return_metrics`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import msgspec
+
+from tokenloom.actors.sampling_params import MAX_LOGPROBS, SamplingParams
+from tokenloom.daemon.errors import APIError
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Sampling(msgspec.Struct, kw_only=True):
+    """Fields shared by both endpoints."""
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    cache_salt: str | None = None
+    priority: int = 0
+    return_metrics: bool = False
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    # str | list[str] | list[int] | list[list[int]]; msgspec unions allow one array type,
+    # so the list is checked by hand (see `_completion_prompts`).
+    prompt: str | list[Any]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ContentPart(msgspec.Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Sampling, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict | None = None
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    max_n: int
+    served_name: str
+    model_names: frozenset[str]             # the served name and the aliases accepted
+    max_model_len: int
+
+
+@dataclasses.dataclass
+class ParsedRequest:
+    prompts: list[str | list[int]] | None       # completions: one entry per prompt
+    messages: list[dict] | None                 # chat: the conversation
+    params: SamplingParams
+    fit_max_tokens: bool                        # max_tokens unset: fill the context window
+    stream: bool
+    include_usage: bool
+    return_metrics: bool
+    logprobs: int | None                        # None: no logprobs in the response
+    model: str
+    max_tokens_field: str = "max_tokens"        # how the body spelled it (for error params)
+
+
+# -- decoding ----------------------------------------------------------------------------
+_PATH = re.compile(r" - at `\$\.?(.*)`$")
+
+
+def decode(body: bytes, kind: type[msgspec.Struct]):
+    """JSON bytes -> `kind`, or APIError naming the field (msgspec's path, `$.` removed)."""
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        m = _PATH.search(msg)
+        param = m.group(1) if m else None
+        missing = re.match(r"Object missing required field `(\w+)`", msg)
+        if missing:
+            field = missing.group(1)
+            param = f"{param}.{field}" if param else field
+        where = f" (field `{param}`)" if param and not missing else ""
+        raise APIError(400, _PATH.sub("", msg) + where, param=param) from None
+    except msgspec.DecodeError as e:
+        if isinstance(e.__cause__, UnicodeDecodeError) or "UTF-8" in str(e):
+            raise APIError(400, f"the request body is not valid UTF-8: {e}") from None
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+
+
+# -- validation --------------------------------------------------------------------------
+def _check_model(req, limits: Limits) -> None:
+    if req.model not in limits.model_names:
+        raise APIError(404, f"the model `{req.model}` does not exist (served: "
+                            f"{limits.served_name})",
+                       param="model", code="model_not_found")
+
+
+def _stops(stop) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if any(not s for s in stops):
+        raise APIError(400, "stop strings must be non-empty", param="stop")
+    return tuple(stops)
+
+
+def _sampling_params(req: _Sampling, limits: Limits, max_tokens: int | None,
+                     max_tokens_field: str, logprobs: int | None, logprobs_field: str,
+                     default_max_tokens: int) -> SamplingParams:
+    def need(ok: bool, param: str, message: str) -> None:
+        if not ok:
+            raise APIError(400, f"{param} {message}", param=param)
+
+    if max_tokens is not None:
+        need(max_tokens >= 1, max_tokens_field, f"must be at least 1, got {max_tokens}")
+    if req.temperature is not None:
+        need(req.temperature >= 0, "temperature", f"must be >= 0, got {req.temperature}")
+    if req.top_p is not None:
+        need(0 < req.top_p <= 1, "top_p", f"must be in (0, 1], got {req.top_p}")
+    need(1 <= req.n <= limits.max_n, "n", f"must be in [1, {limits.max_n}], got {req.n}")
+    if logprobs is not None:
+        need(0 <= logprobs <= MAX_LOGPROBS, logprobs_field,
+             f"must be in [0, {MAX_LOGPROBS}], got {logprobs}")
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    if req.cache_salt is not None:
+        need(bool(req.cache_salt), "cache_salt", "must be a non-empty string")
+    need(-(2**31) <= req.priority < 2**31, "priority", "must be a 32-bit integer")
+    fields = dict(n=req.n, max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+                  min_tokens=req.min_tokens, seed=req.seed, stop=_stops(req.stop),
+                  stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+                  logprobs=logprobs)
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty"):
+        if getattr(req, name) is not None:
+            fields[name] = getattr(req, name)
+    try:
+        return SamplingParams(**fields)
+    except ValueError as e:
+        # SamplingParams names the field first ("min_tokens must be ..."); map our renames.
+        param = str(e).split(" ", 1)[0]
+        param = {"max_tokens": max_tokens_field, "logprobs": logprobs_field}.get(param, param)
+        raise APIError(400, str(e), param=param) from None
+
+
+def _completion_prompts(prompt) -> list[str | list[int]]:
+    def is_tokens(x) -> bool:
+        return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                           for t in x)
+
+    if isinstance(prompt, str):
+        prompts: list = [prompt]
+    elif prompt and is_tokens(prompt):
+        prompts = [prompt]
+    elif prompt and all(isinstance(p, str) for p in prompt):
+        prompts = list(prompt)
+    elif prompt and all(isinstance(p, list) and is_tokens(p) for p in prompt):
+        prompts = list(prompt)
+    elif not prompt:
+        raise APIError(400, "prompt is empty", param="prompt")
+    else:
+        raise APIError(400, "prompt must be a string, a list of strings, a list of token ids "
+                            "or a list of token-id lists", param="prompt")
+    for i, p in enumerate(prompts):
+        where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        if not p:
+            raise APIError(400, f"{where} is empty", param=where)
+        if isinstance(p, list) and any(t < 0 for t in p):
+            raise APIError(400, f"{where} has a negative token id", param=where)
+    return prompts
+
+
+def parse_completion(body: bytes, limits: Limits) -> ParsedRequest:
+    req = decode(body, CompletionRequest)
+    _check_model(req, limits)
+    prompts = _completion_prompts(req.prompt)
+    if req.echo:
+        raise APIError(400, "echo is not supported", param="echo")
+    if req.suffix:
+        raise APIError(400, "suffix is not supported", param="suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError(400, "best_of other than n is not supported", param="best_of")
+    # OpenAI's default for the legacy endpoint is 16 tokens.
+    params = _sampling_params(req, limits, req.max_tokens, "max_tokens", req.logprobs, "logprobs",
+                              default_max_tokens=16)
+    return ParsedRequest(prompts=prompts, messages=None, params=params, fit_max_tokens=False,
+                         stream=req.stream, include_usage=_include_usage(req),
+                         return_metrics=req.return_metrics, logprobs=req.logprobs,
+                         model=req.model)
+
+
+def chat_messages(messages: list[ChatMessage], param: str = "messages") -> list[dict]:
+    """Messages as plain dicts for the chat template; text parts are joined."""
+    if not messages:
+        raise APIError(400, f"{param} is empty", param=param)
+    out = []
+    for i, m in enumerate(messages):
+        if m.role not in CHAT_ROLES:
+            raise APIError(400, f"{param}[{i}].role must be one of {', '.join(CHAT_ROLES)}, "
+                                f"got {m.role!r}", param=f"{param}[{i}].role")
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise APIError(400, f"only text content parts are supported, got "
+                                        f"{part.type!r}", param=f"{param}[{i}].content[{j}]")
+                texts.append(part.text)
+            content = "".join(texts)
+        msg = {"role": m.role, "content": content or ""}
+        if m.name is not None:
+            msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+def parse_chat(body: bytes, limits: Limits) -> ParsedRequest:
+    req = decode(body, ChatCompletionRequest)
+    _check_model(req, limits)
+    messages = chat_messages(req.messages)
+    if req.tools:
+        raise APIError(400, "tools are not supported", param="tools")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise APIError(400, "only response_format {\"type\": \"text\"} is supported",
+                       param="response_format")
+    max_tokens, field = req.max_completion_tokens, "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens, field = req.max_tokens, "max_tokens"
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    # Unset max tokens: whatever the context window leaves (the tokenizer fits it).
+    params = _sampling_params(req, limits, max_tokens, field, logprobs, "top_logprobs",
+                              default_max_tokens=limits.max_model_len)
+    return ParsedRequest(prompts=None, messages=messages, params=params,
+                         fit_max_tokens=max_tokens is None, stream=req.stream,
+                         include_usage=_include_usage(req), return_metrics=req.return_metrics,
+                         logprobs=logprobs, model=req.model, max_tokens_field=field)
+
+
+def _include_usage(req: _Sampling) -> bool:
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed when stream is true",
+                       param="stream_options")
+    return bool(req.stream_options and req.stream_options.include_usage)

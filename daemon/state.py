@@ -1,0 +1,30 @@
+"""The server's typed application state (one `web.AppKey`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+from aiohttp import web
+
+from tokenloom.config.schema import EngineConfig
+from tokenloom.daemon.metrics import Metrics
+from tokenloom.daemon.protocol import Limits
+
+
+@dataclasses.dataclass
+class ServerState:
+    config: EngineConfig
+    engine: object | None = None            # tokenloom.actors.engine.Engine once loaded
+    engine_task: object | None = None       # the asyncio.Task running the actors
+    metrics: Metrics | None = None
+    limits: Limits | None = None
+    model_name: str = ""
+    token_text: Callable[[int], str] | None = None
+    ready: bool = False                     # model loaded and warmed up
+    draining: bool = False                  # shutting down: no new requests
+    started: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+
+STATE = web.AppKey("tokenloom_state", ServerState)

@@ -1,0 +1,174 @@
+"""Capture decode CUDA graphs at start-up, and replay them.
+
+Capture order is largest bucket first, every graph sharing one memory pool: the largest
+graph's intermediates are a superset of every smaller one's, so the pool is sized once and
+later graphs reuse it. Each bucket is warmed up eagerly over the static buffers before it is
+captured (kernels are compiled/autotuned and lazy allocations made outside the graph).
+The Python garbage collector is frozen during capture (a collection mid-capture can free
+tensors whose memory the graph would then reuse). Time and memory are logged, memory is
+checked against the configured budget, and capture is closed afterwards: any later attempt
+raises `CaptureClosedError` instead of silently capturing work into a new graph.
+
+Everything but `torch.cuda.graph` itself runs on CPU too: `DecodeGraphs.forward_static`
+runs the same padded static-buffer forward eagerly, which is how the CPU tests check
+padding, skipped KV slots and buffer filling through the real model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from tokenloom.graphs.buffers import DecodeBuffers
+from tokenloom.kernels.kv_store import KVCache
+
+if TYPE_CHECKING:
+    from tokenloom.actors.messages import ScheduledSequence
+
+try:
+    import structlog
+    log = structlog.get_logger("tokenloom.graphs")
+except ImportError:  # the GPU check runs with nothing but torch + triton
+    log = None
+
+
+class CaptureError(RuntimeError):
+    """Capture failed or did not fit its budget; the engine falls back to eager."""
+
+
+class CaptureClosedError(RuntimeError):
+    """A capture was attempted after start-up capture was closed."""
+
+
+_capture_open = False
+
+
+@contextlib.contextmanager
+def capture_window():
+    """The only window in which `DecodeGraphs.capture_one` may run."""
+    global _capture_open
+    _capture_open = True
+    try:
+        yield
+    finally:
+        _capture_open = False
+
+
+def capture_allowed() -> bool:
+    return _capture_open
+
+
+class DecodeGraphs:
+    """One CUDA graph per bucket over shared static buffers (see graphs/buffers.py)."""
+
+    def __init__(self, model, kv: KVCache, buffers: DecodeBuffers):
+        self.model = model
+        self.kv = kv
+        self.buffers = buffers
+        self.graphs: dict[int, "torch.cuda.CUDAGraph"] = {}
+        self.pool = None
+        self.capture_seconds = 0.0
+        self.capture_bytes = 0
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(sorted(self.graphs))
+
+    # -- the static-buffer forward (captured on CUDA; run eagerly on CPU and for warm-up) --
+    def forward_static(self, size: int) -> torch.Tensor:
+        """Forward the first `size` static rows; logits land in buffers.logits[:size]."""
+        b = self.buffers
+        out = self.model(b.input_ids[:size], b.positions[:size], self.kv, b.meta(size),
+                         b.logits_indices[:size])
+        b.logits[:size].copy_(out)
+        return b.logits[:size]
+
+    def run(self, seqs: list[ScheduledSequence], padded: int) -> torch.Tensor:
+        """Fill the buffers, replay the bucket's graph (or run it eagerly when none was
+        captured, e.g. on CPU); returns logits [padded, vocab] (a view: copy to keep)."""
+        self.buffers.fill(seqs, padded)
+        graph = self.graphs.get(padded)
+        if graph is None:
+            return self.forward_static(padded)
+        graph.replay()
+        return self.buffers.logits[:padded]
+
+    # -- capture ---------------------------------------------------------------------------
+    def capture_one(self, size: int, warmup: int = 2) -> None:
+        if not capture_allowed():
+            raise CaptureClosedError(
+                f"CUDA graph capture for batch {size} attempted after start-up capture closed")
+        b = self.buffers
+        # Padding rows only: warm-up and capture write no KV (slot -1) and read block 0.
+        b.slot_mapping[:size].fill_(-1)
+        b.context_lens[:size].fill_(1)
+        with torch.inference_mode():
+            for _ in range(warmup):
+                self.forward_static(size)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.forward_static(size)
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[size] = graph
+
+    def capture(self, sizes: tuple[int, ...], memory_budget_bytes: int, say=None,
+                progress: bool = True) -> None:
+        """Capture every size, largest first; raise CaptureError (graphs dropped) on failure
+        or when the graphs take more than `memory_budget_bytes` of device memory."""
+        if not torch.cuda.is_available() or self.buffers.device.type != "cuda":
+            raise CaptureError("CUDA graphs need a CUDA device")
+        order = sorted(sizes, reverse=True)
+        assert order[0] <= self.buffers.max_size, "buffers are smaller than the largest bucket"
+        torch.cuda.synchronize()
+        free_before = torch.cuda.mem_get_info()[0]
+        t0 = time.perf_counter()
+        bar = None
+        if progress:
+            try:
+                from tqdm import tqdm
+                bar = tqdm(total=len(order), desc="capturing decode graphs", unit="graph",
+                           leave=False)
+            except ImportError:
+                pass
+        gc.collect()
+        gc.freeze()
+        try:
+            with capture_window():
+                for size in order:
+                    self.capture_one(size)
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix(batch=size)
+            torch.cuda.synchronize()
+        except CaptureClosedError:
+            raise
+        except Exception as e:
+            self.graphs.clear()
+            self.pool = None
+            raise CaptureError(f"capture failed: {type(e).__name__}: {e}") from e
+        finally:
+            gc.unfreeze()
+            if bar is not None:
+                bar.close()
+        self.capture_seconds = time.perf_counter() - t0
+        self.capture_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])
+        if log is not None:
+            log.info("decode graphs captured", sizes=list(sorted(sizes)),
+                     seconds=round(self.capture_seconds, 2),
+                     memory_mib=round(self.capture_bytes / 2**20, 1))
+        if say is not None:
+            say(f"CUDA graphs: {len(order)} decode buckets ({order[-1]}..{order[0]}) captured in "
+                f"{self.capture_seconds:.1f}s using {self.capture_bytes / 2**20:.0f} MiB")
+        if self.capture_bytes > memory_budget_bytes:
+            self.graphs.clear()
+            self.pool = None
+            torch.cuda.empty_cache()
+            raise CaptureError(f"graphs took {self.capture_bytes / 2**20:.0f} MiB, over the "
+                               f"budget of {memory_budget_bytes / 2**20:.0f} MiB "
+                               "(graphs.memory_budget_bytes)")

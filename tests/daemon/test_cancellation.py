@@ -1,0 +1,96 @@
+"""Client disconnects abort their requests and free their KV blocks.
+
+The storm: 100 concurrent streaming requests, every 10th cancelled mid-stream, every 15th with
+n=3; survivors produce exactly their token counts (ignore_eos), nothing stays unfinished, and
+the KV pool returns to its idle count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+
+from sse import read_events
+
+
+async def _metric(url: str, name: str) -> float:
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url + "/metrics") as r:
+            text = await r.text()
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+async def test_storm_of_streams_with_cancellations(server, model_name):
+    """1. 100 streams start together (more than max_num_seqs=64, so some queue);
+    2. every 10th reads 2 events and hangs up; every 15th asks for n=3;
+    3. every survivor gets exactly max_tokens tokens per choice and a matching usage;
+    4. afterwards nothing is running or waiting, no stream is open, every block is free."""
+    idle = server.wait_idle()
+    assert idle["used"] == 0
+    aborted_before = await _metric(server.url, "tokenloom:requests_aborted_total")
+
+    async def one(s: aiohttp.ClientSession, i: int):
+        cancel = i % 10 == 0
+        n = 3 if i % 15 == 0 else 1
+        max_tokens = 200 if cancel else 8 + i % 9
+        # logprobs=0: every token shows up in a chunk, even one that decodes to no text.
+        body = dict(model=model_name, prompt=[3 + i % 200, 4, 5 + i % 7], max_tokens=max_tokens,
+                    n=n, temperature=0.8, seed=i, ignore_eos=True, stream=True, logprobs=0,
+                    stream_options={"include_usage": True})
+        resp = await s.post(server.url + "/v1/completions", json=body)
+        assert resp.status == 200
+        if cancel:
+            events = await read_events(resp, limit=2)
+            assert len(events) == 2
+            resp.close()  # hang up mid-stream
+            return i, None
+        events = await read_events(resp)
+        resp.release()
+        assert events[-1] == "[DONE]"
+        *chunks, usage = events[:-1]
+        tokens: dict[int, int] = {}
+        finish: dict[int, str] = {}
+        for c in chunks:
+            (choice,) = c["choices"]
+            tokens[choice["index"]] = (tokens.get(choice["index"], 0)
+                                       + len(choice["logprobs"]["tokens"]))
+            if choice["finish_reason"]:
+                finish[choice["index"]] = choice["finish_reason"]
+        assert tokens == {k: max_tokens for k in range(n)}, (i, tokens)
+        assert finish == {k: "length" for k in range(n)}
+        assert usage["usage"]["completion_tokens"] == n * max_tokens
+        return i, usage["usage"]
+
+    connector = aiohttp.TCPConnector(limit=200)
+    async with aiohttp.ClientSession(connector=connector) as s:
+        results = await asyncio.gather(*(one(s, i) for i in range(100)))
+    assert sum(u is None for _, u in results) == 10
+    after = server.wait_idle(timeout=2)
+    assert after["used"] == 0 and after["free"] == idle["free"]
+    assert after["running"] == 0 and after["waiting"] == 0 and after["streams"] == 0
+    assert server.query("router", "stats")["in_flight"] == 0
+    assert server.query("kv_manager", "integrity") is None
+    # The hung-up streams were aborted by the server, not left to run out their 200 tokens.
+    assert await _metric(server.url, "tokenloom:requests_aborted_total") - aborted_before == 10
+
+
+async def test_non_streaming_client_that_goes_away_is_aborted(server, model_name):
+    """1. a non-streaming request for 1,500 tokens starts; 2. the client gives up after 0.3 s;
+    3. within a moment the request is aborted and all its blocks are free again."""
+    async with aiohttp.ClientSession() as s:
+        try:
+            await asyncio.wait_for(s.post(server.url + "/v1/completions", json=dict(
+                model=model_name, prompt="w5 w6", max_tokens=1500, temperature=0,
+                ignore_eos=True)), timeout=0.3)
+        except asyncio.TimeoutError:
+            pass
+        else:
+            raise AssertionError("the request finished before the client went away")
+    t0 = time.monotonic()
+    idle = server.wait_idle(timeout=5)
+    assert idle["used"] == 0 and idle["running"] == 0 and idle["streams"] == 0
+    assert time.monotonic() - t0 < 2
+    assert await _metric(server.url, "tokenloom:requests_aborted_total") >= 1

@@ -1,0 +1,70 @@
+"""A tokenloom HTTP server on 127.0.0.1 (a free port) in a background thread, for tests.
+
+The server runs the real app (`create_app` + `AppRunner`/`TCPSite`) on its own uvloop event
+loop, so tests talk to it over real sockets with any client, and can still query the engine's
+actors (`server.query("kv_manager", "stats")`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+from tokenloom.config.load import load_config
+
+
+def tiny_config(model_dir: Path, cache_dir: Path, **overrides):
+    base = {"model.model": str(model_dir), "model.device": "cpu", "model.dtype": "float32",
+            "model.cache_dir": str(cache_dir), "cache.block_size": 8, "cache.num_blocks": 1024,
+            "scheduler.max_num_seqs": 64, "scheduler.max_num_batched_tokens": 512}
+    base.update(overrides)
+    return load_config(overrides=base, env=None)
+
+
+class ServerThread:
+    def __init__(self, config, engine=None):
+        import uvloop
+
+        from tokenloom.actors.engine import Engine
+        from tokenloom.daemon.app import create_app
+
+        self.engine = engine or Engine.build(config, say=lambda *_: None)
+        self.app = create_app(config, self.engine)
+        self.loop = uvloop.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="test-server",
+                                        daemon=True)
+        self._thread.start()
+        self.runner, self.port = self.call(self._start())
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    async def _start(self):
+        from tokenloom.daemon.app import start
+        return await start(self.app, "127.0.0.1", 0)
+
+    def call(self, coro, timeout: float = 60):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def query(self, actor: str, op: str):
+        return self.call(self.engine.query(actor, op))
+
+    def wait_idle(self, timeout: float = 10.0) -> dict:
+        """Wait until the scheduler is idle and every block is back; return the KV stats."""
+        async def idle():
+            deadline = self.loop.time() + timeout
+            while True:
+                kv = await self.engine.query("kv_manager", "stats")
+                sched = await self.engine.query("scheduler", "stats")
+                if (kv["used"] == 0 and sched["waiting"] == 0 and sched["running"] == 0) \
+                        or self.loop.time() > deadline:
+                    return {**kv, **sched, "streams": len(self.engine.streams)}
+                await asyncio.sleep(0.02)
+        return self.call(idle(), timeout + 5)
+
+    def close(self) -> None:
+        try:
+            self.call(self.runner.cleanup(), timeout=30)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+            self.loop.close()

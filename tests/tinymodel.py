@@ -1,0 +1,54 @@
+"""Tiny randomly-initialised models saved as real model directories, for fast tests.
+
+`build_tiny_model(path, "LlamaConfig", {...}, seed)` writes config.json + model.safetensors + a
+small word-level tokenizer ("<unk>", "<s>", "</s>", then "w3" ... "w255"), loadable both by
+`transformers` and by tokenloom. Importable from any test module (conftest puts tests/ on
+sys.path).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 256            # tokenizer and model vocabulary; ids 0-2 are <unk>, <s>, </s>
+COMMON_CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                     initializer_range=0.3, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+# A minimal chat template for the word-level tokenizer: every message's content, then the
+# generation prompt "w3" (contents must be made of vocabulary words, e.g. "w17 w42").
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}w3{% endif %}")
+
+
+def save_tiny_tokenizer(path: Path, chat_template: str | None = None) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>")
+    if chat_template is not None:
+        fast.chat_template = chat_template
+    fast.save_pretrained(path)
+
+
+def build_tiny_model(path: Path, config_class: str, config: dict, seed: int,
+                     chat_template: str | None = None) -> None:
+    """Save a randomly initialised fp32 model (config.json + model.safetensors + tokenizer)."""
+    import transformers
+
+    cfg = getattr(transformers, config_class)(**{**COMMON_CONFIG, **config})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("_proj.bias"):
+                p.copy_(0.5 * torch.randn_like(p))  # random init leaves biases at zero
+    model.save_pretrained(path, safe_serialization=True)
+    save_tiny_tokenizer(path, chat_template)
