@@ -82,13 +82,16 @@ class BlockPool:
         self._num_used += n
         return block_ids
 
-    def free(self, block_ids: Iterable[int]) -> None:
+    def free(self, block_ids: Iterable[int], *, front: bool = False) -> None:
         """Drop one reference per listed id; blocks reaching 0 go to the free-list tail.
 
         Blocks are appended in the order given, so a caller that wants some blocks reused
-        last should list them first. An id may appear several times (one reference each).
-        Dropping more references than a block holds is a double free: ``AssertionError``,
-        and nothing is freed.
+        last should list them first. With ``front=True`` the blocks reaching 0 go to the
+        *head* instead (still first listed, first reused): for blocks whose contents are
+        worthless (no cached hash), so that they are reused before any cached block is
+        evicted. An id may appear several times (one reference each). Dropping more
+        references than a block holds is a double free: ``AssertionError``, and nothing is
+        freed.
         """
         block_ids = list(block_ids)
         for block_id, count in Counter(block_ids).items():
@@ -98,11 +101,16 @@ class BlockPool:
                     f"double free of block {block_id}: freeing {count} reference(s) but "
                     f"ref_cnt is {self._ref_cnt[block_id]}"
                 )
+        released: list[int] = []
         for block_id in block_ids:
             self._ref_cnt[block_id] -= 1
             if self._ref_cnt[block_id] == 0:
-                self._free[block_id] = None
+                released.append(block_id)
                 self._num_used -= 1
+        for block_id in reversed(released) if front else released:
+            self._free[block_id] = None
+            if front:
+                self._free.move_to_end(block_id, last=False)
 
     def incr_ref(self, block_ids: Iterable[int]) -> None:
         """Add one reference per listed id (sharing). Every block must be in use.

@@ -66,6 +66,17 @@ def test_freed_blocks_go_to_tail_lru_order():
     pool.check_integrity()
 
 
+def test_free_to_front_is_reused_first_in_listed_order():
+    pool = BlockPool(6)
+    pool.allocate(6)
+    pool.free([4, 5])
+    pool.incr_ref([1])
+    pool.free([2, 1, 3], front=True)  # 1 keeps a reference: it stays used
+    assert list(pool._free) == [2, 3, 4, 5]
+    assert pool.allocate(2) == [2, 3]
+    pool.check_integrity()
+
+
 def test_unallocated_blocks_are_used_before_freed_ones():
     pool = BlockPool(4)
     assert pool.allocate(1) == [0]

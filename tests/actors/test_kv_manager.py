@@ -137,6 +137,23 @@ def test_check_integrity_detects_corruption():
         kv.check_integrity()
 
 
+def test_check_integrity_with_sharing():
+    kv = KVCacheManager(num_blocks=6, block_size=4)
+    kv.allocate([("a", 8)])
+    assert kv.fork("a", "b", 8) == []        # legitimately shared: ref_cnt 2, two tables
+    kv.check_integrity()
+
+    kv._pool.incr_ref([0])                    # a reference no table accounts for
+    with pytest.raises(AssertionError, match="ref_cnt 3 but 2 table"):
+        kv.check_integrity()
+
+    kv = KVCacheManager(num_blocks=6, block_size=4)
+    kv.allocate([("a", 4)])
+    kv._tables["a"].append(0)
+    with pytest.raises(AssertionError, match="holds a block twice"):
+        kv.check_integrity()
+
+
 REQUEST_IDS = ["r0", "r1", "r2", "r3", "r4"]
 
 
