@@ -1,13 +1,14 @@
 // Paged-attention decode for the CPU: one query token per sequence, keys and values read
 // straight from the block pool through each sequence's block table (no gathered copy).
 //
-// Work item = (sequence, kv head); its G = heads / kv_heads query heads are processed
-// together so every key/value row is loaded once. Two passes over the context: scores
+// Work item = one sequence; all its heads are processed together so every key/value row
+// ([kv_heads, head_dim], contiguous in its block) is loaded once, in order. Two passes over the context: scores
 // (q . k) then the weighted sum of values; softmax in fp32 in between.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 template <typename T>
@@ -19,31 +20,36 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* t
                           int64_t D, int64_t BS, int64_t max_blocks, int64_t blk_stride,
                           int64_t row_stride, float scale) {
   const int64_t G = H / KVH;
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), scores;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / KVH, kh = item % KVH;
+  // One work item per sequence: a token's keys for all kv heads are one contiguous row
+  // ([KVH, D]) of its block, so walking t in order streams each block front to back.
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(H * D), acc(H * D), scores, row(row_stride);
+    for (int64_t b = begin; b < end; ++b) {
       const int64_t ctx = lens[b];
       const int64_t* table = tables + b * max_blocks;
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d)
-          qf[g * D + d] = to_f(q[(b * H + kh * G + g) * D + d]) * scale;
-      scores.assign(G * ctx, 0.f);
-      // Pass 1: scores[g, t] = q_g . k_t
+      for (int64_t i = 0; i < H * D; ++i) qf[i] = to_f(q[b * H * D + i]) * scale;
+      scores.assign(H * ctx, 0.f);
+      // Pass 1: scores[h, t] = q_h . k_t(kv head of h)
       for (int64_t t = 0; t < ctx; ++t) {
-        const T* k = kc + table[t / BS] * blk_stride + (t % BS) * row_stride + kh * D;
-        float kf[256];
-        for (int64_t d = 0; d < D; ++d) kf[d] = to_f(k[d]);
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = &qf[g * D];
+        const T* k = kc + table[t / BS] * blk_stride + (t % BS) * row_stride;
+        const float* kf;
+        if constexpr (std::is_same_v<T, float>) {
+          kf = k;
+        } else {
+          for (int64_t i = 0; i < row_stride; ++i) row[i] = to_f(k[i]);
+          kf = row.data();
+        }
+        for (int64_t h = 0; h < H; ++h) {
+          const float* qh = &qf[h * D];
+          const float* kh = kf + (h / G) * D;
           float s = 0.f;
-          for (int64_t d = 0; d < D; ++d) s += qg[d] * kf[d];
-          scores[g * ctx + t] = s;
+          for (int64_t d = 0; d < D; ++d) s += qh[d] * kh[d];
+          scores[h * ctx + t] = s;
         }
       }
       // Softmax per query head (fp32).
-      for (int64_t g = 0; g < G; ++g) {
-        float* s = &scores[g * ctx];
+      for (int64_t h = 0; h < H; ++h) {
+        float* s = &scores[h * ctx];
         float m = -std::numeric_limits<float>::infinity();
         for (int64_t t = 0; t < ctx; ++t) m = s[t] > m ? s[t] : m;
         float sum = 0.f;
@@ -51,21 +57,25 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* t
         const float inv = 1.f / sum;
         for (int64_t t = 0; t < ctx; ++t) s[t] *= inv;
       }
-      // Pass 2: acc[g] = sum_t p[g, t] * v_t
+      // Pass 2: acc[h] = sum_t p[h, t] * v_t(kv head of h)
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < ctx; ++t) {
-        const T* v = vc + table[t / BS] * blk_stride + (t % BS) * row_stride + kh * D;
-        float vf[256];
-        for (int64_t d = 0; d < D; ++d) vf[d] = to_f(v[d]);
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * ctx + t];
-          float* a = &acc[g * D];
-          for (int64_t d = 0; d < D; ++d) a[d] += p * vf[d];
+        const T* v = vc + table[t / BS] * blk_stride + (t % BS) * row_stride;
+        const float* vf;
+        if constexpr (std::is_same_v<T, float>) {
+          vf = v;
+        } else {
+          for (int64_t i = 0; i < row_stride; ++i) row[i] = to_f(v[i]);
+          vf = row.data();
+        }
+        for (int64_t h = 0; h < H; ++h) {
+          const float p = scores[h * ctx + t];
+          const float* vh = vf + (h / G) * D;
+          float* a = &acc[h * D];
+          for (int64_t d = 0; d < D; ++d) a[d] += p * vh[d];
         }
       }
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d)
-          out[(b * H + kh * G + g) * D + d] = static_cast<T>(acc[g * D + d]);
+      for (int64_t i = 0; i < H * D; ++i) out[b * H * D + i] = static_cast<T>(acc[i]);
     }
   });
 }
