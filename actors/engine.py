@@ -23,7 +23,9 @@ from tokenloom.actors.kv_manager import KVCacheManager
 from tokenloom.actors.messages import (AbortRequest, GenerateRequest, RequestFinished,
                                        RequestOutput, Shutdown)
 from tokenloom.actors.model_runner import ModelRunner
+from tokenloom.actors.block_hash import model_fingerprint
 from tokenloom.actors.policy import PolicyLimits
+from tokenloom.actors.prefix_tracker import PrefixTracker
 from tokenloom.actors.router import RouterActor
 from tokenloom.actors.runner import RunnerActor
 from tokenloom.actors.scheduler import SchedulerActor
@@ -31,7 +33,7 @@ from tokenloom.actors.streams import StreamRegistry
 from tokenloom.actors.tokenizer import TokenizerActor
 from tokenloom.config.schema import ConfigError, EngineConfig, resolve_cache_dir
 from tokenloom.kernels.kv_store import KVCache
-from tokenloom.kernels.loader import DTYPES, load_model, resolve_model_dir
+from tokenloom.kernels.loader import DTYPES, load_model, resolve_model_dir, weights_digest
 from tokenloom.kernels.model_spec import ModelSpec
 
 log = structlog.get_logger("tokenloom.engine")
@@ -49,6 +51,7 @@ class RuntimeInfo:
     kv_bytes_per_token: int
     max_model_len: int
     attention_backend: str = "torch"
+    weights_digest: str = ""
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -163,8 +166,12 @@ class Engine:
                               info.spec.num_kv_heads, info.spec.head_dim, info.dtype, info.device)
         self.tokenizer_actor = TokenizerActor(tokenizer, info.max_model_len, self.streams.emit)
         self.router = RouterActor(sc.max_num_seqs, sc.max_waiting, self.streams.emit)
-        self.scheduler = SchedulerActor(limits, eos, info.max_model_len, self._emit_scheduled)
-        self.kv_manager = KVManagerActor(KVCacheManager(info.num_blocks, info.block_size))
+        caching = config.cache.enable_prefix_caching
+        fingerprint = model_fingerprint(info.weights_digest, str(info.dtype), info.block_size)
+        self.scheduler = SchedulerActor(limits, eos, info.max_model_len, self._emit_scheduled,
+                                        PrefixTracker(fingerprint, info.block_size, caching))
+        self.kv_manager = KVManagerActor(KVCacheManager(info.num_blocks, info.block_size,
+                                                        enable_prefix_caching=caching))
         from tokenloom.graphs.setup import build_decode_graphs
         dispatcher, graphs = build_decode_graphs(
             config.graphs, model, kv, max_num_seqs=sc.max_num_seqs,
@@ -216,7 +223,8 @@ class Engine:
         info = RuntimeInfo(model_dir=model_dir, spec=spec, device=device, dtype=dtype,
                            num_blocks=num_blocks, block_size=config.cache.block_size,
                            kv_bytes_per_token=per_token, max_model_len=max_len,
-                           attention_backend=backend)
+                           attention_backend=backend,
+                           weights_digest=weights_digest(model_dir, resolve_cache_dir(config)))
         say(f"model {spec.architecture} from {model_dir} ({str(dtype).removeprefix('torch.')}, "
             f"{device}) loaded in {time.perf_counter() - t0:.1f}s")
         say(f"KV cache: {num_blocks} blocks x {info.block_size} tokens = {capacity} tokens, "

@@ -20,10 +20,28 @@ class KVManagerActor(Actor):
         self.scheduler_inbox = None  # wired by the engine
 
     def apply(self, update: KVUpdate) -> KVGrant:
-        freed = sum(self.manager.free(rid) for rid in update.frees)
-        new_blocks = self.manager.allocate(update.grants) if update.grants else {}
-        return KVGrant(new_blocks=new_blocks, num_free_blocks=self.manager.num_free_blocks,
-                       num_used_blocks=self.manager.num_used_blocks, freed=freed)
+        m = self.manager
+        # Commits first: a request finishing this step caches its last blocks, then frees.
+        for c in update.commits:
+            m.commit_full_blocks(c.request_id, c.num_computed_tokens, c.block_hashes,
+                                 c.token_ids, c.content_hashes)
+        freed = sum(m.free(rid) for rid in update.frees)
+        new_blocks = m.allocate(update.grants) if update.grants else {}
+        admitted = {}
+        if new_blocks is not None:
+            # Each admission may use its reserved blocks plus whatever nobody reserved:
+            # reclaiming cached hit blocks that sit free costs free blocks too.
+            bs = m.block_size
+            slack = m.num_free_blocks - sum(-(-a.planned_tokens // bs) for a in update.admissions)
+            for a in update.admissions:
+                reserved = -(-a.planned_tokens // bs)
+                before = m.num_free_blocks
+                admitted[a.request_id] = m.admit(a.request_id, a.planned_tokens, a.query,
+                                                 budget=reserved + max(0, slack))
+                slack -= max(0, before - m.num_free_blocks - reserved)
+        return KVGrant(new_blocks=new_blocks, num_free_blocks=m.num_free_blocks,
+                       num_used_blocks=m.num_used_blocks, freed=freed, admitted=admitted,
+                       exclusive={rid: m.num_exclusive(rid) for rid in update.report})
 
     async def run(self) -> None:
         while True:

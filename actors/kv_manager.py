@@ -258,6 +258,46 @@ class KVCacheManager:
                                       prefix=record)
         return result
 
+    def admit(self, request_id: str, planned_tokens: int, query: PrefixQuery,
+              budget: int | None = None) -> TableGrowth:
+        """Admit a new request the scheduler planned to compute ``planned_tokens`` tokens
+        of from scratch, reusing its cached prefix when that fits ``budget`` free blocks.
+
+        The scheduler reserved ``ceil(planned_tokens / block_size)`` free blocks for it
+        (the default budget; the caller may add unreserved slack). With ``h`` hit blocks it
+        computes ``min(planned, len - h * block_size)`` tokens from position
+        ``h * block_size``; that costs the fresh blocks plus the hit blocks that are
+        currently free (taking them back uses free blocks). The longest hit whose cost fits
+        the budget is used — at worst none, which is exactly what was reserved — so an
+        admission the scheduler planned is never refused.
+        """
+        bs = self._block_size
+        reserved = -(-planned_tokens // bs)
+        if budget is not None:
+            reserved = max(reserved, budget)
+        hits = self._match(query)
+        length = len(query.token_ids)
+        h = len(hits)
+        while h > 0:
+            fresh = -(-min(planned_tokens, length - h * bs) // bs)
+            if fresh + sum(self._pool.is_free(b) for b in hits[:h]) <= reserved:
+                break
+            h -= 1
+        if h < len(hits):
+            query = msgspec.structs.replace(
+                query, block_hashes=query.block_hashes[:h],
+                content_hashes=None if query.content_hashes is None else query.content_hashes[:h])
+        total = h * bs + min(planned_tokens, length - h * bs)
+        grown = self.allocate_with_prefix([(request_id, total)], {request_id: query})
+        assert grown is not None, (f"admission of {request_id!r} refused within its "
+                                   f"reservation of {reserved} blocks")
+        return grown[request_id]
+
+    def num_exclusive(self, request_id: str) -> int:
+        """Blocks that freeing ``request_id`` would return to the free list right now
+        (those it holds alone); shared prefix blocks stay with their other holders."""
+        return sum(self._pool.ref_count(b) == 1 for b in self._tables.get(request_id, ()))
+
     def commit_full_blocks(self, request_id: str, num_computed_tokens: int,
                            block_hashes: Sequence[BlockHash], token_ids: Sequence[int],
                            content_hashes: Sequence[BlockHash] | None = None) -> int:

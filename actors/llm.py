@@ -36,6 +36,9 @@ class Timings:
     token_times: list[float]      # one per generated token
     e2e: float | None
     num_preemptions: int
+    num_cached_tokens: int = 0          # prompt tokens whose KV came from the prefix cache
+    prefix_hit_blocks: int = 0
+    prefix_miss_reason: str | None = None  # why the first uncached block missed
 
 
 @dataclasses.dataclass
@@ -108,11 +111,14 @@ class LLM:
 
     # -- public API ----------------------------------------------------------------------
     def generate(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
-                 ) -> list[GenerationOutput]:
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 cache_salt: str | None = None) -> list[GenerationOutput]:
+        """`cache_salt` isolates prefix-cache reuse: requests with different salts never
+        share KV blocks (e.g. one salt per tenant)."""
         items = _normalise_prompts(prompts)
         params = _per_prompt(sampling_params, len(items))
-        return self._wait(self._generate_all([(p, sp, None) for p, sp in zip(items, params)]))
+        return self._wait(self._generate_all([(p, sp, None) for p, sp in zip(items, params)],
+                                             cache_salt))
 
     def chat(self, conversations: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None) -> list[GenerationOutput]:
@@ -199,21 +205,23 @@ class LLM:
             raise RuntimeError("engine stopped")
         return fut.result()
 
-    async def _generate_all(self, items) -> list[GenerationOutput]:
+    async def _generate_all(self, items, cache_salt: str | None = None) -> list[GenerationOutput]:
         tasks = []
         for prompt, params, messages in items:
             rid = self.engine.new_request_id()
-            tasks.append(self._prompt(prompt, params, messages, rid))
+            tasks.append(self._prompt(prompt, params, messages, rid, cache_salt))
         return list(await asyncio.gather(*tasks))
 
-    async def _prompt(self, prompt, params: SamplingParams, messages, rid: str) -> GenerationOutput:
+    async def _prompt(self, prompt, params: SamplingParams, messages, rid: str,
+                      cache_salt: str | None = None) -> GenerationOutput:
         siblings = []
         for i in range(params.n):
             p = params
             if params.n > 1:
                 # Siblings must differ: each gets its own seed stream derived from the seed.
                 p = _replace(params, n=1, seed=None if params.seed is None else params.seed + i)
-            siblings.append(self._one(prompt, p, messages, i, f"{rid}-{i}" if params.n > 1 else rid))
+            siblings.append(self._one(prompt, p, messages, i, f"{rid}-{i}" if params.n > 1 else rid,
+                                      cache_salt=cache_salt))
         results = await asyncio.gather(*siblings)
         outputs = [r[0] for r in results]
         num_prompt = results[0][1]
@@ -223,11 +231,11 @@ class LLM:
                                 outputs=outputs)
 
     async def _one(self, prompt, params: SamplingParams, messages, index: int, rid: str,
-                   on_delta=None) -> tuple[CompletionOutput, int]:
+                   on_delta=None, cache_salt: str | None = None) -> tuple[CompletionOutput, int]:
         req = GenerateRequest(request_id=rid, sampling_params=params,
                               prompt=prompt if isinstance(prompt, str) else None,
                               prompt_token_ids=list(prompt) if isinstance(prompt, list) else None,
-                              messages=messages)
+                              messages=messages, cache_salt=cache_salt)
         detok = None
         token_ids: list[int] = []
         logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
@@ -265,7 +273,8 @@ def _timings(t) -> Timings:
     rel = lambda x: None if x is None else x - t.arrival  # noqa: E731
     return Timings(queued=rel(t.first_scheduled), first_token=rel(t.first_token),
                    token_times=[x - t.arrival for x in t.token_times], e2e=rel(t.finished),
-                   num_preemptions=t.num_preemptions)
+                   num_preemptions=t.num_preemptions, num_cached_tokens=t.num_cached_tokens,
+                   prefix_hit_blocks=t.prefix_hit_blocks, prefix_miss_reason=t.prefix_miss_reason)
 
 
 def _replace(params: SamplingParams, **changes) -> SamplingParams:

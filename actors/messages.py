@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import msgspec
 
+from tokenloom.actors.kv_manager import TableGrowth
+from tokenloom.actors.prefix_cache import PrefixQuery
 from tokenloom.actors.sampling_params import SamplingParams
 
 
@@ -27,6 +29,7 @@ class GenerateRequest(_Msg):
     # True when the client left max_tokens unset: the tokenizer lowers max_tokens (and
     # min_tokens) to whatever the context window leaves after the prompt.
     fit_max_tokens: bool = False
+    cache_salt: str | None = None   # prefix-cache isolation: different salts never share KV
 
 
 class AddRequest(_Msg):
@@ -34,6 +37,7 @@ class AddRequest(_Msg):
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float
+    cache_salt: str | None = None
 
 
 class AbortRequest(_Msg):
@@ -61,6 +65,11 @@ class RequestTimings(_Msg):
     finished: float | None = None
     token_times: list[float] = []
     num_preemptions: int = 0
+    # Prefix cache, from the request's first admission: prompt tokens whose KV was reused
+    # (full blocks only), how many blocks hit, and why the first miss happened.
+    num_cached_tokens: int = 0
+    prefix_hit_blocks: int = 0
+    prefix_miss_reason: str | None = None
 
 
 # What kind of failure a finished-with-error output reports; the HTTP layer maps it to a status.
@@ -83,10 +92,32 @@ class RequestOutput(_Msg):
 
 
 # -- scheduler <-> KV manager ------------------------------------------------------------
+class KVCommit(_Msg):
+    """A request's computed full blocks, offered to the prefix cache (chain-hashed)."""
+    request_id: str
+    num_computed_tokens: int
+    block_hashes: list[bytes]
+    token_ids: list[int]
+    content_hashes: list[bytes] | None = None
+
+
+class KVAdmission(_Msg):
+    """A waiting request the policy admits with `planned_tokens` computed from scratch;
+    the KV manager may start it from its cached prefix within the same reservation."""
+    request_id: str
+    planned_tokens: int
+    query: PrefixQuery
+
+
 class KVUpdate(_Msg):
-    """Apply `frees`, then grow every table in `grants` to hold its token count — atomically."""
+    """Apply, in order: `commits`, `frees`, the running `grants` (grow each table to hold
+    its token count, atomically), then each of `admissions`. Then report the exclusive
+    block counts of `report` (blocks each would free if released)."""
     frees: list[str]
     grants: list[tuple[str, int]]
+    commits: list[KVCommit] = []
+    admissions: list[KVAdmission] = []
+    report: list[str] = []
 
 
 class KVGrant(_Msg):
@@ -94,6 +125,8 @@ class KVGrant(_Msg):
     num_free_blocks: int
     num_used_blocks: int
     freed: int
+    admitted: dict[str, TableGrowth] = {}
+    exclusive: dict[str, int] = {}
 
 
 # -- scheduler <-> runner ----------------------------------------------------------------

@@ -60,8 +60,14 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 def schedule(running: Sequence[Request], waiting: deque[Request] | Sequence[Request],
              num_free_blocks: int, held_blocks: Callable[[str], int],
-             limits: PolicyLimits) -> Decision:
-    """Decide the next iteration. Does not mutate its arguments."""
+             limits: PolicyLimits,
+             freeable_blocks: Callable[[str], int] | None = None) -> Decision:
+    """Decide the next iteration. Does not mutate its arguments.
+
+    `held_blocks(id)` is the length of a request's block table; `freeable_blocks(id)` how
+    many blocks preempting it would return to the pool (fewer than it holds when prefix
+    blocks are shared); by default the same as held_blocks."""
+    freeable = freeable_blocks or held_blocks
     d = Decision()
     budget = limits.max_num_batched_tokens
     free = num_free_blocks
@@ -82,7 +88,7 @@ def schedule(running: Sequence[Request], waiting: deque[Request] | Sequence[Requ
                 continue
             victims.add(rid)
             d.preempted.append(victim)
-            free += held_blocks(rid)
+            free += freeable(rid)
             return True
         return False
 
@@ -109,7 +115,7 @@ def schedule(running: Sequence[Request], waiting: deque[Request] | Sequence[Requ
             if req.request_id not in victims:
                 victims.add(req.request_id)
                 d.preempted.append(req)
-                free += held_blocks(req.request_id)
+                free += freeable(req.request_id)
             continue
         budget -= 1
         d.decodes.append(ScheduledWork(req, 1, resumed=False))
@@ -123,7 +129,7 @@ def schedule(running: Sequence[Request], waiting: deque[Request] | Sequence[Requ
             if req.request_id not in victims:
                 victims.add(req.request_id)
                 d.preempted.append(req)
-                free += held_blocks(req.request_id)
+                free += freeable(req.request_id)
             continue
         budget -= n
         d.prefills.append(ScheduledWork(req, n, resumed=False))

@@ -62,7 +62,8 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
                  sampling_params: SamplingParams, eos_token_ids: Sequence[int] = (),
-                 arrival_time: float | None = None, max_model_len: int | None = None):
+                 arrival_time: float | None = None, max_model_len: int | None = None,
+                 cache_salt: str | None = None):
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
         self.request_id = request_id
@@ -75,6 +76,16 @@ class Request:
         self.num_computed_tokens = 0
         self.num_preemptions = 0
         self.consecutive_skips = 0
+        # Prefix cache: chain hashes of full blocks (extended as tokens are computed), the
+        # salt-free chain when salted (to explain isolation misses), blocks committed to the
+        # cache, and what the first admission found cached.
+        self.cache_salt = cache_salt
+        self.block_hashes: list[bytes] = []
+        self.content_hashes: list[bytes] = []
+        self.num_committed_blocks = 0
+        self.num_cached_tokens = 0
+        self.prefix_hit_blocks = 0
+        self.prefix_miss_reason: str | None = None
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None
         # Timings (time.monotonic seconds) for the per-request metrics.

@@ -14,10 +14,11 @@ from typing import Callable
 
 from tokenloom.actors.base import Actor, Control, resolve
 from tokenloom.actors.messages import (ERROR_INTERNAL, ERROR_INVALID, AbortRequest, AddRequest,
-                                       ExecuteBatch, KVGrant, KVUpdate, NewSequence,
-                                       RequestOutput, RequestTimings, ScheduledSequence, Shutdown,
-                                       StepOutput)
+                                       ExecuteBatch, KVAdmission, KVCommit, KVGrant, KVUpdate,
+                                       NewSequence, RequestOutput, RequestTimings,
+                                       ScheduledSequence, Shutdown, StepOutput)
 from tokenloom.actors.policy import Decision, PolicyLimits, ScheduledWork, schedule
+from tokenloom.actors.prefix_tracker import PrefixTracker
 from tokenloom.actors.request import FinishReason, Request, RequestStatus
 
 S = RequestStatus
@@ -27,8 +28,9 @@ class SchedulerActor(Actor):
     name = "scheduler"
 
     def __init__(self, limits: PolicyLimits, eos_token_ids: tuple[int, ...], max_model_len: int,
-                 emit: Callable[[RequestOutput], None]):
+                 emit: Callable[[RequestOutput], None], prefix: PrefixTracker | None = None):
         super().__init__()
+        self.prefix = prefix or PrefixTracker("", limits.block_size, enabled=False)
         self.limits = limits
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
@@ -41,6 +43,8 @@ class SchedulerActor(Actor):
         self.tables: dict[str, list[int]] = {}            # mirror of granted block tables
         self.num_free_blocks = limits.num_blocks
         self._pending_frees: list[str] = []
+        self._pending_commits: list[KVCommit] = []
+        self._exclusive: dict[str, int] = {}              # blocks each would free (last report)
         self._runner_finished: list[str] = []
         self._on_runner: set[str] = set()                 # requests the runner has state for
         self._step = 0
@@ -74,7 +78,7 @@ class SchedulerActor(Actor):
             return
         req = Request(msg.request_id, msg.prompt_token_ids, msg.sampling_params,
                       eos_token_ids=self.eos_token_ids, arrival_time=msg.arrival_time,
-                      max_model_len=self.max_model_len)
+                      max_model_len=self.max_model_len, cache_salt=msg.cache_salt)
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
@@ -110,7 +114,10 @@ class SchedulerActor(Actor):
         return RequestTimings(arrival=req.arrival_time, first_scheduled=req.first_scheduled_time,
                               first_token=req.first_token_time, finished=time.monotonic(),
                               token_times=list(req.token_times),
-                              num_preemptions=req.num_preemptions)
+                              num_preemptions=req.num_preemptions,
+                              num_cached_tokens=req.num_cached_tokens,
+                              prefix_hit_blocks=req.prefix_hit_blocks,
+                              prefix_miss_reason=req.prefix_miss_reason)
 
     async def _await(self, kind: type):
         """Wait for a reply of `kind`; other messages (adds, aborts) are handled meanwhile."""
@@ -144,39 +151,59 @@ class SchedulerActor(Actor):
             self._finish(req, S.CANCELLED, FinishReason.ABORT, error="engine shut down",
                          error_kind=ERROR_INTERNAL)
 
-    async def _kv_update(self, grants: list[tuple[str, int]]) -> KVGrant:
-        self.kv_inbox.put_nowait(KVUpdate(frees=self._pending_frees, grants=grants))
-        self._pending_frees = []
+    async def _kv_update(self, grants: list[tuple[str, int]],
+                         admissions: list[KVAdmission] = ()) -> KVGrant:
+        report = [r.request_id for r in self.running] if self.prefix.enabled else []
+        self.kv_inbox.put_nowait(KVUpdate(frees=self._pending_frees, grants=grants,
+                                          commits=self._pending_commits,
+                                          admissions=list(admissions), report=report))
+        self._pending_frees, self._pending_commits = [], []
         grant = await self._await(KVGrant)
         self.num_free_blocks = grant.num_free_blocks
+        self._exclusive = grant.exclusive
         return grant
 
     def _release(self, rid: str) -> None:
         """Queue rid's blocks for the next KV update. The update applies frees before
-        grants, so the policy may count them as free right away (its view stays exact)."""
+        grants, so the policy may count them as free right away: all of them without
+        prefix sharing, else the ones rid held alone at the last report (a lower bound)."""
         self._pending_frees.append(rid)
-        self.num_free_blocks += len(self.tables.pop(rid, ()))
+        table = self.tables.pop(rid, ())
+        self.num_free_blocks += self._exclusive.get(rid, len(table)) if self.prefix.enabled \
+            else len(table)
+
+    def _freeable(self, rid: str) -> int:
+        if not self.prefix.enabled:
+            return len(self.tables.get(rid, ()))
+        return self._exclusive.get(rid, 0)
 
     def _held(self, rid: str) -> int:
         return len(self.tables.get(rid, ()))
 
     async def step(self) -> None:
         decision = schedule(self.running, self.waiting, self.num_free_blocks, self._held,
-                            self.limits)
+                            self.limits, self._freeable)
         self._apply_preemptions(decision)
         for req, why in decision.rejected:
             self.waiting.remove(req)
             self._finish(req, S.FINISHED, FinishReason.ERROR, error=why, error_kind=ERROR_INVALID)
-        grant = await self._kv_update(decision.grants)
+        # Admissions go separately: the KV manager may start them from a cached prefix.
+        admitted = {r.request_id: r for r in decision.admitted}
+        grants = [g for g in decision.grants if g[0] not in admitted]
+        admissions = [KVAdmission(request_id=w.request.request_id, planned_tokens=w.num_tokens,
+                                  query=self.prefix.query(w.request))
+                      for w in decision.prefills if w.request.request_id in admitted]
+        grant = await self._kv_update(grants, admissions)
         if grant.new_blocks is None:
-            # Cannot happen while the scheduler's view is exact; fail loudly, not silently.
+            # Cannot happen while the scheduler's view is a lower bound; fail loudly.
             raise AssertionError(f"KV manager refused a decision made from its own snapshot: "
                                  f"{decision.grants}")
         for rid, blocks in grant.new_blocks.items():
             self.tables.setdefault(rid, []).extend(blocks)
+        self._apply_prefix_hits(decision, grant)
         if decision.empty:
-            if not self.running and self.waiting:
-                # Nothing fits and nothing runs: wait for news instead of spinning.
+            if not self.running and self.waiting and not grant.freed:
+                # Nothing fits, nothing runs, nothing was just freed: wait for news.
                 self._handle(await self.inbox.get())
             return
         self._admit(decision)
@@ -184,6 +211,23 @@ class SchedulerActor(Actor):
         self.runner_inbox.put_nowait(batch)
         out = await self._await(StepOutput)
         self._postprocess(decision, out)
+
+    def _apply_prefix_hits(self, d: Decision, grant: KVGrant) -> None:
+        """Admitted requests start after their cached prefix: shrink their chunk to match."""
+        for w in d.prefills:
+            growth = grant.admitted.get(w.request.request_id)
+            if growth is None:
+                continue
+            req = w.request
+            self.tables[req.request_id] = list(growth.block_ids)
+            cached = growth.num_cached_tokens
+            req.num_computed_tokens = cached
+            req.num_committed_blocks = cached // self.limits.block_size
+            w.num_tokens = min(w.num_tokens, req.num_tokens - cached)
+            if req.num_preemptions == 0 and growth.prefix is not None:
+                req.num_cached_tokens = cached
+                req.prefix_hit_blocks = growth.prefix.num_hit_blocks
+                req.prefix_miss_reason = str(growth.prefix.miss_reason)
 
     def _apply_preemptions(self, d: Decision) -> None:
         # Victims were chosen latest-admitted first; appendleft in that order puts the
@@ -193,6 +237,7 @@ class SchedulerActor(Actor):
             req.transition(S.PREEMPTED)
             req.transition(S.WAITING_PREFILL)
             req.num_computed_tokens = 0
+            req.num_committed_blocks = 0
             req.num_preemptions += 1
             self.num_preemptions += 1
             self._release(req.request_id)
@@ -247,6 +292,9 @@ class SchedulerActor(Actor):
         for w in d.decodes + d.prefills:
             if not w.request.is_finished:  # an abort may have landed during the step
                 w.request.num_computed_tokens += w.num_tokens
+                commit = self.prefix.commit(w.request)  # newly full blocks -> prefix cache
+                if commit is not None:
+                    self._pending_commits.append(commit)
         for s in out.sampled:
             req = self.requests.get(s.request_id)
             if req is None or req.is_finished:

@@ -87,7 +87,7 @@ class TokenizerActor(Actor):
             return
         self.next_inbox.put_nowait(AddRequest(
             request_id=req.request_id, prompt_token_ids=ids, sampling_params=params,
-            arrival_time=req.arrival_time or time.monotonic()))
+            arrival_time=req.arrival_time or time.monotonic(), cache_salt=req.cache_salt))
 
     async def run(self) -> None:
         while True:

@@ -160,6 +160,8 @@ class CacheConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] = 0.9
     # 0 derives the block count from the memory budget; tests set it to force preemption.
     num_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # Reuse the KV of full blocks whose whole prefix (tokens, model, salt) was seen before.
+    enable_prefix_caching: bool = True
 
 
 class SchedulerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):

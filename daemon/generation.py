@@ -62,7 +62,7 @@ class Choice:
 class Generation:
     def __init__(self, engine, request_id: str, prompts: list[str | list[int] | None],
                  messages: list[dict] | None, params: SamplingParams, fit_max_tokens: bool,
-                 metrics=None, log=None):
+                 metrics=None, log=None, cache_salt: str | None = None):
         self.engine = engine
         self.request_id = request_id
         self.metrics = metrics
@@ -84,7 +84,7 @@ class Generation:
                     request_id=rid, sampling_params=sp, arrival_time=self.arrival,
                     prompt=prompt if isinstance(prompt, str) else None,
                     prompt_token_ids=list(prompt) if isinstance(prompt, list) else None,
-                    messages=messages, fit_max_tokens=fit_max_tokens))
+                    messages=messages, fit_max_tokens=fit_max_tokens, cache_salt=cache_salt))
                 self.choices[rid] = Choice(index, rid, IncrementalDetokenizer(
                     engine.tokenizer, [], stop=params.stop))
         self._open: set[str] = set()
@@ -212,9 +212,25 @@ class Generation:
             "decode_time": (None if first_tok is None or last_tok is None
                             else round(last_tok - first_tok, 6)),
             "e2e_time": rel(finished if finished is not None else time.monotonic()),
-            "cached_tokens": 0,
+            "cached_tokens": self.cached_tokens(),
             "num_preemptions": sum(t.num_preemptions for t in ts),
+            # Per choice: prefix-cache blocks that hit and why the first miss happened.
+            "prefix_cache": [{"index": c.index, "hit_blocks": c.timings.prefix_hit_blocks,
+                              "cached_tokens": c.timings.num_cached_tokens,
+                              "first_miss_reason": c.timings.prefix_miss_reason}
+                             for c in sorted(self.choices.values(), key=lambda c: c.index)
+                             if c.timings is not None],
         }
+
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache, counted once per prompt (like
+        prompt_tokens): the best of its choices, full blocks only."""
+        by_prompt: dict[int, int] = {}
+        for c in self.choices.values():
+            if c.timings is not None:
+                p = c.index // self.n
+                by_prompt[p] = max(by_prompt.get(p, 0), c.timings.num_cached_tokens)
+        return sum(by_prompt.values())
 
     def usage(self) -> dict:
         # A prompt's tokens count once however many choices it has.
@@ -225,7 +241,7 @@ class Generation:
         completion = sum(len(c.token_ids) for c in self.choices.values())
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": 0}}
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens()}}
 
 
 def _engine_error(out: RequestOutput) -> APIError:

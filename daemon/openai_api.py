@@ -77,7 +77,8 @@ async def _serve(request: web.Request, state: ServerState, parsed: protocol.Pars
     structlog.contextvars.bind_contextvars(request_id=request_id)
     prompts = [None] if chat else parsed.prompts
     gen = Generation(state.engine, request_id, prompts, parsed.messages, parsed.params,
-                     parsed.fit_max_tokens, metrics=state.metrics, log=log)
+                     parsed.fit_max_tokens, metrics=state.metrics, log=log,
+                     cache_salt=parsed.cache_salt)
     fmt = _Formatter(state, request_id, parsed, chat)
     log.info("request", endpoint="chat" if chat else "completions", stream=parsed.stream,
              choices=len(gen.choices), max_tokens=parsed.params.max_tokens)

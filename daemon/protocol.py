@@ -117,6 +117,7 @@ class ParsedRequest:
     logprobs: int | None                        # None: no logprobs in the response
     model: str
     max_tokens_field: str = "max_tokens"        # how the body spelled it (for error params)
+    cache_salt: str | None = None               # prefix-cache isolation (tenant)
 
 
 # -- decoding ----------------------------------------------------------------------------
@@ -242,7 +243,7 @@ def parse_completion(body: bytes, limits: Limits) -> ParsedRequest:
     return ParsedRequest(prompts=prompts, messages=None, params=params, fit_max_tokens=False,
                          stream=req.stream, include_usage=_include_usage(req),
                          return_metrics=req.return_metrics, logprobs=req.logprobs,
-                         model=req.model)
+                         model=req.model, cache_salt=req.cache_salt)
 
 
 def chat_messages(messages: list[ChatMessage], param: str = "messages") -> list[dict]:
@@ -291,7 +292,8 @@ def parse_chat(body: bytes, limits: Limits) -> ParsedRequest:
     return ParsedRequest(prompts=None, messages=messages, params=params,
                          fit_max_tokens=max_tokens is None, stream=req.stream,
                          include_usage=_include_usage(req), return_metrics=req.return_metrics,
-                         logprobs=logprobs, model=req.model, max_tokens_field=field)
+                         logprobs=logprobs, model=req.model, max_tokens_field=field,
+                         cache_salt=req.cache_salt)
 
 
 def _include_usage(req: _Sampling) -> bool:

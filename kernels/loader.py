@@ -172,3 +172,38 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
     model.init_rope(max_positions, device, dtype)
     model.eval()
     return model, spec
+
+
+def weights_digest(model_dir: Path, cache_dir: Path | None = None) -> str:
+    """SHA-256 over config.json and every *.safetensors file: the model part of the prefix
+    cache identity (KV computed by other weights must never be reused). Hashing reads the
+    files once (~0.5 s for the default model); the result is remembered in
+    `cache_dir/digests.json`, keyed by path, size and mtime, so later starts are instant."""
+    import hashlib
+
+    files = [Path(model_dir) / "config.json", *sorted(Path(model_dir).glob("*.safetensors"))]
+    key = "|".join(f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+    memo_path = Path(cache_dir) / "digests.json" if cache_dir else None
+    memo: dict[str, str] = {}
+    if memo_path is not None and memo_path.is_file():
+        try:
+            memo = json.loads(memo_path.read_text())
+        except (OSError, ValueError):
+            memo = {}
+    if key in memo:
+        return memo[key]
+    h = hashlib.sha256()
+    for f in files:
+        with open(f, "rb") as fh:
+            h.update(hashlib.file_digest(fh, "sha256").digest())
+    digest = h.hexdigest()
+    if memo_path is not None:
+        try:
+            memo[key] = digest
+            memo_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = memo_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(memo))
+            os.replace(tmp, memo_path)
+        except OSError:
+            pass  # a read-only cache only costs the hashing next time
+    return digest

@@ -25,3 +25,12 @@ def test_cache_dir() -> Path:
 def default_model_dir() -> Path:
     from tokenloom.kernels.loader import resolve_model_dir
     return resolve_model_dir("default", test_cache_dir(), log=lambda *_: None)
+
+
+# CI runs derandomized property tests (the same examples every run, so a red CI is
+# reproducible); local runs keep exploring new examples.
+from hypothesis import settings as _hsettings  # noqa: E402
+
+_hsettings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    _hsettings.load_profile("ci")

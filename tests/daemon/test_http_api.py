@@ -191,6 +191,26 @@ async def test_chat_without_max_tokens_fills_the_context(server, model_name):
     assert body["usage"]["completion_tokens"] == 2048 - 2041
 
 
+# -- prefix cache ---------------------------------------------------------------------------
+async def test_cached_tokens_are_exact_and_salts_isolate(server, model_name):
+    """1. a prompt is computed; 2. the same prompt again reuses every full block but the one
+    holding its last token; 3. another cache_salt reuses nothing (and says why)."""
+    prompt = " ".join(f"w{i % 50}" for i in range(61))
+    req = dict(model=model_name, prompt=prompt, max_tokens=2, return_metrics=True,
+               cache_salt="tenant-1", **GREEDY)
+    _, first, _ = await post(server, "/v1/completions", req)
+    n = first["usage"]["prompt_tokens"]
+    assert n > 32  # several full blocks
+    _, second, _ = await post(server, "/v1/completions", req)
+    bs = 8  # the test server's cache.block_size (tests/httpserver.py)
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == ((n - 1) // bs) * bs
+    assert second["metrics"]["cached_tokens"] == ((n - 1) // bs) * bs
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
+    _, other, _ = await post(server, "/v1/completions", dict(req, cache_salt="tenant-2"))
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert other["metrics"]["prefix_cache"][0]["first_miss_reason"] == "isolation"
+
+
 # -- metrics object, models, health, tokenize ------------------------------------------------
 async def test_metrics_object_is_opt_in(server, model_name):
     req = dict(model=model_name, prompt="w5", max_tokens=3, **GREEDY)
@@ -199,7 +219,7 @@ async def test_metrics_object_is_opt_in(server, model_name):
     _, body, _ = await post(server, "/v1/completions", dict(req, return_metrics=True))
     m = body["metrics"]
     assert set(m) == {"queue_time", "time_to_first_token", "decode_time", "e2e_time",
-                      "cached_tokens", "num_preemptions"}
+                      "cached_tokens", "num_preemptions", "prefix_cache"}
     assert 0 <= m["queue_time"] <= m["time_to_first_token"] <= m["e2e_time"]
     assert m["decode_time"] >= 0 and m["cached_tokens"] == 0 and m["num_preemptions"] == 0
     _, raw, _ = await post(server, "/v1/completions", dict(req, return_metrics=True,
