@@ -129,7 +129,7 @@ def test_unknown_key_lists_allowed_keys(tmp_path):
         load_config(path, env=None)
     assert str(info.value) == (
         "config error: unknown key cache.blok_size (allowed: block_size, "
-        "kv_cache_memory_bytes, gpu_memory_utilization, num_blocks)"
+        "kv_cache_memory_bytes, gpu_memory_utilization, num_blocks, enable_prefix_caching)"
     )
 
 
