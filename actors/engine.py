@@ -288,11 +288,11 @@ class Engine:
         # Through the tokenizer and router, so an abort can never overtake its own request.
         self.tokenizer_actor.send(AbortRequest(request_id=request_id))
 
-    async def query(self, actor: str, op: str):
+    async def query(self, actor: str, op: str, **args):
         target = {"router": self.router, "scheduler": self.scheduler,
                   "kv_manager": self.kv_manager, "runner": self.runner}[actor]
         reply = asyncio.get_running_loop().create_future()
-        target.send(Control(op=op, reply=reply))
+        target.send(Control(op=op, reply=reply, args=args))
         return await reply
 
 

@@ -6,6 +6,8 @@ one `KVGrant` back: blocks for every grant, or a refusal with nothing allocated.
 
 from __future__ import annotations
 
+import msgspec
+
 from tokenloom.actors.base import Actor, Control, resolve
 from tokenloom.actors.kv_manager import KVCacheManager
 from tokenloom.actors.messages import KVGrant, KVUpdate, Shutdown
@@ -59,6 +61,16 @@ class KVManagerActor(Actor):
                     m = self.manager
                     resolve(reply, {"num_blocks": m.num_blocks, "free": m.num_free_blocks,
                                     "used": m.num_used_blocks, "usage": m.usage,
-                                    "block_size": m.block_size})
+                                    "block_size": m.block_size,
+                                    "cached_blocks": m.num_cached_blocks,
+                                    "prefix_cache": msgspec.to_builtins(m.prefix_stats())})
+                case Control(op="flush_cache", reply=reply, args=args):
+                    # Running requests hold tables; refuse while any does, unless forced.
+                    r = self.manager.flush(force=bool(args.get("force")),
+                                           num_running=self.manager.num_requests)
+                    resolve(reply, {"freed": r.freed, "refused_reason": r.refused_reason})
+                case Control(op="subscribe_kv_events", reply=reply, args=args):
+                    self.manager.events.subscribe(args["callback"])
+                    resolve(reply, None)
                 case Shutdown():
                     return

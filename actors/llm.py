@@ -147,8 +147,8 @@ class LLM:
             yield item
         fut.result()
 
-    def query(self, actor: str, op: str) -> Any:
-        return self._wait(self.engine.query(actor, op))
+    def query(self, actor: str, op: str, **args) -> Any:
+        return self._wait(self.engine.query(actor, op, **args))
 
     def check_integrity(self) -> None:
         """KV pool integrity (free + used == total, no block owned twice) — raises if broken."""
@@ -169,6 +169,16 @@ class LLM:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"engine not idle after {timeout}s: {stats}")
             time.sleep(0.01)
+
+    def flush_cache(self, force: bool = False) -> dict:
+        """Drop every unreferenced cached block: {"freed": n, "refused_reason": None}.
+        Refuses (freed 0, with a reason) while requests hold blocks, unless `force`."""
+        return self._wait(self.engine.query("kv_manager", "flush_cache", force=force))
+
+    def subscribe_kv_events(self, callback) -> None:
+        """Call `callback(event)` for every BlockStored / BlockRemoved / AllBlocksCleared
+        (vLLM-shaped, see actors/kv_events.py), in order, on the engine's event loop."""
+        self._wait(self.engine.query("kv_manager", "subscribe_kv_events", callback=callback))
 
     def kv_stats(self) -> dict:
         return self.query("kv_manager", "stats")

@@ -72,6 +72,24 @@ class _EngineCollector:
         yield counter("tokenloom:requests_rejected_overload",
                       "Requests refused with 429 because the waiting queue was full.",
                       s.get("num_rejected", 0))
+        # Prefix cache: vLLM's token-based query/hit counters, plus misses by reason (a
+        # preempted request's recompute is neither a query nor a hit, only a miss reason).
+        p = s.get("prefix_cache") or {}
+        yield counter("vllm:prefix_cache_queries",
+                      "Prefix cache queries, in terms of number of queried tokens.",
+                      p.get("queried_tokens", 0))
+        yield counter("vllm:prefix_cache_hits",
+                      "Prefix cache hits, in terms of number of cached tokens.",
+                      p.get("hit_tokens", 0))
+        missed = CounterMetricFamily("tokenloom:prefix_cache_missed_tokens",
+                                     "Prompt tokens not served from the prefix cache, by the "
+                                     "reason of the request's first miss.",
+                                     labels=labels + ["reason"])
+        for reason, n in sorted((p.get("missed_tokens") or {}).items()):
+            missed.add_metric(value + [reason], n)
+        yield missed
+        yield gauge("tokenloom:prefix_cache_blocks", "KV blocks holding a cached prefix.",
+                    s.get("cached_blocks", 0))
 
 
 class Metrics:

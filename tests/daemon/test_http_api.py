@@ -209,6 +209,18 @@ async def test_cached_tokens_are_exact_and_salts_isolate(server, model_name):
     _, other, _ = await post(server, "/v1/completions", dict(req, cache_salt="tenant-2"))
     assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert other["metrics"]["prefix_cache"][0]["first_miss_reason"] == "isolation"
+    _, raw, _ = await get(server, "/metrics")
+    text = raw.decode()
+
+    def value(name: str) -> float:
+        line = next(ln for ln in text.splitlines() if ln.startswith(name))
+        return float(line.rsplit(" ", 1)[1])
+
+    hits = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert value("vllm:prefix_cache_hits_total{") >= hits
+    assert value("vllm:prefix_cache_queries_total{") >= 3 * n
+    assert value('tokenloom:prefix_cache_missed_tokens_total{model_name="%s",reason="isolation"}'
+                 % model_name) >= n
 
 
 # -- metrics object, models, health, tokenize ------------------------------------------------

@@ -81,3 +81,47 @@ def test_salts_isolate_and_same_salt_shares(default_model_dir, prompts, referenc
         llm.check_integrity()
     finally:
         llm.close()
+
+
+def test_flush_events_and_eviction_reason(default_model_dir, prompts, reference):
+    """1. events report every stored block; 2. flush refuses while a request runs;
+    3. a forced/idle flush frees the cached blocks and emits AllBlocksCleared;
+    4. the same prompt then misses with reason `evicted`."""
+    import threading
+    import time
+
+    from tokenloom.actors.kv_events import AllBlocksCleared, BlockStored
+
+    _, full = prompts
+    llm = _llm(default_model_dir)
+    events = []
+    try:
+        llm.subscribe_kv_events(events.append)
+        out = llm.generate([full[0]], GREEDY)[0]
+        assert out.token_ids == reference[0]
+        stored = [h for e in events if isinstance(e, BlockStored) for h in e.block_hashes]
+        assert len(stored) == (len(full[0]) + len(out.token_ids) - 1) // BS
+
+        long = threading.Thread(target=llm.generate, args=([full[1]], SamplingParams(
+            temperature=0.0, max_tokens=200, ignore_eos=True)))
+        long.start()
+        deadline = time.monotonic() + 30
+        while llm.scheduler_stats()["running"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        refused = llm.flush_cache()
+        assert refused["freed"] == 0 and refused["refused_reason"]
+        long.join()
+
+        llm.wait_for_idle()
+        flushed = llm.flush_cache()
+        assert flushed["freed"] > 0 and flushed["refused_reason"] is None
+        assert isinstance(events[-1], AllBlocksCleared)
+        assert llm.kv_stats()["cached_blocks"] == 0
+        again = llm.generate([full[0]], GREEDY)[0]
+        assert again.token_ids == reference[0]
+        assert again.outputs[0].timings.num_cached_tokens == 0
+        assert again.outputs[0].timings.prefix_miss_reason == "evicted"
+        llm.wait_for_idle()
+        llm.check_integrity()
+    finally:
+        llm.close()
