@@ -56,6 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", help="address to bind (default: server.host, 127.0.0.1)")
     s.add_argument("--port", type=int, help="TCP port (default: server.port, 8000; 0 = any free)")
     _common(s)
+    d = sub.add_parser("debug", help="diagnostics")
+    dsub = d.add_subparsers(dest="debug_command", required=True)
+    pd = dsub.add_parser("prefix-diff", help="where two request bodies' token sequences first "
+                         "diverge (why the second misses the prefix cache)")
+    pd.add_argument("a", help="request body JSON (completions or chat)")
+    pd.add_argument("b", help="request body JSON (completions or chat)")
+    _common(pd)
     return parser
 
 
@@ -106,6 +113,25 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_prefix_diff(args) -> int:
+    from transformers import AutoTokenizer
+
+    from tokenloom.config.load import load_config
+    from tokenloom.config.schema import resolve_cache_dir
+    from tokenloom.daemon.prefix_diff import run
+    from tokenloom.kernels.loader import resolve_model_dir
+
+    overrides = _parse_set(args.set)
+    if args.model:
+        overrides["model.model"] = args.model
+    config = load_config(args.config, overrides=overrides)
+    model_dir = resolve_model_dir(config.model.model, resolve_cache_dir(config),
+                                  log=lambda m: print(m, file=sys.stderr))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    print(run(tokenizer, args.a, args.b, config.cache.block_size))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -113,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_generate(args)
         if args.command == "serve":
             return cmd_serve(args)
+        if args.command == "debug" and args.debug_command == "prefix-diff":
+            return cmd_prefix_diff(args)
     except (ConfigError, ValueError) as e:
         print(f"tokenloom: {e}", file=sys.stderr)
         return 2
