@@ -231,7 +231,8 @@ class LLM:
                 # Siblings must differ: each gets its own seed stream derived from the seed.
                 p = _replace(params, n=1, seed=None if params.seed is None else params.seed + i)
             siblings.append(self._one(prompt, p, messages, i, f"{rid}-{i}" if params.n > 1 else rid,
-                                      cache_salt=cache_salt))
+                                      cache_salt=cache_salt,
+                                      group_id=f"{rid}-0" if i > 0 else None))
         results = await asyncio.gather(*siblings)
         outputs = [r[0] for r in results]
         num_prompt = results[0][1]
@@ -241,11 +242,12 @@ class LLM:
                                 outputs=outputs)
 
     async def _one(self, prompt, params: SamplingParams, messages, index: int, rid: str,
-                   on_delta=None, cache_salt: str | None = None) -> tuple[CompletionOutput, int]:
+                   on_delta=None, cache_salt: str | None = None,
+                   group_id: str | None = None) -> tuple[CompletionOutput, int]:
         req = GenerateRequest(request_id=rid, sampling_params=params,
                               prompt=prompt if isinstance(prompt, str) else None,
                               prompt_token_ids=list(prompt) if isinstance(prompt, list) else None,
-                              messages=messages, cache_salt=cache_salt)
+                              messages=messages, cache_salt=cache_salt, group_id=group_id)
         detok = None
         token_ids: list[int] = []
         logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None

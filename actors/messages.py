@@ -30,6 +30,9 @@ class GenerateRequest(_Msg):
     # min_tokens) to whatever the context window leaves after the prompt.
     fit_max_tokens: bool = False
     cache_salt: str | None = None   # prefix-cache isolation: different salts never share KV
+    # n > 1: the request id of sibling 0. A sibling waits until that one's prompt is
+    # computed, then reuses its full prompt blocks from the prefix cache.
+    group_id: str | None = None
 
 
 class AddRequest(_Msg):
@@ -38,6 +41,7 @@ class AddRequest(_Msg):
     sampling_params: SamplingParams
     arrival_time: float
     cache_salt: str | None = None
+    group_id: str | None = None
 
 
 class AbortRequest(_Msg):

@@ -63,7 +63,7 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
                  sampling_params: SamplingParams, eos_token_ids: Sequence[int] = (),
                  arrival_time: float | None = None, max_model_len: int | None = None,
-                 cache_salt: str | None = None):
+                 cache_salt: str | None = None, group_id: str | None = None):
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
         self.request_id = request_id
@@ -80,6 +80,7 @@ class Request:
         # salt-free chain when salted (to explain isolation misses), blocks committed to the
         # cache, and what the first admission found cached.
         self.cache_salt = cache_salt
+        self.group_id = group_id  # n > 1: sibling 0's id (see SchedulerActor._held_back)
         self.block_hashes: list[bytes] = []
         self.content_hashes: list[bytes] = []
         self.num_committed_blocks = 0

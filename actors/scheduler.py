@@ -78,7 +78,8 @@ class SchedulerActor(Actor):
             return
         req = Request(msg.request_id, msg.prompt_token_ids, msg.sampling_params,
                       eos_token_ids=self.eos_token_ids, arrival_time=msg.arrival_time,
-                      max_model_len=self.max_model_len, cache_salt=msg.cache_salt)
+                      max_model_len=self.max_model_len, cache_salt=msg.cache_salt,
+                      group_id=msg.group_id)
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
@@ -181,7 +182,7 @@ class SchedulerActor(Actor):
         return len(self.tables.get(rid, ()))
 
     async def step(self) -> None:
-        decision = schedule(self.running, self.waiting, self.num_free_blocks, self._held,
+        decision = schedule(self.running, self._admissible(), self.num_free_blocks, self._held,
                             self.limits, self._freeable)
         self._apply_preemptions(decision)
         for req, why in decision.rejected:
@@ -211,6 +212,18 @@ class SchedulerActor(Actor):
         self.runner_inbox.put_nowait(batch)
         out = await self._await(StepOutput)
         self._postprocess(decision, out)
+
+    def _admissible(self):
+        """The waiting queue, less n > 1 siblings whose sibling 0 has not computed its
+        prompt yet: admitted after it, they reuse its full prompt blocks from the prefix
+        cache instead of computing the same prompt n times."""
+        if not self.prefix.enabled or not any(r.group_id for r in self.waiting):
+            return self.waiting
+        return deque(r for r in self.waiting if not self._held_back(r))
+
+    def _held_back(self, req: Request) -> bool:
+        leader = self.requests.get(req.group_id) if req.group_id else None
+        return leader is not None and leader.num_computed_tokens < leader.num_prompt_tokens
 
     def _apply_prefix_hits(self, d: Decision, grant: KVGrant) -> None:
         """Admitted requests start after their cached prefix: shrink their chunk to match."""

@@ -84,7 +84,9 @@ class Generation:
                     request_id=rid, sampling_params=sp, arrival_time=self.arrival,
                     prompt=prompt if isinstance(prompt, str) else None,
                     prompt_token_ids=list(prompt) if isinstance(prompt, list) else None,
-                    messages=messages, fit_max_tokens=fit_max_tokens, cache_salt=cache_salt))
+                    messages=messages, fit_max_tokens=fit_max_tokens, cache_salt=cache_salt,
+                    # Siblings reuse sibling 0's prompt blocks (see SchedulerActor).
+                    group_id=f"{request_id}-{p * n}" if i > 0 else None))
                 self.choices[rid] = Choice(index, rid, IncrementalDetokenizer(
                     engine.tokenizer, [], stop=params.stop))
         self._open: set[str] = set()

@@ -125,3 +125,18 @@ def test_flush_events_and_eviction_reason(default_model_dir, prompts, reference)
         llm.check_integrity()
     finally:
         llm.close()
+
+
+def test_n_siblings_share_the_prompt_blocks(default_model_dir, prompts, reference):
+    """n=3 greedy: sibling 0 computes the prompt; siblings 1 and 2 reuse its full blocks."""
+    _, full = prompts
+    llm = _llm(default_model_dir)
+    try:
+        out = llm.generate([full[2]], SamplingParams(temperature=0.0, max_tokens=12, n=3))[0]
+        assert [o.token_ids for o in out.outputs] == [reference[2]] * 3
+        cached = [o.timings.num_cached_tokens for o in out.outputs]
+        assert cached == [0] + [((len(full[2]) - 1) // BS) * BS] * 2
+        llm.wait_for_idle()
+        llm.check_integrity()
+    finally:
+        llm.close()
