@@ -144,7 +144,7 @@ async def one_request(session, url, model, prompt, output_len, tokenloom=True) -
     if tokenloom:
         body["ignore_eos"] = True
     t0 = time.perf_counter()
-    chunk_times, tokens = [], 0
+    chunk_times, tokens, cached = [], 0, None
     async with session.post(url + "/v1/completions", json=body) as r:
         if r.status != 200:
             return {"error": f"{r.status} {await r.text()}"}
@@ -161,10 +161,13 @@ async def one_request(session, url, model, prompt, output_len, tokenloom=True) -
                     chunk_times.append(time.perf_counter())
                 elif event.get("usage"):
                     tokens = event["usage"]["completion_tokens"]
+                    details = event["usage"].get("prompt_tokens_details") or {}
+                    cached = details.get("cached_tokens")
     end = time.perf_counter()
     tokens = tokens or len(chunk_times)  # no usage chunk: one token per chunk
     return {"ttft": chunk_times[0] - t0 if chunk_times else None,
-            "itl": list(np.diff(chunk_times)), "e2e": end - t0, "tokens": tokens}
+            "itl": list(np.diff(chunk_times)), "e2e": end - t0, "tokens": tokens,
+            "cached_tokens": cached}
 
 
 async def run_load(url, model, prompts, output_len, concurrency, rate, seed,
@@ -210,6 +213,11 @@ def summarise(results: list, elapsed: float) -> dict:
                      "mean": float(np.mean(xs)) * 1000 if xs else None}
     if errors:
         out["first_error"] = errors[0]
+    # Prefix-cache split: requests that reused cached blocks vs those that did not.
+    for name, group in (("hit", [r for r in ok if r.get("cached_tokens")]),
+                        ("miss", [r for r in ok if not r.get("cached_tokens")])):
+        xs = [r["ttft"] for r in group if r["ttft"] is not None]
+        out[f"ttft_{name}_ms"] = {"n": len(xs), "p50": pct(xs, 50), "p99": pct(xs, 99)}
     return out
 
 
@@ -265,7 +273,15 @@ def main() -> None:
     p.add_argument("--transformers", action="store_true",
                    help="also run `transformers serve --continuous-batching`")
     p.add_argument("--json", default="benchmarks/results/serve.json")
+    p.add_argument("--shared-prefix", action="store_true",
+                   help="prefix-cache workload: groups of requests sharing a long prefix, run "
+                        "with caching on and then off (defaults below unless given)")
+    p.add_argument("--groups", type=int, default=4)
+    p.add_argument("--prefix-len", type=int, default=1024)
+    p.add_argument("--suffix-len", type=int, default=32)
     args = p.parse_args()
+    if args.shared_prefix:
+        return shared_prefix_main(args)
 
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     model = args.model
@@ -334,6 +350,48 @@ def main() -> None:
         out.write_text(json.dumps(summary, indent=2))
     if tmp is not None:
         tmp.cleanup()
+
+
+def shared_prefix_main(args) -> None:
+    """Issue 4's workload: `groups` long shared prefixes, distinct short suffixes; the same
+    requests against a server with prefix caching on, then off."""
+    rng = random.Random(args.seed)
+    prefixes = [[rng.randrange(1000, 20000) for _ in range(args.prefix_len)]
+                for _ in range(args.groups)]
+    prompts = [prefixes[i % args.groups] + [rng.randrange(1000, 20000)
+                                           for _ in range(args.suffix_len)]
+               for i in range(args.num_requests)]
+    warm = [[rng.randrange(1000, 20000) for _ in range(8)] for _ in range(2)]
+    summary = {"workload": {k: getattr(args, k) for k in (
+        "concurrency", "num_requests", "groups", "prefix_len", "suffix_len", "output_len")}}
+    base_set = list(args.set)
+    for label, caching in (("caching_on", "true"), ("caching_off", "false")):
+        args.set = base_set + [f"cache.enable_prefix_caching={caching}"]
+        proc, url = start_server(args, args.model)
+        try:
+            name = asyncio.run(model_name(url))
+            asyncio.run(run_load(url, name, warm, 2, 2, 0, args.seed))
+            results, elapsed = asyncio.run(run_load(url, name, prompts, args.output_len,
+                                                    args.concurrency, 0, args.seed))
+        finally:
+            proc.terminate()
+            proc.wait(60)
+        summary[label] = summarise(results, elapsed)
+        print_table(f"prefix caching {caching}", summary[label])
+    on, off = summary["caching_on"], summary["caching_off"]
+    hit, miss = on["ttft_hit_ms"], on["ttft_miss_ms"]
+    summary["hit_over_miss_ttft_p50"] = (hit["p50"] / miss["p50"]) if hit["p50"] and miss["p50"] else None
+    summary["hit_over_cache_off_ttft_p50"] = (hit["p50"] / off["ttft_ms"]["p50"]) if hit["p50"] else None
+    summary["throughput_on_over_off"] = on["output_tokens_per_s"] / off["output_tokens_per_s"]
+    print(f"\nTTFT p50: hits {hit['p50']:.0f} ms (n={hit['n']}), misses {miss['p50']:.0f} ms "
+          f"(n={miss['n']}), caching off {off['ttft_ms']['p50']:.0f} ms")
+    print(f"hit/miss TTFT p50 = {summary['hit_over_miss_ttft_p50']:.3f}; hit/caching-off = "
+          f"{summary['hit_over_cache_off_ttft_p50']:.3f}; throughput on/off = "
+          f"{summary['throughput_on_over_off']:.2f}x")
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(summary, indent=2))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

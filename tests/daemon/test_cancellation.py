@@ -94,3 +94,55 @@ async def test_non_streaming_client_that_goes_away_is_aborted(server, model_name
     assert idle["used"] == 0 and idle["running"] == 0 and idle["streams"] == 0
     assert time.monotonic() - t0 < 2
     assert await _metric(server.url, "tokenloom:requests_aborted_total") >= 1
+
+
+async def test_storm_with_shared_prefixes_preemption_and_cancellations(tiny_model_dir, model_name,
+                                                                       tmp_path):
+    """The storm again, on a pool so small that requests are preempted, with prompts that
+    share a prefix (cache hits and shared blocks) and n=3 siblings sharing their prompt:
+    1. 60 streams; every 7th hangs up mid-stream; every 5th asks for n=3;
+    2. survivors get exactly their tokens;
+    3. preemptions happened, prefix blocks were shared, and afterwards every block is
+       free, no block is owned twice, nothing runs, waits or streams."""
+    from httpserver import ServerThread, tiny_config
+
+    server = ServerThread(tiny_config(tiny_model_dir, tmp_path, **{
+        "cache.num_blocks": 24, "scheduler.max_num_seqs": 32}))
+    try:
+        shared = [10 + (k % 50) for k in range(40)]  # 5 full blocks of 8
+
+        async def one(s: aiohttp.ClientSession, i: int):
+            cancel = i % 7 == 3
+            n = 3 if i % 5 == 0 else 1
+            max_tokens = 150 if cancel else 10 + i % 13
+            body = dict(model=model_name, prompt=shared + [60 + i % 100, 5], n=n,
+                        max_tokens=max_tokens, temperature=0.8, seed=i, ignore_eos=True,
+                        stream=True, logprobs=0, stream_options={"include_usage": True})
+            resp = await s.post(server.url + "/v1/completions", json=body)
+            assert resp.status == 200
+            if cancel:
+                await read_events(resp, limit=3)
+                resp.close()
+                return None
+            events = await read_events(resp)
+            resp.release()
+            *chunks, usage = events[:-1]
+            tokens: dict[int, int] = {}
+            for c in chunks:
+                (choice,) = c["choices"]
+                tokens[choice["index"]] = (tokens.get(choice["index"], 0)
+                                           + len(choice["logprobs"]["tokens"]))
+            assert tokens == {k: max_tokens for k in range(n)}, (i, tokens)
+            return usage["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        connector = aiohttp.TCPConnector(limit=100)
+        async with aiohttp.ClientSession(connector=connector) as s:
+            cached = await asyncio.gather(*(one(s, i) for i in range(60)))
+        after = server.wait_idle(timeout=10)
+        assert after["num_preemptions"] > 0, ("the small pool must force preemption", str(after))
+        assert any(c for c in cached if c), "some requests must reuse the shared prefix"
+        assert after["used"] == 0 and after["running"] == 0 and after["waiting"] == 0
+        assert after["streams"] == 0
+        assert server.query("kv_manager", "integrity") is None
+    finally:
+        server.close()
