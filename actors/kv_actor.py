@@ -41,9 +41,16 @@ class KVManagerActor(Actor):
                 admitted[a.request_id] = m.admit(a.request_id, a.planned_tokens, a.query,
                                                  budget=reserved + max(0, slack))
                 slack -= max(0, before - m.num_free_blocks - reserved)
+        forked, copies = {}, []
+        for parent, child, num_tokens in update.forks:
+            made = m.fork(parent, child, num_tokens)
+            if made is not None:  # None: no free block for the copy; the child waits
+                forked[child] = m.block_table(child)
+                copies.extend(made)
         return KVGrant(new_blocks=new_blocks, num_free_blocks=m.num_free_blocks,
                        num_used_blocks=m.num_used_blocks, freed=freed, admitted=admitted,
-                       exclusive={rid: m.num_exclusive(rid) for rid in update.report})
+                       exclusive={rid: m.num_exclusive(rid) for rid in update.report},
+                       forked=forked, copies=copies)
 
     async def run(self) -> None:
         while True:

@@ -122,6 +122,8 @@ class KVUpdate(_Msg):
     commits: list[KVCommit] = []
     admissions: list[KVAdmission] = []
     report: list[str] = []
+    # n > 1: (sibling 0, sibling, tokens) — share its full blocks, copy its partial one.
+    forks: list[tuple[str, str, int]] = []
 
 
 class KVGrant(_Msg):
@@ -131,6 +133,8 @@ class KVGrant(_Msg):
     freed: int
     admitted: dict[str, TableGrowth] = {}
     exclusive: dict[str, int] = {}
+    forked: dict[str, list[int]] = {}        # child -> its new table
+    copies: list[tuple[int, int]] = []       # (src, dst) blocks the runner must copy first
 
 
 # -- scheduler <-> runner ----------------------------------------------------------------
@@ -155,6 +159,7 @@ class ExecuteBatch(_Msg):
     sequences: list[ScheduledSequence]   # decodes first, then prefill chunks
     num_decodes: int
     finished_ids: list[str] = []         # runner may drop their per-request state
+    block_copies: list[tuple[int, int]] = []  # (src, dst): copy-on-write before the forward
 
 
 class SampledToken(_Msg):

@@ -69,6 +69,8 @@ class ModelRunner:
         for s in batch.sequences:
             if s.new is not None:
                 self._register(s.request_id, s.new)
+        if batch.block_copies:  # copy-on-write of forked siblings' partial blocks
+            self.kv.copy_blocks(batch.block_copies)
         if not batch.sequences:
             return StepOutput(step=batch.step, sampled=[], compute_seconds=0.0)
         logits, sample_ids = self._forward(batch)                   # [S, vocab]

@@ -44,6 +44,7 @@ class SchedulerActor(Actor):
         self.num_free_blocks = limits.num_blocks
         self._pending_frees: list[str] = []
         self._pending_commits: list[KVCommit] = []
+        self._pending_copies: list[tuple[int, int]] = []  # copy-on-write for the runner
         self._exclusive: dict[str, int] = {}              # blocks each would free (last report)
         self._runner_finished: list[str] = []
         self._on_runner: set[str] = set()                 # requests the runner has state for
@@ -51,6 +52,7 @@ class SchedulerActor(Actor):
         self._stopping = False
         # Counters for metrics and tests.
         self.num_preemptions = 0
+        self.num_forks = 0
         self.num_steps = 0
         self.last_step_time = time.monotonic()
 
@@ -153,11 +155,13 @@ class SchedulerActor(Actor):
                          error_kind=ERROR_INTERNAL)
 
     async def _kv_update(self, grants: list[tuple[str, int]],
-                         admissions: list[KVAdmission] = ()) -> KVGrant:
+                         admissions: list[KVAdmission] = (),
+                         forks: list[tuple[str, str, int]] = ()) -> KVGrant:
         report = [r.request_id for r in self.running] if self.prefix.enabled else []
         self.kv_inbox.put_nowait(KVUpdate(frees=self._pending_frees, grants=grants,
                                           commits=self._pending_commits,
-                                          admissions=list(admissions), report=report))
+                                          admissions=list(admissions), report=report,
+                                          forks=list(forks)))
         self._pending_frees, self._pending_commits = [], []
         grant = await self._await(KVGrant)
         self.num_free_blocks = grant.num_free_blocks
@@ -182,6 +186,9 @@ class SchedulerActor(Actor):
         return len(self.tables.get(rid, ()))
 
     async def step(self) -> None:
+        forks = self._fork_candidates()
+        if forks:  # an extra round trip, only in the step after an n > 1 prompt completes
+            self._apply_forks(await self._kv_update([], forks=forks))
         decision = schedule(self.running, self._admissible(), self.num_free_blocks, self._held,
                             self.limits, self._freeable)
         self._apply_preemptions(decision)
@@ -212,6 +219,43 @@ class SchedulerActor(Actor):
         self.runner_inbox.put_nowait(batch)
         out = await self._await(StepOutput)
         self._postprocess(decision, out)
+
+    def _fork_candidates(self) -> list[tuple[str, str, int]]:
+        """n > 1 siblings whose sibling 0 has computed the prompt: fork them from it (its
+        full blocks shared, its partial last block copied) instead of admitting them."""
+        if not self.prefix.enabled or not any(r.group_id for r in self.waiting):
+            return []
+        out, budget = [], self.num_free_blocks
+        slots = self.limits.max_num_seqs - len(self.running)
+        for r in self.waiting:
+            leader = self.requests.get(r.group_id) if r.group_id else None
+            if (leader is None or leader.request_id not in self.tables or len(out) >= slots
+                    or budget < 1 or r.num_preemptions or r.num_tokens != r.num_prompt_tokens
+                    or leader.num_computed_tokens < leader.num_prompt_tokens
+                    or leader.token_ids[:leader.num_prompt_tokens] != r.token_ids):
+                continue
+            out.append((leader.request_id, r.request_id, r.num_prompt_tokens - 1))
+            budget -= 1
+        return out
+
+    def _apply_forks(self, grant: KVGrant) -> None:
+        bs = self.limits.block_size
+        now = time.monotonic()
+        for child_id, table in grant.forked.items():
+            req = self.requests[child_id]
+            leader = self.requests[req.group_id]
+            self.waiting.remove(req)
+            self.running.append(req)
+            self.tables[child_id] = list(table)
+            req.num_computed_tokens = req.num_prompt_tokens - 1  # only the last token to go
+            full = req.num_computed_tokens // bs
+            req.num_committed_blocks = min(leader.num_committed_blocks, full)
+            req.num_cached_tokens, req.prefix_hit_blocks = full * bs, full
+            req.prefix_miss_reason = "partial_block" if req.num_computed_tokens % bs else None
+            req.first_scheduled_time = now
+            req.transition(S.PREFILLING)
+            self.num_forks += 1
+        self._pending_copies.extend(grant.copies)
 
     def _admissible(self):
         """The waiting queue, less n > 1 siblings whose sibling 0 has not computed its
@@ -288,8 +332,9 @@ class SchedulerActor(Actor):
                 sample=start + w.num_tokens == req.num_tokens, new=new))
         self._step += 1
         finished, self._runner_finished = self._runner_finished, []
+        copies, self._pending_copies = self._pending_copies, []
         return ExecuteBatch(step=self._step, sequences=seqs, num_decodes=len(d.decodes),
-                            finished_ids=finished)
+                            finished_ids=finished, block_copies=copies)
 
     def _postprocess(self, d: Decision, out: StepOutput) -> None:
         now = time.monotonic()
@@ -327,5 +372,6 @@ class SchedulerActor(Actor):
 
     def stats(self) -> dict:
         return {"waiting": len(self.waiting), "running": len(self.running),
+                "num_forks": self.num_forks,
                 "num_preemptions": self.num_preemptions, "num_steps": self.num_steps,
                 "num_free_blocks": self.num_free_blocks}

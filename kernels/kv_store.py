@@ -30,6 +30,13 @@ class KVCache:
                    value=[pool[i, 1] for i in range(num_layers)],
                    num_blocks=num_blocks, block_size=block_size)
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks src -> dst in every layer (K and V): copy-on-write."""
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=self.key[0].device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=self.key[0].device)
+        for cache in (*self.key, *self.value):
+            cache[dst] = cache[src]
+
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                         dtype_bytes: int) -> int:

@@ -128,7 +128,8 @@ def test_flush_events_and_eviction_reason(default_model_dir, prompts, reference)
 
 
 def test_n_siblings_share_the_prompt_blocks(default_model_dir, prompts, reference):
-    """n=3 greedy: sibling 0 computes the prompt; siblings 1 and 2 reuse its full blocks."""
+    """n=3 greedy: sibling 0 computes the prompt; siblings 1 and 2 are forked from it (its
+    full blocks shared, its partial last block copied on write) and recompute one token."""
     _, full = prompts
     llm = _llm(default_model_dir)
     try:
@@ -136,6 +137,7 @@ def test_n_siblings_share_the_prompt_blocks(default_model_dir, prompts, referenc
         assert [o.token_ids for o in out.outputs] == [reference[2]] * 3
         cached = [o.timings.num_cached_tokens for o in out.outputs]
         assert cached == [0] + [((len(full[2]) - 1) // BS) * BS] * 2
+        assert llm.scheduler_stats()["num_forks"] == 2
         llm.wait_for_idle()
         llm.check_integrity()
     finally:
