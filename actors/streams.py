@@ -35,13 +35,29 @@ class StreamRegistry:
         if out.finished:
             self._queues.pop(out.request_id, None)
 
-    def fail_all(self, error: str, error_kind: str) -> int:
+    def fail(self, request_id: str, error: str, error_kind: str,
+             finish_reason: str = "error") -> bool:
+        """End one open stream with an error output; False if it is not open. The engine
+        request itself is not touched: abort it too unless the engine is gone. finish_reason
+        "abort" (with the error) tells the HTTP layer it was ended from outside (503)."""
+        if request_id not in self._queues:
+            return False
+        self.emit(RequestOutput(request_id=request_id, new_token_ids=[], finished=True,
+                                finish_reason=finish_reason, error=error, error_kind=error_kind))
+        return True
+
+    def fail_all(self, error: str, error_kind: str, finish_reason: str = "error") -> int:
         """End every open stream with an error output (the engine stopped under them)."""
         ids = list(self._queues)
         for rid in ids:
-            self.emit(RequestOutput(request_id=rid, new_token_ids=[], finished=True,
-                                    finish_reason="error", error=error, error_kind=error_kind))
+            self.fail(rid, error, error_kind, finish_reason)
         return len(ids)
+
+    def ids(self) -> list[str]:
+        return list(self._queues)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._queues
 
     def __len__(self) -> int:
         return len(self._queues)

@@ -2,6 +2,7 @@
 
     tokenloom generate "prompt" [--chat] [--max-tokens N] [--temperature T] [--set key=value]
     tokenloom serve [--host H] [--port P] [--config PATH] [--model M] [--set key=value]
+    tokenloom admin [--socket PATH] [--json] stats|flush-cache|drain|resume|cancel|trace|log-level
 
 A bad config file, key or value exits with status 2 and a message naming the key.
 """
@@ -56,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", help="address to bind (default: server.host, 127.0.0.1)")
     s.add_argument("--port", type=int, help="TCP port (default: server.port, 8000; 0 = any free)")
     _common(s)
+    from tokenloom.daemon import admin_cli
+    admin_cli.add_parser(sub)
     d = sub.add_parser("debug", help="diagnostics")
     dsub = d.add_subparsers(dest="debug_command", required=True)
     pd = dsub.add_parser("prefix-diff", help="where two request bodies' token sequences first "
@@ -139,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_generate(args)
         if args.command == "serve":
             return cmd_serve(args)
+        if args.command == "admin":
+            from tokenloom.daemon import admin_cli
+            return admin_cli.run(args)
         if args.command == "debug" and args.debug_command == "prefix-diff":
             return cmd_prefix_diff(args)
     except (ConfigError, ValueError) as e:

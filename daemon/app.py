@@ -14,10 +14,12 @@ import structlog
 from aiohttp import web
 
 from tokenloom.config.schema import EngineConfig
-from tokenloom.daemon import openai_api
+from tokenloom.daemon import admin_server, openai_api
+from tokenloom.daemon.drain import Drain
 from tokenloom.daemon.errors import APIError
 from tokenloom.daemon.metrics import CONTENT_TYPE, Metrics
 from tokenloom.daemon.protocol import Limits
+from tokenloom.daemon.sdnotify import Notifier
 from tokenloom.daemon.state import STATE, ServerState
 
 log = structlog.get_logger("tokenloom.http")
@@ -66,12 +68,28 @@ async def error_middleware(request: web.Request, handler):
         structlog.contextvars.clear_contextvars()
 
 
-async def health(request: web.Request) -> web.Response:
-    """Liveness: the event loop answers and the engine's actors are alive."""
-    state = request.app[STATE]
+def engine_problem(state: ServerState) -> str | None:
+    """Why the engine is not healthy, or None. Read without any actor's inbox, so it answers
+    even when the scheduler is stuck waiting for a wedged runner. /health and the systemd
+    watchdog pings share it."""
     task = state.engine_task
     if task is not None and task.done():
-        raise APIError(503, "the engine has stopped")
+        return "the engine has stopped"
+    if state.engine is not None and task is not None:
+        stalled = state.engine.stalled_seconds()
+        limit = state.config.server.health_stall_seconds
+        if stalled > limit:
+            return (f"the engine has completed no step for {stalled:.1f} s with work queued "
+                    f"(server.health_stall_seconds = {limit:g})")
+    return None
+
+
+async def health(request: web.Request) -> web.Response:
+    """Liveness: the event loop answers, the engine's actors are alive, and the engine loop
+    makes progress while it has work."""
+    problem = engine_problem(request.app[STATE])
+    if problem is not None:
+        raise APIError(503, problem)
     return web.Response(status=200)
 
 
@@ -113,7 +131,7 @@ def _engine_stopped(state: ServerState, task: asyncio.Task) -> None:
     """The actors' TaskGroup ended. Unless we are shutting down that is a crash: requests
     waiting on their streams would wait forever, so end them with an error; /health and
     /ready turn 503."""
-    if state.draining or not state.ready:
+    if state.stopping or not state.ready:
         return
     state.ready = False
     error = None if task.cancelled() else task.exception()
@@ -129,7 +147,11 @@ async def engine_ctx(app: web.Application):
     if state.engine is None:
         from tokenloom.actors.engine import Engine
 
-        say = lambda m: log.info(m)  # noqa: E731
+        def say(message: str) -> None:  # start-up progress, also systemd's STATUS=
+            log.info(message)
+            state.notifier.status(message)
+
+        say(f"loading model {state.config.model.model}")
         state.engine = await loop.run_in_executor(None, lambda: Engine.build(state.config,
                                                                              say=say))
     engine = state.engine
@@ -141,6 +163,7 @@ async def engine_ctx(app: web.Application):
                           max_model_len=engine.info.max_model_len)
     state.metrics = Metrics(state.model_name)
     state.token_text = openai_api.token_text_cache(engine.tokenizer)
+    state.notifier.status("warming up")
     await warm_up(engine)
     state.ready = True
     log.info("ready", model=state.model_name, max_model_len=engine.info.max_model_len,
@@ -149,7 +172,7 @@ async def engine_ctx(app: web.Application):
         yield
     finally:
         state.ready = False
-        state.draining = True
+        state.draining = state.stopping = True
         engine.shutdown()
         task = state.engine_task
         done, _ = await asyncio.wait({task}, timeout=30)  # never raises the task's error
@@ -160,17 +183,24 @@ async def engine_ctx(app: web.Application):
             log.error("engine stopped with an error", error=repr(task.exception()))
 
 
-def create_app(config: EngineConfig, engine=None) -> web.Application:
+def create_app(config: EngineConfig, engine=None, notifier: Notifier | None = None
+               ) -> web.Application:
     """The application. `engine`: an already built (not yet running) Engine, e.g. in tests;
-    None builds one from `config` at start-up."""
+    None builds one from `config` at start-up. `notifier`: systemd notifications (STATUS=
+    during start-up and drain); None sends none."""
     app = web.Application(middlewares=[error_middleware],
                           client_max_size=config.server.max_body_bytes)
-    app[STATE] = ServerState(config=config, engine=engine,
-                             metrics=Metrics(config.server.served_model_name or "loading"))
+    state = ServerState(config=config, engine=engine,
+                        metrics=Metrics(config.server.served_model_name or "loading"),
+                        notifier=notifier or Notifier())
+    state.drain = Drain(state)
+    app[STATE] = state
     app.cleanup_ctx.append(engine_ctx)
+    app.cleanup_ctx.append(admin_server.admin_ctx)  # after the engine is up; closed first
     app.router.add_post("/v1/completions", openai_api.completions)
     app.router.add_post("/v1/chat/completions", openai_api.chat_completions)
     app.router.add_get("/v1/models", openai_api.models)
+    app.router.add_get("/v1/requests/{request_id}/trace", openai_api.request_trace)
     app.router.add_post("/tokenize", openai_api.tokenize)
     app.router.add_post("/detokenize", openai_api.detokenize)
     app.router.add_get("/health", health)

@@ -2,6 +2,10 @@
 
 Lines about a request carry `request_id`: the HTTP handler binds it in a context variable
 (every line its task logs has it), and the actors pass it explicitly.
+
+The level can change at run time (`set_level`, the admin `log-level` command). Loggers bound
+before the change (actors bind theirs at start-up) keep their wrapper class, so filtering is
+done by the first processor, which reads the current level, rather than baked into the class.
 """
 
 from __future__ import annotations
@@ -15,6 +19,28 @@ _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARN
            "error": logging.ERROR}
 
 
+_current = {"level": "info"}
+
+
+def _filter_by_level(logger, method_name: str, event_dict):
+    if _LEVELS.get(method_name, logging.CRITICAL) < _LEVELS[_current["level"]]:
+        raise structlog.DropEvent
+    return event_dict
+
+
+def current_level() -> str:
+    return _current["level"]
+
+
+def set_level(level: str) -> str:
+    """Change the level of every logger, including ones bound already; returns the old one."""
+    if level not in _LEVELS:
+        raise ValueError(f"log level must be one of {', '.join(_LEVELS)}, got {level!r}")
+    previous, _current["level"] = _current["level"], level
+    logging.getLogger().setLevel(max(_LEVELS[level], logging.INFO))
+    return previous
+
+
 def configure(level: str = "info", stream=None) -> None:
     stream = stream or sys.stderr
     # Libraries logging through the standard library (aiohttp, transformers) come out as the
@@ -26,16 +52,17 @@ def configure(level: str = "info", stream=None) -> None:
                            structlog.processors.TimeStamper(fmt="iso", utc=True)]))
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(max(_LEVELS[level], logging.INFO))
+    set_level(level)
     structlog.configure(
         processors=[
+            _filter_by_level,
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
             structlog.processors.JSONRenderer(),
         ],
-        wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
+        wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG),
         logger_factory=structlog.PrintLoggerFactory(stream),
         cache_logger_on_first_use=False,
     )

@@ -9,8 +9,10 @@ from typing import Callable
 from aiohttp import web
 
 from tokenloom.config.schema import EngineConfig
+from tokenloom.daemon.inflight import InFlight
 from tokenloom.daemon.metrics import Metrics
 from tokenloom.daemon.protocol import Limits
+from tokenloom.daemon.sdnotify import Notifier
 
 
 @dataclasses.dataclass
@@ -23,7 +25,11 @@ class ServerState:
     model_name: str = ""
     token_text: Callable[[int], str] | None = None
     ready: bool = False                     # model loaded and warmed up
-    draining: bool = False                  # shutting down: no new requests
+    draining: bool = False                  # draining (SIGTERM or admin): no new requests
+    stopping: bool = False                  # the app is shutting down its engine
+    inflight: InFlight = dataclasses.field(default_factory=InFlight)  # HTTP requests running
+    drain: object | None = None             # tokenloom.daemon.drain.Drain (create_app)
+    notifier: Notifier = dataclasses.field(default_factory=Notifier)  # sd_notify (or no-op)
     started: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
 

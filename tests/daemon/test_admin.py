@@ -1,0 +1,435 @@
+"""The admin socket against an in-process server (tiny model): every command, the socket's
+defences (malformed, unknown, oversize, silent and refused peers), the `tokenloom admin`
+CLI, admin drain/resume, and /health plus watchdog pings with a wedged engine.
+
+Engine timing is made deterministic with a gate on the model runner: while it is closed the
+next model step blocks (a wedged runner), so a request is known to be running."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import threading
+import time
+
+import aiohttp
+import pytest
+from structlog.testing import capture_logs
+
+from notify_listener import NotifyListener
+from servers import TOKENLOOM, wait_for
+from sse import read_events
+from tokenloom.config.schema import AdminConfig
+from tokenloom.daemon import admin_cli, logs
+from tokenloom.daemon import admin_protocol as P
+from tokenloom.daemon.admin_server import AdminServer
+from tokenloom.daemon.state import STATE
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+class Gate:
+    """Wraps ModelRunner.execute: while closed, the next step blocks until reopened."""
+
+    def __init__(self, model_runner):
+        self.opened = threading.Event()
+        self.opened.set()
+        self.blocked = threading.Event()   # a step is waiting at the gate
+        inner = model_runner.execute
+
+        def execute(batch):
+            if not self.opened.is_set():
+                self.blocked.set()
+                self.opened.wait()
+            return inner(batch)
+
+        model_runner.execute = execute
+
+    def close(self) -> None:
+        self.blocked.clear()
+        self.opened.clear()
+
+    def open(self) -> None:
+        self.opened.set()
+
+
+@pytest.fixture(scope="module")
+def admin_server(tiny_model_dir, tmp_path_factory):
+    from httpserver import ServerThread, tiny_config
+
+    tmp = tmp_path_factory.mktemp("admin")
+    cfg = tiny_config(tiny_model_dir, tmp_path_factory.mktemp("cache"),
+                      **{"admin.socket_path": str(tmp / "admin.sock"),
+                         "server.health_stall_seconds": 0.5,
+                         "server.retry_after_seconds": 7})
+    s = ServerThread(cfg)
+    s.socket_path = cfg.admin.socket_path
+    s.gate = Gate(s.engine.runner.runner)
+    s.state = s.app[STATE]
+    yield s
+    s.gate.open()
+    s.close()
+
+
+@pytest.fixture
+def server(admin_server):
+    """The module's server, checked back to normal after each test."""
+    yield admin_server
+    admin_server.gate.open()
+    send(admin_server, P.Resume())
+    logs.set_level("info")
+    admin_server.wait_idle()
+
+
+def send(server, cmd, path=None):
+    return admin_cli.send(path or server.socket_path, cmd, timeout=30)
+
+
+async def asend(server, cmd, path=None):
+    return await asyncio.to_thread(send, server, cmd, path)
+
+
+def raw_exchange(path: str, payload: bytes, timeout: float = 10.0) -> list[dict]:
+    """Send raw bytes (or nothing), then read reply lines until the daemon closes or stays
+    quiet for `timeout` seconds."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(path)
+        if payload:
+            s.sendall(payload)
+        buf = b""
+        try:
+            while chunk := s.recv(65536):
+                buf += chunk
+        except socket.timeout:
+            pass
+    return [json.loads(line) for line in buf.splitlines() if line]
+
+
+def extra_admin(server, tmp_path, **cfg) -> str:
+    """A second admin socket on the same daemon, with its own AdminConfig."""
+    path = str(tmp_path / "extra.sock")
+    admin = AdminServer(server.state, AdminConfig(socket_path=path, **cfg))
+    assert server.call(admin.start())
+    server.extra = admin
+    return path
+
+
+@pytest.fixture
+def extra(server):
+    yield
+    admin = getattr(server, "extra", None)
+    if admin is not None:
+        server.call(admin.close())
+        server.extra = None
+
+
+async def start_stream(server, session, model_name, max_tokens=400, **body):
+    resp = await session.post(server.url + "/v1/completions", json=dict(
+        model=model_name, prompt="w5 w6 w7 w8", max_tokens=max_tokens, stream=True,
+        **GREEDY, **body))
+    assert resp.status == 200
+    first = (await read_events(resp, limit=1))[0]
+    return resp, first["id"]
+
+
+# -- commands -------------------------------------------------------------------------------
+def test_socket_mode_is_0660(server):
+    assert os.stat(server.socket_path).st_mode & 0o777 == 0o660
+
+
+async def test_stats(server, model_name):
+    async with aiohttp.ClientSession() as session:
+        async with session.post(server.url + "/v1/completions", json=dict(
+                model=model_name, prompt="w5 w6 w7 w8 w9 w10 w11 w12 w13", max_tokens=4,
+                **GREEDY)) as r:
+            assert r.status == 200
+    reply = await asend(server, P.Stats())
+    assert isinstance(reply, P.StatsReply) and reply.ok
+    assert reply.model == model_name and reply.ready and reply.log_level == "info"
+    assert reply.kv_blocks_total == 1024
+    assert reply.kv_blocks_used + reply.kv_blocks_free == reply.kv_blocks_total
+    assert reply.kv_blocks_cached >= 1 and reply.num_steps >= 1
+    assert reply.prefix_cache_queried_tokens > 0 and 0.0 <= reply.prefix_cache_hit_rate <= 1.0
+    assert reply.drain.draining is False and reply.in_flight == 0
+
+
+async def test_flush_cache_refuses_while_a_request_runs_unless_forced(server, model_name):
+    async with aiohttp.ClientSession() as session:
+        # Cache some blocks: a finished 17-token prompt leaves 2 full blocks of 8 cached.
+        async with session.post(server.url + "/v1/completions", json=dict(
+                model=model_name, prompt=" ".join(f"w{i}" for i in range(40, 57)),
+                max_tokens=2, **GREEDY)) as r:
+            assert r.status == 200
+        resp, rid = await start_stream(server, session, model_name)
+        server.gate.close()  # the stream is now certainly running
+        refused = await asend(server, P.FlushCache())
+        assert isinstance(refused, P.ErrorReply) and refused.code == "refused"
+        assert "running" in refused.error
+        forced = await asend(server, P.FlushCache(force=True))
+        assert isinstance(forced, P.FlushCacheReply) and forced.freed >= 2
+        server.gate.open()
+        events = await read_events(resp)
+        resp.release()
+    assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+    idle = await asyncio.to_thread(server.wait_idle)
+    assert idle["used"] == 0
+    reply = await asend(server, P.FlushCache())  # idle: allowed
+    assert isinstance(reply, P.FlushCacheReply)
+    assert (await asend(server, P.Stats())).kv_blocks_cached == 0
+
+
+@pytest.mark.parametrize("n", [1, 2])
+async def test_cancel_ends_a_running_stream_with_an_error_and_frees_its_kv(server, model_name,
+                                                                          n):
+    async with aiohttp.ClientSession() as session:
+        resp, rid = await start_stream(server, session, model_name, n=n)
+        server.gate.close()
+        assert (await asend(server, P.Stats())).kv_blocks_used > 0
+        reply = await asend(server, P.Cancel(request_id=rid))
+        assert isinstance(reply, P.CancelReply), reply
+        assert reply.cancelled == ([rid] if n == 1 else [f"{rid}-0", f"{rid}-1"])
+        events = await read_events(resp)  # ends without the engine taking another step
+        resp.release()
+        server.gate.open()
+    assert events[-1] == "[DONE]"
+    assert events[-2]["error"]["message"] == "cancelled by the operator"
+    idle = await asyncio.to_thread(server.wait_idle)
+    assert idle["used"] == 0 and idle["running"] == 0 and idle["streams"] == 0
+    again = await asend(server, P.Cancel(request_id=rid))
+    assert isinstance(again, P.ErrorReply) and again.code == "not_found"
+
+
+async def test_cancel_a_non_streaming_request(server, model_name):
+    async with aiohttp.ClientSession() as session:
+        server.gate.close()
+        post = asyncio.ensure_future(session.post(server.url + "/v1/completions", json=dict(
+            model=model_name, prompt="w5 w6", max_tokens=50, **GREEDY)))
+        assert await asyncio.to_thread(server.gate.blocked.wait, 30)
+        (rid,) = server.state.inflight.ids()
+        reply = await asend(server, P.Cancel(request_id=rid))
+        assert isinstance(reply, P.CancelReply)
+        resp = await post
+        body = await resp.json()
+        server.gate.open()
+    assert resp.status == 503 and body["error"]["message"] == "cancelled by the operator"
+
+
+async def test_trace(server, model_name):
+    async with aiohttp.ClientSession() as session:
+        async with session.post(server.url + "/v1/completions", json=dict(
+                model=model_name, prompt="w5 w6", max_tokens=3, n=2, **GREEDY)) as r:
+            rid = (await r.json())["id"]
+    reply = await asend(server, P.Trace(request_id=rid))
+    assert isinstance(reply, P.TraceReply), reply
+    assert reply.request_id == rid and reply.trace["request_id"] == rid
+    assert len(reply.trace["choices"]) == 2
+    missing = await asend(server, P.Trace(request_id="cmpl-unknown"))
+    assert isinstance(missing, P.ErrorReply) and missing.code == "not_found"
+
+
+async def test_log_level(server):
+    reply = await asend(server, P.SetLogLevel(level="debug"))
+    assert reply == P.LogLevelReply(level="debug", previous="info")
+    assert logs.current_level() == "debug"
+    assert (await asend(server, P.Stats())).log_level == "debug"
+
+
+# -- drain and resume -------------------------------------------------------------------------
+async def _status(server, path, body=None):
+    async with aiohttp.ClientSession() as session:
+        if body is None:
+            async with session.get(server.url + path) as r:
+                return r.status, r.headers.copy(), await r.read()
+        async with session.post(server.url + path, json=body) as r:
+            return r.status, r.headers.copy(), await r.json()
+
+
+async def test_drain_and_resume_toggle_ready(server, model_name):
+    body = dict(model=model_name, prompt="w5", max_tokens=2)
+    assert (await _status(server, "/ready"))[0] == 200
+    reply = await asend(server, P.Drain())
+    assert isinstance(reply, P.DrainReply) and reply.progress.draining
+    assert reply.progress.drained and not reply.progress.exiting
+    assert (await _status(server, "/ready"))[0] == 503
+    status, headers, err = await _status(server, "/v1/completions", body)
+    assert status == 503 and headers["Retry-After"] == "7" and "draining" in err["error"]["message"]
+    assert (await _status(server, "/health"))[0] == 200  # draining is not unhealthy
+    assert (await asend(server, P.Resume())) == P.ResumeReply(was_draining=True)
+    assert (await _status(server, "/ready"))[0] == 200
+    assert (await _status(server, "/v1/completions", body))[0] == 200
+    assert (await asend(server, P.Resume())) == P.ResumeReply(was_draining=False)
+
+
+async def test_drain_waits_for_in_flight_requests(server, model_name):
+    """1. a stream runs (runner gated); 2. drain: progress shows it in flight; 3. a `drain
+    --wait` waits; 4. the gate opens, the stream completes in full; 5. the wait returns
+    drained."""
+    async with aiohttp.ClientSession() as session:
+        resp, rid = await start_stream(server, session, model_name, max_tokens=30)
+        server.gate.close()
+        reply = await asend(server, P.Drain())
+        assert reply.progress.in_flight == 1 and not reply.progress.drained
+        waiter = asyncio.ensure_future(asend(server, P.Drain(wait=True)))
+        await asyncio.sleep(0.3)
+        assert not waiter.done()
+        server.gate.open()
+        events = await read_events(resp)
+        resp.release()
+        done = await waiter
+    assert done.progress.drained and done.progress.in_flight == 0 and not done.progress.timed_out
+    assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+    text = "".join(e["choices"][0]["text"] for e in events[:-1])
+    assert len(text.split()) == 30 - 1  # start_stream read the first token's event
+
+
+async def test_drain_timeout_ends_running_requests_with_an_error(server, model_name):
+    async with aiohttp.ClientSession() as session:
+        resp, rid = await start_stream(server, session, model_name)
+        server.gate.close()
+        reply = await asend(server, P.Drain(timeout=0.2, wait=True))
+        events = await read_events(resp)
+        resp.release()
+        server.gate.open()
+    assert reply.progress.timed_out and reply.progress.drained
+    assert events[-1] == "[DONE]" and "drain timeout" in events[-2]["error"]["message"]
+    idle = await asyncio.to_thread(server.wait_idle)
+    assert idle["used"] == 0 and idle["running"] == 0
+    assert (await _status(server, "/ready"))[0] == 503  # still draining until resumed
+    assert (await asend(server, P.Resume())).was_draining
+
+
+async def test_resume_wakes_a_waiting_drain(server, model_name):
+    async with aiohttp.ClientSession() as session:
+        resp, rid = await start_stream(server, session, model_name, max_tokens=20)
+        server.gate.close()
+        waiter = asyncio.ensure_future(asend(server, P.Drain(wait=True)))
+        await asyncio.sleep(0.3)
+        assert (await asend(server, P.Resume())).was_draining
+        done = await waiter
+        server.gate.open()
+        events = await read_events(resp)
+        resp.release()
+    assert not done.progress.draining
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+
+
+# -- the socket's defences --------------------------------------------------------------------
+def test_malformed_and_unknown_commands_get_error_replies(server):
+    replies = raw_exchange(server.socket_path, b'{bad json\n{"cmd": "reboot"}\n\n'
+                           b'{"cmd": "flush-cache", "force": "yes"}\n{"cmd": "stats"}\n',
+                           timeout=1.0)
+    assert [r["reply"] for r in replies] == ["error", "error", "error", "stats"]
+    assert [r.get("code") for r in replies[:3]] == ["bad_request", "unknown_command",
+                                                     "bad_request"]
+    assert replies[3]["ok"] is True  # the connection survived the bad lines
+
+
+def test_oversize_line_gets_an_error_and_the_daemon_keeps_serving(server, extra, tmp_path):
+    path = extra_admin(server, tmp_path, max_line_bytes=256)
+    (reply,) = raw_exchange(path, b'{"cmd": "cancel", "request_id": "' + b"x" * 5000 + b'"}\n')
+    assert reply["code"] == "line_too_long"
+    (reply,) = raw_exchange(path, b"y" * 100_000)  # no newline at all
+    assert reply["code"] == "line_too_long"
+    assert isinstance(send(server, P.Stats(), path), P.StatsReply)
+
+
+def test_silent_peer_times_out(server, extra, tmp_path):
+    path = extra_admin(server, tmp_path, read_timeout_seconds=0.3)
+    t0 = time.monotonic()
+    (reply,) = raw_exchange(path, b"", timeout=20)
+    assert reply["code"] == "timeout" and time.monotonic() - t0 < 15
+    (reply,) = raw_exchange(path, b'{"cmd": "sta', timeout=20)  # half a line, then silence
+    assert reply["code"] == "timeout"
+    assert isinstance(send(server, P.Stats()), P.StatsReply)
+
+
+def test_a_peer_hanging_up_mid_line_is_harmless(server):
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(server.socket_path)
+        s.sendall(b'{"cmd": "st')
+    assert isinstance(send(server, P.Stats()), P.StatsReply)
+
+
+def test_refused_peer_gets_an_error_and_is_logged(server, extra, tmp_path):
+    path = extra_admin(server, tmp_path, allowed_uids=[65534], allowed_gids=[65534])
+    assert os.getuid() != 65534 and os.getgid() != 65534
+    with capture_logs() as lines:
+        (reply,) = raw_exchange(path, b'{"cmd": "drain"}\n')
+    assert reply["code"] == "forbidden" and f"uid {os.getuid()}" in reply["error"]
+    assert not server.state.draining  # the command was never run
+    (refused,) = [x for x in lines if x["event"] == "admin peer refused"]
+    assert refused["uid"] == os.getuid() and refused["pid"] == os.getpid()
+
+
+# -- the CLI --------------------------------------------------------------------------------
+def _cli(server, *args, socket_path=None):
+    return subprocess.run([TOKENLOOM, "admin", "--socket", socket_path or server.socket_path,
+                           *args], capture_output=True, text=True, timeout=60)
+
+
+def test_cli_prints_human_readable_output_and_json(server):
+    p = _cli(server, "stats")
+    assert p.returncode == 0, p.stderr
+    assert "KV blocks: used / free / total" in p.stdout and "not draining" in p.stdout
+    p = _cli(server, "--json", "stats")
+    assert p.returncode == 0 and json.loads(p.stdout)["reply"] == "stats"
+    p = _cli(server, "drain")
+    assert p.returncode == 0 and p.stdout.startswith("drained: 0 request(s) in flight")
+    p = _cli(server, "resume")
+    assert p.returncode == 0 and p.stdout.strip() == "resumed: admitting requests"
+
+
+def test_cli_exit_status_reflects_failure(server, tmp_path):
+    p = _cli(server, "cancel", "cmpl-nope")
+    assert p.returncode == 1 and "error (not_found)" in p.stderr
+    p = _cli(server, "--json", "trace", "cmpl-nope")
+    assert p.returncode == 1 and json.loads(p.stdout)["code"] == "not_found"
+    p = _cli(server, "stats", socket_path=str(tmp_path / "absent.sock"))
+    assert p.returncode == 3 and "cannot talk to the daemon" in p.stderr
+    p = _cli(server, "log-level", "loud")
+    assert p.returncode == 2
+
+
+# -- health with a wedged engine ------------------------------------------------------------
+async def test_health_fails_and_watchdog_stops_when_the_engine_wedges(server, model_name,
+                                                                      tmp_path):
+    """1. watchdog pings flow (the lifecycle's loop, 0.05 s, to a real datagram socket);
+    2. a stream runs and the runner wedges (the gate); 3. within health_stall_seconds (0.5 s)
+    /health turns 503 and the pings stop, while the event loop still answers; 4. the runner
+    recovers: /health 200, pings resume, the stream completes."""
+    from tokenloom.daemon.lifecycle import watchdog_loop
+    from tokenloom.daemon.sdnotify import Notifier
+
+    listener = NotifyListener(str(tmp_path / "notify.sock"))
+    notifier = Notifier(listener.address, watchdog_seconds=0.05)
+    task = asyncio.run_coroutine_threadsafe(watchdog_loop(server.state, notifier), server.loop)
+    try:
+        assert await asyncio.to_thread(wait_for, lambda: listener.count("WATCHDOG=1") >= 2)
+        assert (await _status(server, "/health"))[0] == 200
+        async with aiohttp.ClientSession() as session:
+            resp, rid = await start_stream(server, session, model_name, max_tokens=50)
+            server.gate.close()
+            t0 = time.monotonic()
+            while (await _status(server, "/health"))[0] == 200:
+                assert time.monotonic() - t0 < 30, "/health never failed"
+                await asyncio.sleep(0.05)
+            status, _, body = await _status(server, "/health")
+            assert status == 503 and b"no step" in body
+            listener.clear()
+            await asyncio.sleep(0.5)  # ten ping intervals
+            assert listener.count("WATCHDOG=1") == 0
+            server.gate.open()
+            assert await asyncio.to_thread(wait_for, lambda: listener.count("WATCHDOG=1") >= 2)
+            events = await read_events(resp)
+            resp.release()
+        assert (await _status(server, "/health"))[0] == 200
+        assert events[-2]["choices"][0]["finish_reason"] == "length"
+    finally:
+        server.gate.open()
+        task.cancel()
+        listener.close()
+
