@@ -3,13 +3,18 @@
 Pure apart from building tensors: no model, no asyncio. The flat token layout is decodes
 first (one token each), then each prefill chunk; `logits_indices` picks the rows that
 complete their sequence's known tokens and therefore get a sampled token.
+
+Built with numpy in bulk (one array per field, not one tensor per sequence): at 64 decodes
+a step this is ~0.1 ms instead of ~1 ms of per-row Python and tiny tensor constructions.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from itertools import chain
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from tokenloom.kernels.attention import decode_mask
@@ -29,74 +34,84 @@ class BatchInputs:
     num_tokens: int
 
 
-def build_batch_inputs(batch: ExecuteBatch, block_size: int, device: torch.device) -> BatchInputs:
+def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(a)
+    return t if device.type == "cpu" else t.to(device)
+
+
+def padded_block_tables(tables: list[list[int]]) -> np.ndarray:
+    """[len(tables), longest] int64, each row a block table padded with 0."""
+    widths = np.fromiter(map(len, tables), np.int64, len(tables))
+    width = int(widths.max()) if len(tables) else 0
+    out = np.zeros((len(tables), max(width, 1)), np.int64)
+    flat = np.fromiter(chain.from_iterable(tables), np.int64, int(widths.sum()))
+    out[np.arange(out.shape[1])[None, :] < widths[:, None]] = flat
+    return out
+
+
+def build_batch_inputs(batch: ExecuteBatch, block_size: int, device: torch.device,
+                       with_decode_mask: bool = True) -> BatchInputs:
+    """`with_decode_mask`: build the decode attention mask once per step (only the torch
+    reference decode reads it; kernels stop at each context length on their own)."""
     seqs = batch.sequences
     nd = batch.num_decodes
-    ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    logits_indices: list[int] = []
-    sample_ids: list[str] = []
+    decodes, prefills = seqs[:nd], seqs[nd:]
 
     # Decodes: one token each, batched attention over padded block tables.
-    max_blocks = 0
-    dec_lens: list[int] = []
-    for s in seqs[:nd]:
-        assert len(s.token_ids) == 1, f"decode of {s.request_id} must carry one token"
-        pos = s.start_pos
-        ids.append(s.token_ids[0])
-        positions.append(pos)
-        slots.append(s.block_table[pos // block_size] * block_size + pos % block_size)
-        dec_lens.append(pos + 1)
-        max_blocks = max(max_blocks, len(s.block_table))
-        if s.sample:
-            logits_indices.append(len(ids) - 1)
-            sample_ids.append(s.request_id)
     if nd:
-        tables = torch.zeros((nd, max_blocks), dtype=torch.int64)
-        for row, s in enumerate(seqs[:nd]):
-            tables[row, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int64)
-        decode_tables = tables.to(device)
-        decode_lens = torch.tensor(dec_lens, dtype=torch.int64, device=device)
+        assert all(len(s.token_ids) == 1 for s in decodes), "a decode must carry one token"
+        dec_ids = np.fromiter((s.token_ids[0] for s in decodes), np.int64, nd)
+        dec_pos = np.fromiter((s.start_pos for s in decodes), np.int64, nd)
+        tables = padded_block_tables([s.block_table for s in decodes])
+        dec_slots = tables[np.arange(nd), dec_pos // block_size] * block_size + dec_pos % block_size
+        dec_lens = dec_pos + 1
+        max_ctx = int(dec_lens.max())
+        decode_tables = _tensor(tables, device)
+        decode_lens = _tensor(dec_lens, device)
     else:
+        dec_ids = dec_pos = dec_slots = np.zeros(0, np.int64)
+        max_ctx = 0
         decode_tables = torch.zeros((0, 1), dtype=torch.int64, device=device)
         decode_lens = torch.zeros((0,), dtype=torch.int64, device=device)
+    sample_rows = [i for i, s in enumerate(decodes) if s.sample]
+    logits_indices = list(sample_rows)
+    sample_ids = [decodes[i].request_id for i in sample_rows]
 
     # Prefill chunks: slots computed vectorised per chunk (chunks can be long).
     segments: list[PrefillSegment] = []
-    slot_parts = [torch.tensor(slots, dtype=torch.int64)]
-    pos_parts = [torch.tensor(positions, dtype=torch.int64)]
-    t = len(ids)
-    for s in seqs[nd:]:
+    ids_parts, pos_parts, slot_parts = [dec_ids], [dec_pos], [dec_slots]
+    t = nd
+    for s in prefills:
         n = len(s.token_ids)
-        ids.extend(s.token_ids)
-        pos = torch.arange(s.start_pos, s.start_pos + n, dtype=torch.int64)
-        table = torch.tensor(s.block_table, dtype=torch.int64)
+        ids_parts.append(np.asarray(s.token_ids, np.int64))
+        pos = np.arange(s.start_pos, s.start_pos + n, dtype=np.int64)
+        table = np.asarray(s.block_table, np.int64)
         slot_parts.append(table[pos // block_size] * block_size + pos % block_size)
         pos_parts.append(pos)
         segments.append(PrefillSegment(query_start=t, query_len=n, start_pos=s.start_pos,
-                                       block_table=table.to(device)))
+                                       block_table=_tensor(table, device)))
         t += n
         if s.sample:
             logits_indices.append(t - 1)
             sample_ids.append(s.request_id)
 
-    max_ctx = max(dec_lens, default=0)
+    one = len(ids_parts) == 1
     meta = AttentionMetadata(
-        slot_mapping=torch.cat(slot_parts).to(device),
+        slot_mapping=_tensor(dec_slots if one else np.concatenate(slot_parts), device),
         num_decodes=nd,
         decode_block_tables=decode_tables,
         decode_context_lens=decode_lens,
         decode_max_context=max_ctx,
         prefills=segments,
         # Built once per step, shared by every layer.
-        decode_mask=decode_mask(decode_lens, -(-max_ctx // block_size) * block_size) if nd else None,
+        decode_mask=(decode_mask(decode_lens, -(-max_ctx // block_size) * block_size)
+                     if nd and with_decode_mask else None),
     )
     return BatchInputs(
-        input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
-        positions=torch.cat(pos_parts).to(device),
+        input_ids=_tensor(dec_ids if one else np.concatenate(ids_parts), device),
+        positions=_tensor(dec_pos if one else np.concatenate(pos_parts), device),
         meta=meta,
-        logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
+        logits_indices=_tensor(np.asarray(logits_indices, np.int64), device),
         sample_ids=sample_ids,
         num_tokens=t,
     )

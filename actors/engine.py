@@ -32,7 +32,8 @@ from tokenloom.actors.scheduler import SchedulerActor
 from tokenloom.actors.streams import StreamRegistry
 from tokenloom.actors.tokenizer import TokenizerActor
 from tokenloom.config.schema import ConfigError, EngineConfig, resolve_cache_dir
-from tokenloom.kernels.kv_store import KVCache
+from tokenloom.actors.swap import SwapSpace
+from tokenloom.kernels.kv_store import HostKVPool, KVCache
 from tokenloom.kernels.loader import DTYPES, load_model, resolve_model_dir, weights_digest
 from tokenloom.kernels.model_spec import ModelSpec
 
@@ -168,15 +169,30 @@ class Engine:
         self.router = RouterActor(sc.max_num_seqs, sc.max_waiting, self.streams.emit)
         caching = config.cache.enable_prefix_caching
         fingerprint = model_fingerprint(info.weights_digest, str(info.dtype), info.block_size)
+        block_bytes = info.kv_bytes_per_token * info.block_size
+        host_pool, swap = None, None
+        if sc.preemption_mode != "recompute":
+            slots = HostKVPool.slots_for(config.cache.swap_space_bytes, block_bytes)
+            if slots < 1:
+                raise ConfigError(
+                    f"scheduler.preemption_mode {sc.preemption_mode!r} needs swap space: "
+                    f"cache.swap_space_bytes must be >= one KV block ({block_bytes} bytes), "
+                    f"got {config.cache.swap_space_bytes}", key="cache.swap_space_bytes")
+            host_pool = HostKVPool(kv.pool, slots)
+            swap = SwapSpace(slots)
+            say(f"swap space: {slots} blocks of host memory "
+                f"({slots * block_bytes / 2**20:.0f} MiB), preemption mode {sc.preemption_mode}")
         self.scheduler = SchedulerActor(limits, eos, info.max_model_len, self._emit_scheduled,
-                                        PrefixTracker(fingerprint, info.block_size, caching))
+                                        PrefixTracker(fingerprint, info.block_size, caching),
+                                        config=sc, swap=swap, block_bytes=block_bytes)
         self.kv_manager = KVManagerActor(KVCacheManager(info.num_blocks, info.block_size,
                                                         enable_prefix_caching=caching))
         from tokenloom.graphs.setup import build_decode_graphs
         dispatcher, graphs = build_decode_graphs(
             config.graphs, model, kv, max_num_seqs=sc.max_num_seqs,
             max_model_len=info.max_model_len, device=info.device, say=say)
-        self.runner = RunnerActor(ModelRunner(model, kv, info.device, eos, graphs, dispatcher))
+        self.runner = RunnerActor(ModelRunner(model, kv, info.device, eos, graphs, dispatcher,
+                                              host_pool=host_pool))
         # Wiring: tokenizer -> router -> scheduler <-> {KV manager, runner}.
         self.tokenizer_actor.next_inbox = self.router.inbox
         self.router.next_inbox = self.scheduler.inbox
@@ -287,6 +303,23 @@ class Engine:
     def abort(self, request_id: str) -> None:
         # Through the tokenizer and router, so an abort can never overtake its own request.
         self.tokenizer_actor.send(AbortRequest(request_id=request_id))
+
+    async def trace(self, request_id: str) -> dict | None:
+        """The trace of a recent request by the id the client saw: one engine request's
+        trace, or {"request_id", "choices": [...]} when the id stands for several (n > 1 or
+        several prompts); None when no such request is in the bounded history."""
+        traces = await self.query("scheduler", "trace", request_id=request_id)
+        if not traces:
+            return None
+        if len(traces) == 1 and traces[0]["request_id"] == request_id:
+            return traces[0]
+        return {"request_id": request_id, "choices": traces}
+
+    def stalled_seconds(self) -> float:
+        """0.0 when the engine is idle or making progress, else the seconds since it last
+        completed a step while work is queued or running. Synchronous and inbox-free, so it
+        works while the engine is wedged (for /health and the systemd watchdog)."""
+        return self.scheduler.stalled_seconds()
 
     async def query(self, actor: str, op: str, **args):
         target = {"router": self.router, "scheduler": self.scheduler,

@@ -33,6 +33,10 @@ class GenerateRequest(_Msg):
     # n > 1: the request id of sibling 0. A sibling waits until that one's prompt is
     # computed, then reuses its full prompt blocks from the prefix cache.
     group_id: str | None = None
+    # Scheduling: lower `priority` runs first (vLLM's convention; the HTTP layer maps class
+    # names such as "interactive" / "batch" to numbers); `tenant` is the fair-share key.
+    priority: int = 0
+    tenant: str | None = None
 
 
 class AddRequest(_Msg):
@@ -42,6 +46,9 @@ class AddRequest(_Msg):
     arrival_time: float
     cache_salt: str | None = None
     group_id: str | None = None
+    priority: int = 0
+    tenant: str | None = None
+    routed_time: float | None = None   # when the router forwarded it (for the trace)
 
 
 class AbortRequest(_Msg):
@@ -74,6 +81,7 @@ class RequestTimings(_Msg):
     num_cached_tokens: int = 0
     prefix_hit_blocks: int = 0
     prefix_miss_reason: str | None = None
+    trace: dict | None = None   # the request's trace (see actors/trace.py), JSON-ready
 
 
 # What kind of failure a finished-with-error output reports; the HTTP layer maps it to a status.
@@ -160,6 +168,9 @@ class ExecuteBatch(_Msg):
     num_decodes: int
     finished_ids: list[str] = []         # runner may drop their per-request state
     block_copies: list[tuple[int, int]] = []  # (src, dst): copy-on-write before the forward
+    # Swap preemption, before the copies and the forward, in this order:
+    swap_out: list[tuple[int, int]] = []      # (device block, host slot)
+    swap_in: list[tuple[int, int]] = []       # (host slot, device block)
 
 
 class SampledToken(_Msg):
@@ -173,6 +184,7 @@ class StepOutput(_Msg):
     sampled: list[SampledToken]
     compute_seconds: float
     error: str | None = None             # the whole step failed; message for the requests
+    swap_seconds: float = 0.0            # time spent on swap_out + swap_in copies
 
 
 class Shutdown(_Msg):

@@ -21,7 +21,7 @@ from tokenloom.graphs.capture import DecodeGraphs
 from tokenloom.graphs.dispatch import GRAPH, Dispatcher
 from tokenloom.actors.messages import (ExecuteBatch, NewSequence, SampledToken, StepOutput,
                                        TokenLogprob)
-from tokenloom.kernels.kv_store import KVCache
+from tokenloom.kernels.kv_store import HostKVPool, KVCache
 from tokenloom.kernels.llama import LlamaForCausalLM
 from tokenloom.kernels.sampling import SamplingRow, make_generator, sample
 
@@ -35,9 +35,10 @@ class _SeqState:
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv: KVCache, device: torch.device,
                  eos_token_ids: tuple[int, ...], graphs: DecodeGraphs | None = None,
-                 dispatcher: Dispatcher | None = None):
+                 dispatcher: Dispatcher | None = None, host_pool: HostKVPool | None = None):
         self.model = model
         self.kv = kv
+        self.host_pool = host_pool  # swap preemption's host memory (None: swap is off)
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.graphs = graphs
@@ -69,23 +70,38 @@ class ModelRunner:
         for s in batch.sequences:
             if s.new is not None:
                 self._register(s.request_id, s.new)
+        swap_seconds = 0.0
+        if batch.swap_out or batch.swap_in:  # swap preemption, before anything reuses blocks
+            t_swap = time.perf_counter()
+            if batch.swap_out:
+                self.host_pool.swap_out(self.kv, batch.swap_out)
+            if batch.swap_in:
+                self.host_pool.swap_in(self.kv, batch.swap_in)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            swap_seconds = time.perf_counter() - t_swap
         if batch.block_copies:  # copy-on-write of forked siblings' partial blocks
             self.kv.copy_blocks(batch.block_copies)
         if not batch.sequences:
-            return StepOutput(step=batch.step, sampled=[], compute_seconds=0.0)
+            return StepOutput(step=batch.step, sampled=[], compute_seconds=0.0,
+                              swap_seconds=swap_seconds)
         logits, sample_ids = self._forward(batch)                   # [S, vocab]
         sampled: list[SampledToken] = []
         if sample_ids:
-            rows = [self._seqs[rid].row for rid in sample_ids]
-            for rid, tok in zip(sample_ids, sample(logits, rows)):
-                self._seqs[rid].output_token_ids.append(tok.token_id)
+            states = [self._seqs[rid] for rid in sample_ids]
+            for rid, state, tok in zip(sample_ids, states, sample(logits, [s.row for s in states])):
+                state.output_token_ids.append(tok.token_id)
                 lp = None
                 if tok.logprob is not None:
                     lp = TokenLogprob(token_id=tok.token_id, logprob=tok.logprob,
                                       top=tok.top_logprobs)
                 sampled.append(SampledToken(request_id=rid, token_id=tok.token_id, logprob=lp))
         return StepOutput(step=batch.step, sampled=sampled,
-                          compute_seconds=time.perf_counter() - t0)
+                          compute_seconds=time.perf_counter() - t0, swap_seconds=swap_seconds)
+
+    def _reference_decode(self) -> bool:
+        # Only the torch reference decode reads a precomputed mask; kernels do without.
+        return self.model.layers[0].self_attn.decode_fn is None
 
     def forward_logits(self, batch: ExecuteBatch) -> torch.Tensor:
         """The raw logits of a batch's sampled rows (for parity tests and debugging)."""
@@ -111,7 +127,8 @@ class ModelRunner:
             if len(rows) == len(seqs):          # every decode samples: a view, no copy
                 return logits[: len(seqs)], sample_ids
             return logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)], sample_ids
-        inputs = build_batch_inputs(batch, self.kv.block_size, self.device)
+        inputs = build_batch_inputs(batch, self.kv.block_size, self.device,
+                                    with_decode_mask=self._reference_decode())
         logits = self.model(inputs.input_ids, inputs.positions, self.kv, inputs.meta,
                             inputs.logits_indices)
         return logits, inputs.sample_ids

@@ -63,7 +63,8 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
                  sampling_params: SamplingParams, eos_token_ids: Sequence[int] = (),
                  arrival_time: float | None = None, max_model_len: int | None = None,
-                 cache_salt: str | None = None, group_id: str | None = None):
+                 cache_salt: str | None = None, group_id: str | None = None,
+                 priority: int = 0, tenant: str | None = None, arrival_seq: int = 0):
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
         self.request_id = request_id
@@ -75,7 +76,15 @@ class Request:
         self.status = RequestStatus.WAITING_PREFILL
         self.num_computed_tokens = 0
         self.num_preemptions = 0
-        self.consecutive_skips = 0
+        # Scheduling: lower priority runs first; tenant is the fair-share key; arrival_seq
+        # breaks ties in arrival order.
+        self.priority = priority
+        self.tenant = tenant
+        self.arrival_seq = arrival_seq
+        # Swap preemption: host-pool slots holding this request's KV (in table order)
+        # while it waits to be swapped back in; None when its KV is on the device or gone.
+        self.swapped_slots: list[int] | None = None
+        self.trace = None  # tokenloom.actors.trace.RequestTrace, set by the scheduler
         # Prefix cache: chain hashes of full blocks (extended as tokens are computed), the
         # salt-free chain when salted (to explain isolation misses), blocks committed to the
         # cache, and what the first admission found cached.

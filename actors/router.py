@@ -13,6 +13,7 @@ engine workers or processes: only `forward` would change.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Callable
 
 from tokenloom.actors.base import Actor, Control, resolve
@@ -59,6 +60,7 @@ class RouterActor(Actor):
     def _add(self, msg: AddRequest) -> None:
         refusal = self.gate.admit(msg.request_id)
         if refusal is None:
+            msg.routed_time = time.monotonic()
             self.next_inbox.put_nowait(msg)
             # The acknowledgement: an empty output telling the stream's owner that the request
             # is admitted (an HTTP handler can start its 200 stream) and how long its prompt is.

@@ -88,7 +88,7 @@ class TokenizerActor(Actor):
         self.next_inbox.put_nowait(AddRequest(
             request_id=req.request_id, prompt_token_ids=ids, sampling_params=params,
             arrival_time=req.arrival_time or time.monotonic(), cache_salt=req.cache_salt,
-            group_id=req.group_id))
+            group_id=req.group_id, priority=req.priority, tenant=req.tenant))
 
     async def run(self) -> None:
         while True:

@@ -41,6 +41,16 @@ import aiohttp
 import numpy as np
 
 
+def run_async(coro):
+    """asyncio.run on uvloop (a dependency of the server): the load generator shares the
+    cores it measures, so its own event loop should cost as little as the server's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
 # -- the server ----------------------------------------------------------------------------
 def start_server(args, model: str) -> tuple[subprocess.Popen, str]:
     """`tokenloom serve` on a free port, with request logging off (it would cost CPU)."""
@@ -106,7 +116,7 @@ def text_prompts(url: str, prompts: list[list[int]]) -> list[str]:
                 async with s.post(url + "/detokenize", json={"tokens": ids}) as r:
                     out.append((await r.json())["prompt"])
             return out
-    return asyncio.run(convert())
+    return run_async(convert())
 
 
 async def model_name(url: str) -> str:
@@ -150,15 +160,22 @@ async def one_request(session, url, model, prompt, output_len, tokenloom=True) -
             return {"error": f"{r.status} {await r.text()}"}
         buf = b""
         async for data in r.content.iter_any():
-            buf += data
-            while b"\n\n" in buf:
-                frame, buf = buf.split(b"\n\n", 1)
+            now = time.perf_counter()
+            *frames, buf = (buf + data).split(b"\n\n")
+            for frame in frames:
                 payload = frame[len(b"data: "):]
+                # The load generator shares the server's cores: it parses JSON only where it
+                # must. A compact `"choices":[{` can only be structure (quotes inside text
+                # are escaped), so such a frame is a content chunk; anything else (the usage
+                # chunk, errors, other servers' spacing) is decoded.
+                if b'"choices":[{' in payload:
+                    chunk_times.append(now)
+                    continue
                 if payload == b"[DONE]":
                     continue
                 event = json.loads(payload)
                 if event.get("choices"):
-                    chunk_times.append(time.perf_counter())
+                    chunk_times.append(now)
                 elif event.get("usage"):
                     tokens = event["usage"]["completion_tokens"]
                     details = event["usage"].get("prompt_tokens_details") or {}
@@ -279,9 +296,18 @@ def main() -> None:
     p.add_argument("--groups", type=int, default=4)
     p.add_argument("--prefix-len", type=int, default=1024)
     p.add_argument("--suffix-len", type=int, default=32)
+    p.add_argument("--interference", action="store_true",
+                   help="long-prompt interference workload, static vs SLO chunking "
+                        "(see benchmarks/interference.py)")
+    p.add_argument("--streams", type=int, default=16)
+    p.add_argument("--long-len", type=int, default=2000)
+    p.add_argument("--long-output", type=int, default=16)
+    p.add_argument("--long-every", type=float, default=4.0, help="seconds between long prompts")
     args = p.parse_args()
     if args.shared_prefix:
         return shared_prefix_main(args)
+    if args.interference:
+        return interference(args)
 
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     model = args.model
@@ -300,15 +326,15 @@ def main() -> None:
     if url is None:
         proc, url = start_server(args, model)
     try:
-        name = asyncio.run(model_name(url))
+        name = run_async(model_name(url))
         rng = random.Random(args.seed)
         # Ids from the middle of the vocabulary: ordinary tokens, no special ones.
         prompts = [[rng.randrange(1000, 20000) for _ in range(args.prompt_len)]
                    for _ in range(args.num_requests)]
         if args.transformers:
             prompts = text_prompts(url, prompts)
-        asyncio.run(run_load(url, name, prompts[:2], 2, 2, 0, args.seed))  # warm-up
-        results, elapsed = asyncio.run(run_load(url, name, prompts, args.output_len,
+        run_async(run_load(url, name, prompts[:2], 2, 2, 0, args.seed))  # warm-up
+        results, elapsed = run_async(run_load(url, name, prompts, args.output_len,
                                                 args.concurrency, args.rate, args.seed))
     finally:
         if proc is not None:
@@ -333,9 +359,9 @@ def main() -> None:
     if args.transformers:
         tproc, turl = start_transformers(resolve_dir(model))
         try:
-            tname = asyncio.run(model_name(turl))
-            asyncio.run(run_load(turl, tname, prompts[:2], 2, 2, 0, args.seed, False))
-            tresults, telapsed = asyncio.run(run_load(turl, tname, prompts, args.output_len,
+            tname = run_async(model_name(turl))
+            run_async(run_load(turl, tname, prompts[:2], 2, 2, 0, args.seed, False))
+            tresults, telapsed = run_async(run_load(turl, tname, prompts, args.output_len,
                                                       args.concurrency, args.rate, args.seed,
                                                       False))
         finally:
@@ -350,6 +376,32 @@ def main() -> None:
         out.write_text(json.dumps(summary, indent=2))
     if tmp is not None:
         tmp.cleanup()
+
+
+def interference(args) -> None:
+    from interference import interference_main
+
+    if args.output_len == 64:   # the issue's workload unless given
+        args.output_len = 256
+    if args.prompt_len == 256:
+        args.prompt_len = 64
+    if args.json == "benchmarks/results/serve.json":
+        args.json = "benchmarks/results/interference.json"
+    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    model, tmp = args.model, None
+    if args.tiny:
+        from tokenloom.config.schema import ModelConfig, resolve_cache_dir
+        from tokenloom.kernels.loader import resolve_model_dir
+
+        tmp = tempfile.TemporaryDirectory()
+        build_tiny_model(Path(tmp.name), resolve_model_dir(
+            "default", resolve_cache_dir(ModelConfig()), log=lambda *_: None))
+        model = tmp.name
+    try:
+        interference_main(args, start_server, model_name, model)
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
 
 
 def shared_prefix_main(args) -> None:
@@ -369,9 +421,9 @@ def shared_prefix_main(args) -> None:
         args.set = base_set + [f"cache.enable_prefix_caching={caching}"]
         proc, url = start_server(args, args.model)
         try:
-            name = asyncio.run(model_name(url))
-            asyncio.run(run_load(url, name, warm, 2, 2, 0, args.seed))
-            results, elapsed = asyncio.run(run_load(url, name, prompts, args.output_len,
+            name = run_async(model_name(url))
+            run_async(run_load(url, name, warm, 2, 2, 0, args.seed))
+            results, elapsed = run_async(run_load(url, name, prompts, args.output_len,
                                                     args.concurrency, 0, args.seed))
         finally:
             proc.terminate()

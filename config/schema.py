@@ -23,6 +23,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 
 __all__ = [
+    "AdminConfig",
     "CacheConfig",
     "ConfigError",
     "EngineConfig",
@@ -162,6 +163,8 @@ class CacheConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     num_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0
     # Reuse the KV of full blocks whose whole prefix (tokens, model, salt) was seen before.
     enable_prefix_caching: bool = True
+    # Host-memory pool for swap preemption (scheduler.preemption_mode swap/auto only).
+    swap_space_bytes: Annotated[int, msgspec.Meta(ge=0)] = 256 * MiB
 
 
 class SchedulerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -174,10 +177,59 @@ class SchedulerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only
     # K of design invariant 3: a running stream is skipped at most K iterations in a row.
     max_decode_skip: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 4
     max_waiting: Annotated[int, msgspec.Meta(ge=1)] = 1024
-    preemption_mode: Literal["recompute"] = "recompute"
+    # On KV exhaustion a victim either drops its KV and recomputes it later, or copies it
+    # to a host-memory pool (cache.swap_space_bytes) and back; "auto" picks per victim by
+    # estimated cost (recompute time from the step-cost model vs copy time).
+    preemption_mode: Literal["recompute", "swap", "auto"] = "recompute"
+    # Prefill chunk size: "slo" sizes each iteration's prefill tokens from a step-time cost
+    # model fitted online so that running decodes keep `target_itl_ms`; "static" always
+    # fills max_num_batched_tokens.
+    chunking: Literal["slo", "static"] = "slo"
+    # Target inter-token latency for "slo" chunking; 0 = twice the predicted time of an
+    # iteration with only the running decodes (mixed iterations at most 2x a pure one).
+    target_itl_ms: Annotated[float, msgspec.Meta(ge=0.0, le=600_000.0)] = 0.0
+    # Fewest prefill tokens per iteration under "slo", so long prompts always progress.
+    min_prefill_chunk: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 64
+    # KV plan: fraction of the pool admission keeps free...
+    kv_watermark: Annotated[float, msgspec.Meta(ge=0.0, le=0.5)] = 0.01
+    # ... raised to this fraction after a preemption until the pool recovers (hysteresis).
+    kv_resume_watermark: Annotated[float, msgspec.Meta(ge=0.0, le=0.9)] = 0.05
+    # Growth projected at admission for every running request and the candidate, in tokens
+    # (bounded by each one's max_tokens): admit only what can grow this far without preempting.
+    admission_lookahead_tokens: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 64
+    # Request classes: name -> priority number (lower runs first) for `priority` given as a
+    # name or the X-Priority header; numbers are accepted directly too.
+    priority_classes: dict[str, int] = msgspec.field(
+        default_factory=lambda: {"interactive": 0, "batch": 10})
+    # Fair share between tenants (`user` field or X-Tenant header): relative weights;
+    # tenants not listed weigh 1.
+    tenant_weights: dict[str, float] = msgspec.field(default_factory=dict)
+    # Aging: a waiting request gains one priority class per this many seconds (0 = never).
+    aging_seconds: Annotated[float, msgspec.Meta(ge=0.0)] = 30.0
+    # Per-request traces kept for GET /v1/requests/{id}/trace (most recent first out).
+    trace_history: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 1000
+    # Goodput: a finished request is "good" when its TTFT and mean inter-token latency are
+    # within these (0 = that SLO is not checked).
+    slo_ttft_ms: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+    slo_itl_ms: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        for name, value in self.priority_classes.items():
+            if not name or isinstance(value, bool) or not isinstance(value, int) \
+                    or not -(2**31) <= value < 2**31:
+                raise ConfigError(f"scheduler.priority_classes.{name or '<empty>'} must be a "
+                                  f"32-bit integer, got {value!r}",
+                                  key=f"scheduler.priority_classes")
+        for name, value in self.tenant_weights.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(f"scheduler.tenant_weights.{name} must be a number > 0, "
+                                  f"got {value!r}", key="scheduler.tenant_weights")
+        if self.kv_resume_watermark < self.kv_watermark:
+            raise ConfigError(
+                "scheduler.kv_resume_watermark must be >= scheduler.kv_watermark, got "
+                f"{self.kv_resume_watermark} < {self.kv_watermark}",
+                key="scheduler.kv_resume_watermark")
         # Every running sequence must be able to get at least one token per iteration.
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ConfigError(
@@ -206,6 +258,9 @@ class ServerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     # On SIGTERM/SIGINT, seconds to let running requests finish before cancelling them.
     drain_timeout_seconds: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = 30.0
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # /health fails (503) and systemd watchdog pings stop once the engine has gone this
+    # many seconds without completing a step while work is queued (a wedged runner).
+    health_stall_seconds: Annotated[float, msgspec.Meta(ge=0.1, le=3600.0)] = 30.0
 
 
 class GraphsConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -237,6 +292,40 @@ class GraphsConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                               key="graphs.capture_sizes")
 
 
+DEFAULT_ADMIN_SOCKET = "/run/tokenloom/admin.sock"
+
+
+class AdminConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The admin channel: newline-delimited JSON commands on a UNIX socket (see
+    `tokenloom.daemon.admin_server`), separate from the public HTTP API."""
+
+    section: ClassVar[str] = "admin"
+
+    enabled: bool = True
+    # Under systemd's RuntimeDirectory=tokenloom. At this default path a missing or
+    # unwritable directory only logs a warning (unprivileged `make serve`); any other
+    # path that cannot be bound fails start-up.
+    socket_path: Annotated[str, msgspec.Meta(min_length=1)] = DEFAULT_ADMIN_SOCKET
+    # Peers (SO_PEERCRED) allowed to send commands: their uid in allowed_uids, or their
+    # gid (primary or supplementary) in allowed_gids. [] uids = the daemon's own uid and root.
+    allowed_uids: list[int] = []
+    allowed_gids: list[int] = []
+    # A peer that sends no complete command line for this long gets an error and is closed.
+    read_timeout_seconds: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)] = 10.0
+    # Longer command lines get an error and the connection is closed.
+    max_line_bytes: Annotated[int, msgspec.Meta(ge=256, le=16 * MiB)] = 65536
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("allowed_uids", "allowed_gids"):
+            ids = getattr(self, name)
+            bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int)
+                   or not 0 <= i < 2**32 - 1]
+            if bad:
+                raise ConfigError(f"admin.{name} must be integers in 0..4294967294, got "
+                                  f"{bad!r}", key=f"admin.{name}")
+
+
 class EngineConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The whole tree; sections default to their own defaults."""
 
@@ -245,6 +334,7 @@ class EngineConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     scheduler: SchedulerConfig = SchedulerConfig()
     server: ServerConfig = ServerConfig()
     graphs: GraphsConfig = GraphsConfig()
+    admin: AdminConfig = AdminConfig()
 
 
 def resolve_cache_dir(

@@ -62,7 +62,8 @@ class Choice:
 class Generation:
     def __init__(self, engine, request_id: str, prompts: list[str | list[int] | None],
                  messages: list[dict] | None, params: SamplingParams, fit_max_tokens: bool,
-                 metrics=None, log=None, cache_salt: str | None = None):
+                 metrics=None, log=None, cache_salt: str | None = None,
+                 priority: int = 0, tenant: str | None = None):
         self.engine = engine
         self.request_id = request_id
         self.metrics = metrics
@@ -85,6 +86,7 @@ class Generation:
                     prompt=prompt if isinstance(prompt, str) else None,
                     prompt_token_ids=list(prompt) if isinstance(prompt, list) else None,
                     messages=messages, fit_max_tokens=fit_max_tokens, cache_salt=cache_salt,
+                    priority=priority, tenant=tenant,
                     # Siblings reuse sibling 0's prompt blocks (see SchedulerActor).
                     group_id=f"{request_id}-{p * n}" if i > 0 else None))
                 self.choices[rid] = Choice(index, rid, IncrementalDetokenizer(
@@ -222,6 +224,10 @@ class Generation:
                               "first_miss_reason": c.timings.prefix_miss_reason}
                              for c in sorted(self.choices.values(), key=lambda c: c.index)
                              if c.timings is not None],
+            # Per choice: the scheduler's trace (events, decode gaps, preemptions, KV plan).
+            "trace": [c.timings.trace
+                      for c in sorted(self.choices.values(), key=lambda c: c.index)
+                      if c.timings is not None and c.timings.trace is not None],
         }
 
     def cached_tokens(self) -> int:

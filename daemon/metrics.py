@@ -90,6 +90,32 @@ class _EngineCollector:
         yield missed
         yield gauge("tokenloom:prefix_cache_blocks", "KV blocks holding a cached prefix.",
                     s.get("cached_blocks", 0))
+        # Scheduling promises (see README, Scheduling).
+        by_mode = CounterMetricFamily("tokenloom:preemptions",
+                                      "Preemptions by mode (recompute or swap).",
+                                      labels=labels + ["mode"])
+        swapped = s.get("num_swap_preemptions", 0)
+        by_mode.add_metric(value + ["recompute"], s.get("num_preemptions", 0) - swapped)
+        by_mode.add_metric(value + ["swap"], swapped)
+        yield by_mode
+        yield gauge("tokenloom:max_decode_skip",
+                    "Most consecutive iterations any running decode was left out (invariant: "
+                    "<= scheduler.max_decode_skip).", s.get("max_decode_skip", 0))
+        budget = s.get("prefill_budget")
+        yield gauge("tokenloom:prefill_chunk_budget_tokens",
+                    "Prefill tokens the SLO chunker allowed in the last iteration (-1: the "
+                    "static budget).", -1 if budget is None else budget)
+        yield gauge("tokenloom:admission_paused",
+                    "1 while admission waits for the KV resume watermark after a preemption.",
+                    1 if s.get("admission_paused") else 0)
+        evaluated, good = s.get("num_slo_evaluated", 0), s.get("num_slo_good", 0)
+        yield counter("tokenloom:slo_evaluated_requests",
+                      "Finished requests checked against the TTFT and ITL objectives.", evaluated)
+        yield counter("tokenloom:goodput_requests",
+                      "Finished requests within the TTFT and ITL objectives.", good)
+        yield gauge("tokenloom:goodput_ratio",
+                    "Share of finished requests within their objectives (1 before any).",
+                    good / evaluated if evaluated else 1.0)
 
 
 class Metrics:

@@ -49,7 +49,8 @@ async def read_body(request: web.Request, state: ServerState) -> bytes:
 
 def _check_serving(state: ServerState) -> None:
     if state.draining:
-        raise APIError(503, "the server is shutting down")
+        raise APIError(503, "the server is draining; retry later or elsewhere",
+                       headers={"Retry-After": str(state.config.server.retry_after_seconds)})
     if state.engine_task is not None and state.engine_task.done():
         raise APIError(503, "the engine has stopped")
     if state.engine is None or not state.ready:
@@ -76,9 +77,13 @@ async def _serve(request: web.Request, state: ServerState, parsed: protocol.Pars
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     structlog.contextvars.bind_contextvars(request_id=request_id)
     prompts = [None] if chat else parsed.prompts
+    priority = protocol.resolve_priority(parsed.priority, request.headers.get("X-Priority"),
+                                         state.config.scheduler.priority_classes)
+    tenant = protocol.resolve_tenant(parsed.user, request.headers.get("X-Tenant"))
     gen = Generation(state.engine, request_id, prompts, parsed.messages, parsed.params,
                      parsed.fit_max_tokens, metrics=state.metrics, log=log,
-                     cache_salt=parsed.cache_salt)
+                     cache_salt=parsed.cache_salt, priority=priority, tenant=tenant)
+    state.inflight.add(request_id, gen)  # drain waits for it; admin cancel/trace find it
     fmt = _Formatter(state, request_id, parsed, chat)
     log.info("request", endpoint="chat" if chat else "completions", stream=parsed.stream,
              choices=len(gen.choices), max_tokens=parsed.params.max_tokens)
@@ -103,6 +108,7 @@ async def _serve(request: web.Request, state: ServerState, parsed: protocol.Pars
         finished = True
         return resp
     finally:
+        state.inflight.remove(request_id)
         if gen.close() and not finished:
             state.metrics.aborted.inc()
             log.info("request aborted", reason="the client went away")
@@ -251,6 +257,22 @@ class _Formatter:
 
 
 # -- models, tokenize, detokenize ------------------------------------------------------------
+async def request_trace(request: web.Request) -> web.Response:
+    """GET /v1/requests/{id}/trace: the per-request trace of a recent request, by the id
+    the client saw (the response's `id` / X-Request-Id). Traces are kept for the last
+    scheduler.trace_history requests; older ids get 404."""
+    state = request.app[STATE]
+    if state.engine is None or not state.ready and not state.draining:
+        raise APIError(503, "loading")
+    request_id = request.match_info["request_id"]
+    trace = await state.engine.trace(request_id)
+    if trace is None:
+        raise APIError(404, f"no trace for request {request_id!r} (unknown, or older than the "
+                            f"last {state.config.scheduler.trace_history} requests)",
+                       param="request_id", code="request_not_found")
+    return web.json_response(trace)
+
+
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     data = [{"id": state.model_name, "object": "model", "created": state.started,

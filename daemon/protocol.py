@@ -51,7 +51,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     min_tokens: int = 0
     cache_salt: str | None = None
-    priority: int = 0
+    priority: int | str | None = None   # a number (lower runs first) or a class name
     return_metrics: bool = False
 
 
@@ -118,6 +118,8 @@ class ParsedRequest:
     model: str
     max_tokens_field: str = "max_tokens"        # how the body spelled it (for error params)
     cache_salt: str | None = None               # prefix-cache isolation (tenant)
+    priority: int | str | None = None           # as given; see resolve_priority
+    user: str | None = None                     # the fair-share tenant unless X-Tenant says
 
 
 # -- decoding ----------------------------------------------------------------------------
@@ -182,7 +184,8 @@ def _sampling_params(req: _Sampling, limits: Limits, max_tokens: int | None,
         raise APIError(400, "logit_bias is not supported", param="logit_bias")
     if req.cache_salt is not None:
         need(bool(req.cache_salt), "cache_salt", "must be a non-empty string")
-    need(-(2**31) <= req.priority < 2**31, "priority", "must be a 32-bit integer")
+    if isinstance(req.priority, int):
+        need(-(2**31) <= req.priority < 2**31, "priority", "must be a 32-bit integer")
     fields = dict(n=req.n, max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
                   min_tokens=req.min_tokens, seed=req.seed, stop=_stops(req.stop),
                   stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
@@ -243,7 +246,8 @@ def parse_completion(body: bytes, limits: Limits) -> ParsedRequest:
     return ParsedRequest(prompts=prompts, messages=None, params=params, fit_max_tokens=False,
                          stream=req.stream, include_usage=_include_usage(req),
                          return_metrics=req.return_metrics, logprobs=req.logprobs,
-                         model=req.model, cache_salt=req.cache_salt)
+                         model=req.model, cache_salt=req.cache_salt, priority=req.priority,
+                         user=req.user)
 
 
 def chat_messages(messages: list[ChatMessage], param: str = "messages") -> list[dict]:
@@ -293,7 +297,37 @@ def parse_chat(body: bytes, limits: Limits) -> ParsedRequest:
                          fit_max_tokens=max_tokens is None, stream=req.stream,
                          include_usage=_include_usage(req), return_metrics=req.return_metrics,
                          logprobs=logprobs, model=req.model, max_tokens_field=field,
-                         cache_salt=req.cache_salt)
+                         cache_salt=req.cache_salt, priority=req.priority, user=req.user)
+
+
+def resolve_priority(body_value: int | str | None, header: str | None,
+                     classes: dict[str, int]) -> int:
+    """The request's priority number: the body's `priority` (a number, or a class name from
+    scheduler.priority_classes), else the X-Priority header (same forms), else 0."""
+    if body_value is not None:
+        value, param = body_value, "priority"
+    elif header is not None:
+        value, param = header.strip(), "X-Priority"
+        if value.lstrip("-").isdigit():
+            value = int(value)
+    else:
+        return 0
+    if isinstance(value, int) and not isinstance(value, bool):
+        if not -(2**31) <= value < 2**31:
+            raise APIError(400, f"{param} must be a 32-bit integer, got {value}", param=param)
+        return value
+    if value in classes:
+        return classes[value]
+    names = ", ".join(sorted(classes)) or "none configured"
+    raise APIError(400, f"{param} must be an integer or a priority class ({names}), got "
+                        f"{value!r}", param=param)
+
+
+def resolve_tenant(user: str | None, header: str | None) -> str | None:
+    """The fair-share tenant: the X-Tenant header (set by a gateway), else `user`."""
+    if header:
+        return header.strip()[:256]
+    return user[:256] if user else None
 
 
 def _include_usage(req: _Sampling) -> bool:

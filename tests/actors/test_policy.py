@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tokenloom.actors.kv_manager import KVCacheManager
-from tokenloom.actors.policy import Decision, PolicyLimits, blocks_for, schedule
+from tokenloom.actors.policy import (AdmissionParams, Decision, PolicyLimits, blocks_for,
+                                     schedule)
 from tokenloom.actors.request import FinishReason, Request, RequestStatus
 from tokenloom.actors.sampling_params import SamplingParams
 
@@ -198,18 +199,48 @@ def test_admission_never_preempts_running_work():
     assert not d.preempted and not d.admitted
 
 
-def test_preemption_picks_the_most_recently_admitted_running_request():
-    # Running order is admission order. d0 crosses a block boundary with no free block:
-    # the victim is d3 (latest), not d1 or d2, and d3's two blocks also cover d1.
+def test_preemption_picks_the_cheapest_victim_to_redo():
+    # d0 crosses a block boundary with no free block. Same class, never preempted: the
+    # victim is the one with the fewest computed tokens to redo, d2 (5) — not d3 (6, the
+    # latest admitted) nor d1 (8). d2's two blocks cover d0's and d1's growth.
     d0 = decoding("d0", prompt_len=4)
     d1 = decoding("d1", prompt_len=8)
     d2 = decoding("d2", prompt_len=5)
     d3 = decoding("d3", prompt_len=6)
     held = held_from(d0=1, d1=2, d2=2, d3=2)
     d = schedule([d0, d1, d2, d3], deque(), 0, held, limits(block_size=4, num_blocks=7))
-    assert ids(d.preempted) == ["d3"]
-    assert work(d.decodes) == [("d0", 1), ("d1", 1), ("d2", 1)]
-    assert sorted(d.grants) == [("d0", 5), ("d1", 9), ("d2", 6)]
+    assert ids(d.preempted) == ["d2"]
+    assert work(d.decodes) == [("d0", 1), ("d1", 1), ("d3", 1)]
+    assert sorted(d.grants) == [("d0", 5), ("d1", 9), ("d3", 7)]
+
+
+def test_preemption_prefers_the_least_important_class_then_the_least_preempted():
+    a = decoding("a", prompt_len=4)          # needs a new block, none free
+    cheap_vip = decoding("vip", prompt_len=5)
+    cheap_vip.priority = -1                  # more important than everyone
+    batch = decoding("batch", prompt_len=9)
+    batch.priority = 10                      # least important: the victim despite its cost
+    d = schedule([a, cheap_vip, batch], deque(), 0, held_from(a=1, vip=2, batch=3),
+                 limits(block_size=4, num_blocks=6))
+    assert ids(d.preempted) == ["batch"]
+    # Same class: the one preempted before is spared even though it is cheaper to redo.
+    x = decoding("x", prompt_len=4)
+    again = decoding("again", prompt_len=5)
+    again.num_preemptions = 1
+    fresh = decoding("fresh", prompt_len=6)
+    d = schedule([x, again, fresh], deque(), 0, held_from(x=1, again=2, fresh=2),
+                 limits(block_size=4, num_blocks=5))
+    assert ids(d.preempted) == ["fresh"]
+
+
+def test_decodes_run_most_important_class_first_so_it_never_preempts_itself():
+    low = decoding("low", prompt_len=4)
+    low.priority = 5
+    high = decoding("high", prompt_len=4)
+    # Both need a block; one is free. Running order puts low first, class order high first:
+    # high gets the block and low (not yet scheduled) is the victim.
+    d = schedule([low, high], deque(), 1, held_from(low=1, high=1), limits(block_size=4))
+    assert work(d.decodes) == [("high", 1)] and ids(d.preempted) == ["low"]
 
 
 def test_preemption_takes_victims_latest_first_until_it_fits():
@@ -268,13 +299,28 @@ class Arrival:
     iteration: int
     prompt_len: int
     max_tokens: int
+    priority: int = 0
+    tenant: str | None = None
 
 
 class Simulator:
-    """waiting/running Requests over a real KVCacheManager, stepped like SchedulerActor."""
+    """waiting/running Requests over a real KVCacheManager, stepped like SchedulerActor.
 
-    def __init__(self, lim: PolicyLimits, arrivals: list[Arrival]):
+    Optional scheduler features, as SchedulerActor applies them: `fair` orders the waiting
+    queue each iteration (the iteration number is the clock) and is charged the tokens
+    computed; `admission` is the KV plan's watermark and lookahead; `budgets(i)` is the
+    SLO prefill budget of iteration i (None: static); `swap(victim)` picks the preemption
+    mode (a swapped victim keeps its computed tokens and comes back with a plain grant)."""
+
+    def __init__(self, lim: PolicyLimits, arrivals: list[Arrival], *, fair=None,
+                 admission: AdmissionParams = AdmissionParams(), budgets=None, swap=None):
         self.lim = lim
+        self.fair = fair
+        self.admission = admission
+        self.budgets = budgets
+        self.swap = swap
+        self.admitted_at: dict[str, int] = {}
+        self.num_swaps = 0
         self.kv = KVCacheManager(lim.num_blocks, lim.block_size)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -297,6 +343,8 @@ class Simulator:
         while self.future and self.future[0][0] <= self.iteration:
             _, i, a = self.future.popleft()
             req = make_request(f"r{i}", a.prompt_len, a.max_tokens)
+            req.priority, req.tenant, req.arrival_seq = a.priority, a.tenant, i
+            req.arrival_time = float(self.iteration)
             self.max_tokens[req.request_id] = a.max_tokens
             self.waiting.append(req)
 
@@ -305,8 +353,14 @@ class Simulator:
         lim, kv = self.lim, self.kv
         running_before = list(self.running)
         waiting_before = list(self.waiting)
-        d = schedule(self.running, self.waiting, kv.num_free_blocks, kv.num_held, lim)
+        order = (self.fair.order(self.waiting, float(self.iteration)) if self.fair is not None
+                 else self.waiting)
+        budget = self.budgets(self.iteration) if self.budgets is not None else None
+        d = schedule(self.running, order, kv.num_free_blocks, kv.num_held, lim,
+                     prefill_budget=budget, admission=self.admission, preempt_mode=self.swap)
         self._check_decision(d, running_before, waiting_before)
+        if budget is not None:
+            assert sum(w.num_tokens for w in d.prefills) <= budget
         self._check_skips(d, running_before)
 
         # 1. Preemptions, as SchedulerActor._apply_preemptions (its frees reach the KV manager
@@ -315,7 +369,11 @@ class Simulator:
             self.running.remove(req)
             req.transition(S.PREEMPTED)
             req.transition(S.WAITING_PREFILL)
-            req.num_computed_tokens = 0
+            if req.request_id in d.swapped:
+                self.num_swaps += 1   # its KV waits in host memory: nothing to recompute
+                req.swapped_slots = [0]
+            else:
+                req.num_computed_tokens = 0
             req.num_preemptions += 1
             self.num_preemptions += 1
             kv.free(req.request_id)
@@ -331,6 +389,8 @@ class Simulator:
         for req in d.admitted:
             self.waiting.remove(req)
             self.running.append(req)
+            req.swapped_slots = None
+            self.admitted_at.setdefault(req.request_id, self.iteration)
         assert len(self.running) <= lim.max_num_seqs
         for w in d.prefills:
             if w.request.status == S.WAITING_PREFILL:
@@ -346,6 +406,8 @@ class Simulator:
                     if w.request.num_computed_tokens + w.num_tokens == w.request.num_tokens]
         for w in scheduled:
             w.request.num_computed_tokens += w.num_tokens
+            if self.fair is not None:
+                self.fair.charge(w.request.tenant, w.num_tokens)
         for req in samplers:
             req.append_token(SAMPLED, now=float(self.iteration))
             reason = req.check_stop()
@@ -373,7 +435,8 @@ class Simulator:
             assert w.request.is_decode and w.request in running and not w.resumed
         for w in d.prefills:
             assert 1 <= w.num_tokens <= w.request.num_remaining_tokens
-            assert not w.request.is_decode
+            # (a request swapped back in resumes with its one pending token, as a "prefill")
+            assert not w.request.is_decode or w.request.swapped_slots is not None
             assert w.resumed == (w.request in d.admitted)
         sched = [w.request.request_id for w in d.decodes + d.prefills]
         assert len(sched) == len(set(sched)), "a request scheduled twice"
@@ -432,7 +495,8 @@ class Simulator:
             assert kv.num_held(req.request_id) == blocks_for(req.num_computed_tokens, bs)
             assert req.status in (S.PREFILLING, S.WAITING_DECODE, S.DECODING)
         for req in self.waiting:
-            assert kv.num_held(req.request_id) == 0 and req.num_computed_tokens == 0
+            assert kv.num_held(req.request_id) == 0
+            assert req.num_computed_tokens == 0 or req.swapped_slots is not None
             assert req.status is S.WAITING_PREFILL
         assert sum(kv.num_held(r.request_id) for r in self.running) == kv.num_used_blocks
 
@@ -516,3 +580,129 @@ def test_simulator_sees_preemption_and_recompute():
     assert all(r.num_output_tokens == 12 for r in sim.finished)
     # The preempted one recomputed its prompt and earlier outputs, and still finished.
     assert any(r.num_preemptions for r in sim.finished)
+
+
+# -- scheduling features: classes, fair share, KV plan, SLO budgets, swap -----------------
+
+
+@st.composite
+def featured_scenarios(draw):
+    lim, arrivals = draw(scenarios())
+    arrivals = [dataclasses.replace(a, priority=draw(st.sampled_from([0, 0, 1, 10])),
+                                    tenant=draw(st.sampled_from([None, "a", "b"])))
+                for a in arrivals]
+    admission = AdmissionParams(min_free_blocks=draw(st.integers(0, 3)),
+                                lookahead_tokens=draw(st.integers(0, 64)))
+    budgets = draw(st.lists(st.one_of(st.none(), st.integers(1, 64)), min_size=1, max_size=8))
+    aging = draw(st.sampled_from([0.0, 5.0]))
+    swap = draw(st.booleans())
+    return lim, arrivals, admission, budgets, aging, swap
+
+
+def swap_odd_ids(req: Request) -> str:
+    return "swap" if req.num_computed_tokens and int(req.request_id[1:]) % 2 else "recompute"
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(featured_scenarios())
+def test_invariants_hold_with_classes_fair_share_kv_plan_slo_budgets_and_swap(scenario):
+    """Whatever arrives, in any class and tenant, under any prefill budget, watermark and
+    lookahead, with swap or recompute victims: every request completes with its exact token
+    count, nothing leaks, and a running decode is never left out of an iteration
+    (invariant 3 with K = 0; see Simulator._check_skips)."""
+    from tokenloom.actors.fairness import FairShare
+
+    lim, arrivals, admission, budgets, aging, swap = scenario
+    sim = Simulator(lim, arrivals, fair=FairShare({"a": 2.0}, aging_seconds=aging),
+                    admission=admission, budgets=lambda i: budgets[i % len(budgets)],
+                    swap=swap_odd_ids if swap else None)
+    sim.run(liveness_bound(arrivals))
+    assert len(sim.finished) == len(arrivals)
+    for req in sim.finished:
+        assert req.num_output_tokens == sim.max_tokens[req.request_id]
+    assert sim.kv.num_used_blocks == 0
+    assert sim.max_skips == 0
+
+
+def test_swap_preemption_keeps_computed_tokens_and_completes():
+    arrivals = [Arrival(0, 8, 12), Arrival(0, 8, 12), Arrival(0, 9, 12)]
+    lim = PolicyLimits(max_num_seqs=3, max_num_batched_tokens=32, block_size=4, num_blocks=8)
+    sim = Simulator(lim, arrivals, swap=lambda r: "swap")
+    sim.run(liveness_bound(arrivals))
+    assert sim.num_swaps >= 1 and sim.num_swaps == sim.num_preemptions
+    assert all(r.num_output_tokens == 12 for r in sim.finished)
+
+
+def test_a_flooding_tenant_cannot_delay_another_tenants_request_beyond_a_bound():
+    """Tenant A floods 50 requests; tenant B's single request arrives later. With fair
+    share B is admitted as soon as one sequence slot turns over (a slot frees at least every
+    prompt + max_tokens iterations); first-come-first-served would make it wait for all
+    of A's backlog."""
+    from tokenloom.actors.fairness import FairShare
+
+    flood = [Arrival(0, 16, 8, tenant="A") for _ in range(50)]
+    late = Arrival(3, 16, 8, tenant="B")
+    lim = PolicyLimits(max_num_seqs=4, max_num_batched_tokens=64, block_size=4,
+                       num_blocks=400)
+    bound = 1 + 8 + 1   # one request's lifetime (1 prefill + 8 decode iterations), +1
+    fair = Simulator(lim, flood + [late], fair=FairShare())
+    fair.run(10_000)
+    fifo = Simulator(lim, flood + [late])
+    fifo.run(10_000)
+    b = "r50"
+    assert fair.admitted_at[b] - late.iteration <= bound
+    assert fifo.admitted_at[b] - late.iteration > 8 * bound   # the unfair baseline
+    assert len(fair.finished) == 51
+
+
+def test_a_higher_class_is_admitted_first_and_aging_lifts_a_starved_low_class():
+    from tokenloom.actors.fairness import FairShare
+
+    fs = FairShare(aging_seconds=10.0)
+    low = make_request("low", 4)
+    low.priority, low.arrival_time, low.arrival_seq = 10, 0.0, 1
+    high = make_request("high", 4)
+    high.priority, high.arrival_time, high.arrival_seq = 0, 5.0, 2
+    assert ids(fs.order([low, high], now=6.0)) == ["high", "low"]
+    # 100 s later the low request has aged 10 classes: it ties with, then beats, new work.
+    high.arrival_time = 105.0
+    assert ids(fs.order([high, low], now=106.0)) == ["low", "high"]
+
+
+def test_kv_plan_waits_for_projected_growth_and_records_why():
+    # d holds 2 blocks and will grow 4 more over a 16-token lookahead (block 4). The pool
+    # has 6 free: a 4-token prompt (1 block + 4 growth) would leave 6-1-4-4 < 0 -> wait.
+    d0 = decoding("d0", prompt_len=7)            # 8 tokens, max_tokens 16
+    w = make_request("w", 4)
+    adm = AdmissionParams(min_free_blocks=0, lookahead_tokens=16)
+    d = schedule([d0], deque([w]), 6, held_from(d0=2), limits(block_size=4), admission=adm)
+    assert not d.admitted and d.blocked is not None
+    req, why, plan = d.blocked
+    assert req is w and why == "kv"
+    assert plan["projected_growth_blocks"] == 4 and plan["running_reserved_blocks"] == 4
+    # Without the lookahead it is admitted (the static view: only the chunk must fit) ...
+    d = schedule([d0], deque([w]), 6, held_from(d0=2), limits(block_size=4))
+    assert ids(d.admitted) == ["w"] and d.plans["w"]["chunk_blocks"] == 1
+    # ... and with nothing running it is admitted whatever the plan says (liveness).
+    d = schedule([], deque([w]), 2, held_from(), limits(block_size=4),
+                 admission=AdmissionParams(min_free_blocks=10, lookahead_tokens=64))
+    assert ids(d.admitted) == ["w"]
+
+
+def test_a_prompt_that_can_never_fit_is_rejected_naming_the_limit():
+    huge = make_request("huge", 100)
+    d = schedule([], deque([huge]), 10, held_from(), limits(block_size=4, num_blocks=10))
+    assert [r.request_id for r, _ in d.rejected] == ["huge"]
+    assert "25 KV blocks" in d.rejected[0][1] and "only 10 blocks (40 tokens)" in d.rejected[0][1]
+
+
+def test_the_kv_plan_reduces_preemptions_in_a_tight_pool():
+    arrivals = [Arrival(i, 24, 40) for i in range(8)]
+    lim = PolicyLimits(max_num_seqs=8, max_num_batched_tokens=64, block_size=4, num_blocks=40)
+    static = Simulator(lim, arrivals)
+    static.run(liveness_bound(arrivals))
+    planned = Simulator(lim, arrivals, admission=AdmissionParams(min_free_blocks=1,
+                                                                 lookahead_tokens=40))
+    planned.run(liveness_bound(arrivals))
+    assert static.num_preemptions > 0
+    assert planned.num_preemptions < static.num_preemptions

@@ -84,7 +84,9 @@ def test_overrides_win_over_env_dotted_and_nested():
         ("scheduler.max_num_batched_tokens", 8, ">= 16 and <= 1000000"),
         ("scheduler.max_decode_skip", 0, ">= 1 and <= 1000"),
         ("scheduler.max_waiting", 0, ">= 1"),
-        ("scheduler.preemption_mode", "swap", "one of 'recompute'"),
+        ("scheduler.preemption_mode", "evict", "one of 'auto', 'recompute', 'swap'"),
+        ("scheduler.chunking", "dynamic", "one of 'slo', 'static'"),
+        ("scheduler.kv_watermark", 0.9, ">= 0.0 and <= 0.5"),
         ("cache.block_size", 24, "one of 8, 16, 32, 64, 128"),
         ("cache.kv_cache_memory_bytes", 1000, ">= 1048576"),
         ("cache.gpu_memory_utilization", 0.0, "> 0.0 and < 1.0"),
@@ -129,12 +131,13 @@ def test_unknown_key_lists_allowed_keys(tmp_path):
         load_config(path, env=None)
     assert str(info.value) == (
         "config error: unknown key cache.blok_size (allowed: block_size, "
-        "kv_cache_memory_bytes, gpu_memory_utilization, num_blocks, enable_prefix_caching)"
+        "kv_cache_memory_bytes, gpu_memory_utilization, num_blocks, enable_prefix_caching, "
+        "swap_space_bytes)"
     )
 
 
 def test_unknown_section_lists_allowed_sections():
-    allowed = r"unknown section sched \(allowed: model, cache, scheduler, server, graphs\)"
+    allowed = r"unknown section sched \(allowed: model, cache, scheduler, server, graphs, admin\)"
     with pytest.raises(ConfigError, match=allowed):
         load_config(env={"TOKENLOOM_SCHED__MAX_NUM_SEQS": "8"})
 

@@ -106,8 +106,11 @@ async def test_storm_with_shared_prefixes_preemption_and_cancellations(tiny_mode
        free, no block is owned twice, nothing runs, waits or streams."""
     from httpserver import ServerThread, tiny_config
 
+    # Static admission (no KV plan: no lookahead, no watermark) so that victims are certain.
     server = ServerThread(tiny_config(tiny_model_dir, tmp_path, **{
-        "cache.num_blocks": 24, "scheduler.max_num_seqs": 32}))
+        "cache.num_blocks": 24, "scheduler.max_num_seqs": 32,
+        "scheduler.admission_lookahead_tokens": 0, "scheduler.kv_watermark": 0.0,
+        "scheduler.kv_resume_watermark": 0.0}))
     try:
         shared = [10 + (k % 50) for k in range(40)]  # 5 full blocks of 8
 

@@ -231,7 +231,7 @@ async def test_metrics_object_is_opt_in(server, model_name):
     _, body, _ = await post(server, "/v1/completions", dict(req, return_metrics=True))
     m = body["metrics"]
     assert set(m) == {"queue_time", "time_to_first_token", "decode_time", "e2e_time",
-                      "cached_tokens", "num_preemptions", "prefix_cache"}
+                      "cached_tokens", "num_preemptions", "prefix_cache", "trace"}
     assert 0 <= m["queue_time"] <= m["time_to_first_token"] <= m["e2e_time"]
     assert m["decode_time"] >= 0 and m["cached_tokens"] == 0 and m["num_preemptions"] == 0
     _, raw, _ = await post(server, "/v1/completions", dict(req, return_metrics=True,

@@ -79,7 +79,17 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
 CONFIGS = {
     "all_at_once": dict(),
     "chunked_prefill_64": dict(max_num_batched_tokens=64, max_num_seqs=16),
-    "preemption": dict(num_blocks=80, block_size=16),
+    # Static admission (no KV plan) so that the small pool is sure to preempt.
+    "preemption": dict(num_blocks=80, block_size=16, admission_lookahead_tokens=0,
+                       kv_watermark=0.0, kv_resume_watermark=0.0),
+    "preemption_swap": dict(num_blocks=80, block_size=16, admission_lookahead_tokens=0,
+                            kv_watermark=0.0, kv_resume_watermark=0.0,
+                            preemption_mode="swap"),
+    # The KV plan's defaults on the same pool: admission waits instead of thrashing.
+    "kv_plan": dict(num_blocks=80, block_size=16),
+    # SLO chunking with an unreachable target: every prefill runs in min_prefill_chunk pieces
+    # once the cost model is fitted (decodes keep running alongside).
+    "slo_chunking": dict(max_num_seqs=16, target_itl_ms=0.001, min_prefill_chunk=24),
 }
 
 
@@ -105,6 +115,15 @@ def test_batched_configurations(name, default_model_dir, prompt_ids, reference):
         stats = llm.scheduler_stats()
         if name == "preemption":
             assert stats["num_preemptions"] > 0, "the small pool must force preemption"
+            assert stats["num_swap_preemptions"] == 0
+        if name == "preemption_swap":
+            assert stats["num_swap_preemptions"] > 0, "victims must be swapped, not recomputed"
+            assert stats["swap_free_slots"] == llm.engine.scheduler.swap.num_slots
+        if name == "slo_chunking":
+            assert stats["cost_model"] is not None, "the step-cost model was never fitted"
+        if name == "kv_plan":
+            assert stats["num_preemptions"] <= 1, stats
+        assert stats["max_decode_skip"] == 0
         llm.check_integrity()
         assert llm.kv_stats()["used"] == 0
     finally:
