@@ -5,8 +5,10 @@
 `tokens` is every token computed in the iteration (decodes + prefill chunks); attention_work
 is sum over sequences of new_tokens * (context they attend to), in millions — it grows
 with the square of a chunk and with the depth of the prompt it continues. The coefficients
-are a least-squares fit over the last `window` measured iterations (negative ones are
-dropped: more work never makes a step faster), refitted every few observations.
+are a least-squares fit over the last measured iterations — half of the window keeps
+iterations with prefill, half decode-only ones, so a long decode-only stretch does not erase
+what prefill costs — with a light ridge on the slopes and negative slopes dropped (more
+work never makes a step faster), refitted every few observations.
 
 SLO-driven chunking asks: given this iteration's decodes, how many prefill tokens fit in
 the target inter-token latency? The answer is found by bisection on the model and clamped
@@ -30,8 +32,12 @@ class StepCostModel:
         self.window = window
         self.min_samples = min_samples
         self.refit_every = refit_every
-        self._x: deque[tuple[float, float, float]] = deque(maxlen=window)
-        self._y: deque[float] = deque(maxlen=window)
+        # Two memories: iterations with prefill chunks and decode-only ones. A long stretch
+        # of decode-only iterations (the same token count over and over) must not push out
+        # the samples that tell what a prefill token costs.
+        half = max(1, window // 2)
+        self._mixed: deque[tuple[float, float, float, float]] = deque(maxlen=half)
+        self._pure: deque[tuple[float, float, float, float]] = deque(maxlen=half)
         self._since_fit = 0
         self.coef: np.ndarray | None = None   # (c0, c1, c2) once fitted
 
@@ -39,32 +45,43 @@ class StepCostModel:
     def ready(self) -> bool:
         return self.coef is not None
 
-    def observe(self, num_tokens: int, attn_work: float, seconds: float) -> None:
+    @property
+    def num_samples(self) -> int:
+        return len(self._mixed) + len(self._pure)
+
+    def observe(self, num_tokens: int, attn_work: float, seconds: float,
+                prefill_tokens: int = 0) -> None:
         if seconds <= 0 or num_tokens <= 0:
             return
-        self._x.append((1.0, float(num_tokens), attn_work))
-        self._y.append(seconds)
+        (self._mixed if prefill_tokens else self._pure).append(
+            (1.0, float(num_tokens), attn_work, seconds))
         self._since_fit += 1
-        if len(self._y) >= self.min_samples and (self.coef is None
-                                                 or self._since_fit >= self.refit_every):
+        if self.num_samples >= self.min_samples and (self.coef is None
+                                                     or self._since_fit >= self.refit_every):
             self._fit()
 
     def _fit(self) -> None:
+        """Least squares with a light ridge on the slopes (features scaled to ~1 first), so
+        that a feature that barely varies in the window (e.g. attention work while only
+        decodes run) cannot take an absurd coefficient; negative slopes are dropped."""
         self._since_fit = 0
-        x = np.asarray(self._x)
-        y = np.asarray(self._y)
+        data = np.asarray(list(self._mixed) + list(self._pure))
+        x, y = data[:, :3], data[:, 3]
+        scale = np.maximum(np.abs(x).mean(axis=0), 1e-12)
+        xs = x / scale
         active = [0, 1, 2]
         coef = np.zeros(3)
+        ridge = 1e-3 * len(y)
         while active:
-            sol, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+            a = xs[:, active]
+            penalty = np.diag([0.0 if i == 0 else ridge for i in active])
+            sol = np.linalg.solve(a.T @ a + penalty + 1e-12 * np.eye(len(active)), a.T @ y)
             if (sol[1:] >= 0).all() or len(active) == 1:
-                coef[active] = sol
+                coef[active] = sol / scale[active]
                 break
-            # drop the most negative non-intercept coefficient and refit
-            worst = 1 + int(np.argmin(sol[1:]))
-            active.pop(worst)
-        coef[0] = max(coef[0], 0.0)
-        coef[1:] = np.maximum(coef[1:], 0.0)
+            # drop the most negative slope and refit
+            active.pop(1 + int(np.argmin(sol[1:])))
+        coef = np.maximum(coef, 0.0)
         self.coef = coef
 
     def predict(self, num_tokens: int, attn_work: float) -> float:

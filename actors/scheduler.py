@@ -400,7 +400,8 @@ class SchedulerActor(Actor):
             n = len(s.token_ids)
             tokens += n
             work += attention_work(n, s.start_pos)
-        self.cost.observe(tokens, work, seconds)
+        self.cost.observe(tokens, work, seconds,
+                          prefill_tokens=sum(w.num_tokens for w in d.prefills))
         for w in d.decodes + d.prefills:
             self.fair.charge(w.request.tenant, w.num_tokens)
         if out.swap_seconds and batch.swap_out:

@@ -105,3 +105,16 @@ def test_trace_history_is_bounded_and_finds_choices_by_client_id():
     assert [t.request_id for t in h.find("cmpl-x")] == ["cmpl-x-0", "cmpl-x-1"]
     assert [t.request_id for t in h.find("b")] == ["b"]
     assert h.find("cmpl") == [] and h.find("nope") == []
+
+
+def test_a_long_decode_only_stretch_does_not_erase_what_prefill_costs():
+    m = StepCostModel(window=64)
+    rng = random.Random(2)
+    for _ in range(32):                         # a burst with prefills
+        t = rng.randint(16, 1024)
+        m.observe(t, 0.0, synthetic(t, 0.0), prefill_tokens=t - 16)
+    for i in range(500):                        # then only 16 decodes, context creeping up
+        attn = attention_work(1, 100 + i) * 16
+        m.observe(16, attn, synthetic(16, attn) * rng.uniform(0.98, 1.02))
+    # It still knows a 500-token chunk costs about 0.25 s on top of the decodes.
+    assert m.predict(516, 0.0) == pytest.approx(synthetic(516, 0.0), rel=0.15)
