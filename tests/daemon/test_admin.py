@@ -99,7 +99,10 @@ def raw_exchange(path: str, payload: bytes, timeout: float = 10.0) -> list[dict]
         s.settimeout(timeout)
         s.connect(path)
         if payload:
-            s.sendall(payload)
+            try:
+                s.sendall(payload)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # a refused peer may be answered and hung up on before it writes
         buf = b""
         try:
             while chunk := s.recv(65536):

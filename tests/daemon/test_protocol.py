@@ -77,7 +77,7 @@ def test_chat_max_completion_tokens_and_logprobs():
     (dict(prompt="x", stop=[""]), 400, "stop"),
     (dict(prompt="x", stop=5), 400, "stop"),
     (dict(prompt="x", cache_salt=""), 400, "cache_salt"),
-    (dict(prompt="x", priority="high"), 400, "priority"),
+    (dict(prompt="x", priority=[1]), 400, "priority"),
     (dict(prompt="x", stream_options={"include_usage": True}), 400, "stream_options"),
     (dict(prompt="x", model="other"), 404, "model"),
 ])

@@ -132,7 +132,14 @@ SCHEDULES = {
     "one-at-a-time": lambda m: dict(),
     "all-at-once": lambda m: dict(),
     "chunked": lambda m: dict(max_num_batched_tokens=16, max_num_seqs=4),
-    "preempt": lambda m: dict(num_blocks=_tight_pool(m), max_num_seqs=4),
+    # Static admission (no KV plan) so that the tight pool is certain to preempt.
+    "preempt": lambda m: dict(num_blocks=_tight_pool(m), max_num_seqs=4,
+                              admission_lookahead_tokens=0, kv_watermark=0.0,
+                              kv_resume_watermark=0.0),
+    "preempt-swap": lambda m: dict(num_blocks=_tight_pool(m), max_num_seqs=4,
+                                   admission_lookahead_tokens=0, kv_watermark=0.0,
+                                   kv_resume_watermark=0.0, preemption_mode="swap",
+                                   swap_space_bytes=1 << 20),
 }
 
 
@@ -153,8 +160,10 @@ def test_greedy_matches_transformers(tiny_model, tmp_path, name, schedule):
         llm.close()
     for i, (g, e) in enumerate(zip(got, expected)):
         assert g == e, f"{name}/{schedule}: prompt {i} ({len(m.prompts[i])} tokens) diverges"
-    if schedule == "preempt":
+    if schedule.startswith("preempt"):
         assert stats["num_preemptions"] > 0, "the tight pool was meant to force preemption"
+    if schedule == "preempt-swap":
+        assert stats["num_swap_preemptions"] > 0, "victims were meant to be swapped"
 
 
 def test_outputs_are_not_degenerate(tiny_model):
