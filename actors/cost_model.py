@@ -46,6 +46,12 @@ class StepCostModel:
         return self.coef is not None
 
     @property
+    def knows_prefill(self) -> bool:
+        """Fitted with a few iterations that computed prefill chunks: only then does the
+        model say anything about what a prefill token costs."""
+        return self.coef is not None and len(self._mixed) >= 2
+
+    @property
     def num_samples(self) -> int:
         return len(self._mixed) + len(self._pure)
 

@@ -317,15 +317,22 @@ class SchedulerActor(Actor):
 
     def _prefill_budget(self, waiting: list[Request]) -> int | None:
         """SLO-driven chunking: the prefill tokens that keep this iteration's running decodes
-        within the ITL target, per the fitted cost model. None: the static budget (chunking
-        "static", nothing decoding to protect, or the model not fitted yet)."""
+        within the ITL target, per the fitted cost model; min_prefill_chunk while the model
+        has not seen prefill iterations yet. None: the static budget (chunking "static", or
+        nothing decoding to protect)."""
         cfg = self.config
         self.last_prefill_budget = None
-        if cfg.chunking != "slo" or not self.cost.ready:
+        if cfg.chunking != "slo":
             return None
         decodes = [r for r in self.running if r.is_decode]
         if not decodes:
             return None
+        if not self.cost.knows_prefill:
+            # Streams are decoding but prefill costs are unknown yet: protect them with the
+            # smallest chunk until the model has seen prefill iterations.
+            self.last_prefill_budget = min(cfg.min_prefill_chunk,
+                                           self.limits.max_num_batched_tokens - len(decodes))
+            return self.last_prefill_budget
         d_attn = sum(attention_work(1, r.num_computed_tokens) for r in decodes)
         if cfg.target_itl_ms > 0:
             target = cfg.target_itl_ms / 1000
