@@ -25,30 +25,19 @@ def fast_decoder(tokenizer: Any) -> Callable[..., str]:
     """`tokenizer.decode`, or an equivalent that skips transformers' per-call Python layers
     (a third of the cost; it runs twice per streamed token): a transformers fast tokenizer
     that neither overrides decoding nor cleans up spaces decodes exactly as its Rust
-    `tokenizers.Tokenizer` does."""
-    cached = _DECODERS.get(id(tokenizer))
-    if cached is not None and cached[0] is tokenizer:
-        return cached[1]
-    decode = tokenizer.decode
+    `tokenizers.Tokenizer` does. Checked once per detokenizer (~2 us)."""
     try:
         from transformers.tokenization_utils_base import PreTrainedTokenizerBase
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
     except ImportError:  # another transformers layout: keep the public method
-        pass
-    else:
-        backend = getattr(tokenizer, "_tokenizer", None)
-        cls = type(tokenizer)
-        if (isinstance(tokenizer, TokenizersBackend) and backend is not None
-                and cls.decode is PreTrainedTokenizerBase.decode
-                and cls._decode is TokenizersBackend._decode and not _cleans_up(tokenizer)):
-            decode = backend.decode
-    if len(_DECODERS) > 64:  # tokenizers are few and long-lived; never grow without bound
-        _DECODERS.clear()
-    _DECODERS[id(tokenizer)] = (tokenizer, decode)
-    return decode
-
-
-_DECODERS: dict[int, tuple[Any, Callable[..., str]]] = {}
+        return tokenizer.decode
+    backend = getattr(tokenizer, "_tokenizer", None)
+    cls = type(tokenizer)
+    if (isinstance(tokenizer, TokenizersBackend) and backend is not None
+            and cls.decode is PreTrainedTokenizerBase.decode
+            and cls._decode is TokenizersBackend._decode and not _cleans_up(tokenizer)):
+        return backend.decode
+    return tokenizer.decode
 
 
 def _cleans_up(tokenizer: Any) -> bool:

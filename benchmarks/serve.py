@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import random
@@ -34,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -148,39 +150,163 @@ def start_transformers(model_dir: str) -> tuple[subprocess.Popen, str]:
     raise SystemExit("transformers serve did not start")
 
 
-async def one_request(session, url, model, prompt, output_len, tokenloom=True) -> dict:
+class _Stream(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection that sends a streaming POST and reads the response
+    (chunked or Content-Length) with as little Python as possible: the load generator shares
+    the cores it measures, and an aiohttp client costs ~3x more per SSE chunk than this.
+
+    `post()` resolves to (status, chunk arrival times, usage or None, error body or None)."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.reusable = False
+        self._done: asyncio.Future | None = None
+
+    # -- asyncio.Protocol --------------------------------------------------------------------
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def connection_lost(self, exc) -> None:
+        self.reusable = False
+        if self._done is not None and not self._done.done():
+            self._done.set_exception(ConnectionError(f"connection lost mid-response: {exc!r}"))
+
+    def data_received(self, data: bytes) -> None:
+        now = time.perf_counter()
+        self._raw += data
+        if self._status is None and not self._parse_head():
+            return
+        if self._length is not None:  # a plain (error) body
+            if len(self._raw) >= self._length:
+                self._finish(bytes(self._raw[: self._length]).decode(errors="replace"))
+            return
+        self._parse_chunks(now)
+
+    # -- one request -------------------------------------------------------------------------
+    def post(self, request: bytes) -> asyncio.Future:
+        self._done = asyncio.get_running_loop().create_future()
+        self._raw = bytearray()
+        self._status, self._length, self._close = None, None, False
+        self._sse = b""
+        self._times: list[float] = []
+        self._usage: dict | None = None
+        self.reusable = False
+        self.transport.write(request)
+        return self._done
+
+    def _parse_head(self) -> bool:
+        end = self._raw.find(b"\r\n\r\n")
+        if end < 0:
+            return False
+        head = bytes(self._raw[:end]).decode("latin-1").split("\r\n")
+        del self._raw[: end + 4]
+        self._status = int(head[0].split(" ", 2)[1])
+        chunked = False
+        for line in head[1:]:
+            name, _, value = line.partition(":")
+            name, value = name.strip().lower(), value.strip().lower()
+            if name == "transfer-encoding" and "chunked" in value:
+                chunked = True
+            elif name == "content-length":
+                self._length = int(value)
+            elif name == "connection" and value == "close":
+                self._close = True
+        if chunked:
+            self._length = None
+        elif self._length is None:
+            raise RuntimeError("the response has neither chunked encoding nor a length")
+        return True
+
+    def _parse_chunks(self, now: float) -> None:
+        raw, pos = self._raw, 0
+        while True:
+            eol = raw.find(b"\r\n", pos)
+            if eol < 0:
+                break
+            size = int(bytes(raw[pos:eol]).split(b";", 1)[0], 16)
+            if size == 0:
+                if len(raw) < eol + 4:
+                    break
+                del raw[:]
+                self._finish(None if self._status == 200 else self._sse.decode(errors="replace"))
+                return
+            if len(raw) < eol + 2 + size + 2:
+                break
+            self._feed(bytes(raw[eol + 2: eol + 2 + size]), now)
+            pos = eol + 2 + size + 2
+        del raw[:pos]
+
+    def _feed(self, data: bytes, now: float) -> None:
+        if self._status != 200:  # an error body, whole
+            self._sse += data
+            return
+        *frames, self._sse = (self._sse + data).split(b"\n\n")
+        for frame in frames:
+            payload = frame[len(b"data: "):]
+            # Parse JSON only where needed. A compact `"choices":[{` can only be structure
+            # (quotes inside text are escaped), so such a frame is a content chunk; anything
+            # else (the usage chunk, errors, other servers' spacing) is decoded.
+            if b'"choices":[{' in payload:
+                self._times.append(now)
+            elif payload != b"[DONE]" and payload:
+                event = json.loads(payload)
+                if event.get("choices"):
+                    self._times.append(now)
+                elif event.get("usage"):
+                    self._usage = event["usage"]
+
+    def _finish(self, error_body: str | None) -> None:
+        self.reusable = not self._close
+        if not self._done.done():
+            self._done.set_result((self._status, self._times, self._usage, error_body))
+
+
+class _Connections:
+    """Idle keep-alive connections to one server, opened on demand."""
+
+    def __init__(self, url: str):
+        parts = urllib.parse.urlsplit(url)
+        self.host, self.port = parts.hostname, parts.port or 80
+        self.prefix = parts.path.rstrip("/")
+        self._idle: list[_Stream] = []
+
+    async def post(self, path: str, body: bytes):
+        conn = self._idle.pop() if self._idle else None
+        if conn is None:
+            _, conn = await asyncio.get_running_loop().create_connection(
+                _Stream, self.host, self.port)
+        request = (f"POST {self.prefix}{path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+                   f"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
+                   f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+        try:
+            return await conn.post(request)
+        finally:
+            if conn.reusable:
+                self._idle.append(conn)
+            elif conn.transport is not None:
+                conn.transport.close()
+
+    def close(self) -> None:
+        for conn in self._idle:
+            conn.transport.close()
+        self._idle.clear()
+
+
+async def one_request(conns: _Connections, model, prompt, output_len, tokenloom=True) -> dict:
     body = dict(model=model, prompt=prompt, max_tokens=output_len, temperature=0, stream=True,
                 stream_options={"include_usage": True})
     if tokenloom:
         body["ignore_eos"] = True
     t0 = time.perf_counter()
-    chunk_times, tokens, cached = [], 0, None
-    async with session.post(url + "/v1/completions", json=body) as r:
-        if r.status != 200:
-            return {"error": f"{r.status} {await r.text()}"}
-        buf = b""
-        async for data in r.content.iter_any():
-            now = time.perf_counter()
-            *frames, buf = (buf + data).split(b"\n\n")
-            for frame in frames:
-                payload = frame[len(b"data: "):]
-                # The load generator shares the server's cores: it parses JSON only where it
-                # must. A compact `"choices":[{` can only be structure (quotes inside text
-                # are escaped), so such a frame is a content chunk; anything else (the usage
-                # chunk, errors, other servers' spacing) is decoded.
-                if b'"choices":[{' in payload:
-                    chunk_times.append(now)
-                    continue
-                if payload == b"[DONE]":
-                    continue
-                event = json.loads(payload)
-                if event.get("choices"):
-                    chunk_times.append(now)
-                elif event.get("usage"):
-                    tokens = event["usage"]["completion_tokens"]
-                    details = event["usage"].get("prompt_tokens_details") or {}
-                    cached = details.get("cached_tokens")
+    status, chunk_times, usage, error = await conns.post("/v1/completions",
+                                                         json.dumps(body).encode())
     end = time.perf_counter()
+    if status != 200:
+        return {"error": f"{status} {error}"}
+    tokens, cached = 0, None
+    if usage:
+        tokens = usage["completion_tokens"]
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
     tokens = tokens or len(chunk_times)  # no usage chunk: one token per chunk
     return {"ttft": chunk_times[0] - t0 if chunk_times else None,
             "itl": list(np.diff(chunk_times)), "e2e": end - t0, "tokens": tokens,
@@ -189,29 +315,40 @@ async def one_request(session, url, model, prompt, output_len, tokenloom=True) -
 
 async def run_load(url, model, prompts, output_len, concurrency, rate, seed,
                    tokenloom=True) -> tuple[list, float]:
-    connector = aiohttp.TCPConnector(limit=0)
-    timeout = aiohttp.ClientTimeout(total=None)
     rng = random.Random(seed)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        t0 = time.perf_counter()
-        if rate:
-            tasks = []
-            for p in prompts:
-                tasks.append(asyncio.create_task(one_request(session, url, model, p,
-                                                             output_len, tokenloom)))
-                await asyncio.sleep(rng.expovariate(rate))
-            results = await asyncio.gather(*tasks)
-        else:
-            queue = list(reversed(prompts))
-            results = []
+    conns = _Connections(url)
+    # This process may hold torch and transformers (--tiny, --offline): without this, a full
+    # collection walks all their objects, stalling every stream for ~200 ms mid-run.
+    gc.collect()
+    gc.freeze()
+    try:
+        return await _closed_or_open_loop(conns, model, prompts, output_len, concurrency,
+                                          rate, rng, tokenloom)
+    finally:
+        conns.close()
 
-            async def worker():
-                while queue:
-                    results.append(await one_request(session, url, model, queue.pop(),
-                                                     output_len, tokenloom))
 
-            await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return results, time.perf_counter() - t0
+async def _closed_or_open_loop(conns, model, prompts, output_len, concurrency, rate, rng,
+                               tokenloom) -> tuple[list, float]:
+    t0 = time.perf_counter()
+    if rate:
+        tasks = []
+        for p in prompts:
+            tasks.append(asyncio.create_task(one_request(conns, model, p, output_len,
+                                                         tokenloom)))
+            await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+    else:
+        queue = list(reversed(prompts))
+        results = []
+
+        async def worker():
+            while queue:
+                results.append(await one_request(conns, model, queue.pop(), output_len,
+                                                 tokenloom))
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return results, time.perf_counter() - t0
 
 
 def summarise(results: list, elapsed: float) -> dict:

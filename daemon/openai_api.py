@@ -127,8 +127,7 @@ async def _stream(request: web.Request, gen: Generation, fmt: "_Formatter",
             elif not delta.text and parsed.logprobs is None:
                 continue  # tokens whose text is held back (half a character, a stop prefix)
             last = remaining == 0 and not parsed.include_usage
-            chunk = fmt.chunk(delta, gen if last else None)
-            await resp.write(sse.frame(chunk))
+            await resp.write(fmt.chunk_frame(delta, gen if last else None))
         if parsed.include_usage:
             await resp.write(sse.frame(fmt.usage_chunk(gen)))
     except APIError as e:
@@ -157,6 +156,7 @@ class _Formatter:
         self.model = parsed.model
         self.object = "chat.completion" if chat else "text_completion"
         self._offsets: dict[int, int] = {}
+        self._frame_parts: tuple[bytes, bytes, bytes] | None = None   # see chunk_frame
         self.token_text = state.token_text
 
     def _base(self, obj: str) -> dict:
@@ -241,6 +241,34 @@ class _Formatter:
         if final_of is not None and self.parsed.return_metrics:
             chunk["metrics"] = final_of.request_metrics()
         return chunk
+
+    def chunk_frame(self, d: Delta, final_of: Generation | None) -> bytes:
+        """`sse.frame(self.chunk(d, final_of))`, byte for byte. The common chunk (text only:
+        no logprobs, no metrics) is spliced into bytes prepared once per request, without
+        building and encoding its dicts: this runs once per streamed token."""
+        if d.logprobs or (final_of is not None and self.parsed.return_metrics):
+            return sse.frame(self.chunk(d, final_of))
+        if self._frame_parts is None:
+            self._frame_parts = self._frame_template()
+        head, middle, tail = self._frame_parts
+        enc = sse.encode
+        if self.chat:
+            if d.text or d.finish_reason is None:
+                body = b'"delta":{"content":' + enc(d.text) + b"}"
+            else:
+                body = b'"delta":{}'
+        else:
+            body = b'"text":' + enc(d.text)
+        return b"".join((head, enc(d.index), middle, body, b',"logprobs":null,"finish_reason":',
+                         enc(d.finish_reason), tail))
+
+    def _frame_template(self) -> tuple[bytes, bytes, bytes]:
+        """The bytes around index, text and finish_reason in a text-only chunk's frame."""
+        chunk = self._base("chat.completion.chunk" if self.chat else "text_completion")
+        chunk["choices"] = [0]
+        self._usage_slot(chunk)
+        before, after = sse.frame(chunk).split(b'"choices":[0]')
+        return before + b'"choices":[{"index":', b",", b"}]" + after
 
     def _usage_slot(self, chunk: dict) -> None:
         # With include_usage, OpenAI sends "usage": null on every chunk but the last.

@@ -10,6 +10,7 @@ from aiohttp import web
 
 DONE = b"data: [DONE]\n\n"
 _encode = msgspec.json.Encoder().encode
+encode = _encode  # JSON bytes of one value (for splicing into prepared frames)
 
 
 def frame(payload: Any) -> bytes:

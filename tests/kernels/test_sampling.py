@@ -506,3 +506,16 @@ def test_fast_paths_do_not_sort_the_vocabulary(monkeypatch):
     sorted_sizes.clear()
     sample(torch.zeros(1, vocab), [make_row(SamplingParams(top_p=0.9))])
     assert sorted_sizes == [vocab]
+
+
+def test_argmax_rows_matches_torch_argmax_on_ties_nan_and_inf():
+    from tokenloom.kernels.sampling import argmax_rows
+
+    x = torch.randn(6, 50)
+    x[0, [3, 9]] = float("nan")           # first NaN wins
+    x[1] = float("-inf")                 # all masked: index 0
+    x[2] = 1.0                           # all tied: first index
+    x[3, [7, 8]] = float("inf")          # tied +inf: first
+    x[4, 2], x[4, 1] = float("nan"), float("inf")
+    for t in (x, x[:, ::2], x.to(torch.bfloat16)):
+        assert argmax_rows(t).tolist() == t.argmax(-1).tolist()
