@@ -47,9 +47,11 @@ class StepCostModel:
 
     @property
     def knows_prefill(self) -> bool:
-        """Fitted with a few iterations that computed prefill chunks: only then does the
-        model say anything about what a prefill token costs."""
-        return self.coef is not None and len(self._mixed) >= 2
+        """Fitted with a few iterations that computed prefill chunks, and a positive cost
+        per token: only then does the model say anything about what a prefill token costs
+        (noisy decode-only data can drive the token slope to 0, which would make every
+        chunk look free)."""
+        return self.coef is not None and len(self._mixed) >= 2 and self.coef[1] > 0
 
     @property
     def num_samples(self) -> int:
@@ -85,8 +87,10 @@ class StepCostModel:
             if (sol[1:] >= 0).all() or len(active) == 1:
                 coef[active] = sol / scale[active]
                 break
-            # drop the most negative slope and refit
-            active.pop(1 + int(np.argmin(sol[1:])))
+            # A negative slope: tokens and attention work are correlated in prefill chunks,
+            # so drop attention first (the per-token cost is what chunk sizing needs), then
+            # whatever is still negative.
+            active.pop(active.index(2) if 2 in active else 1)
         coef = np.maximum(coef, 0.0)
         self.coef = coef
 

@@ -87,6 +87,7 @@ class SchedulerActor(Actor):
         self.num_slo_evaluated = 0
         self.num_slo_good = 0
         self.last_prefill_budget: int | None = None
+        self._last_slo_chunk = 0          # the previous SLO-sized prefill budget (ramp)
 
     # -- inbox handling ------------------------------------------------------------------
     def _handle(self, msg) -> None:
@@ -346,6 +347,10 @@ class SchedulerActor(Actor):
         lo = min(cfg.min_prefill_chunk, hi)
         budget = self.cost.max_prefill_tokens(target, len(decodes), d_attn,
                                               head.num_computed_tokens, lo, hi)
+        # Ramp: at most double the previous SLO chunk, so one bad fit (noise) cannot turn
+        # into one multi-second iteration before the model sees its mistake.
+        budget = min(budget, max(lo, 2 * self._last_slo_chunk))
+        self._last_slo_chunk = budget
         self.last_prefill_budget = budget
         return budget
 
