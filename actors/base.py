@@ -1,24 +1,15 @@
 """The actor shell: one inbox, one run loop, state owned by nobody else.
 
-Messages are put with `send` from the actor's own event loop, or `send_threadsafe` from
-any other thread. `Control` carries in-process queries (tests, admin) with a reply future.
+Messages are put with `send` from the actor's own event loop. Queries (tests, admin,
+metrics) are typed messages carrying a reply future (see messages.py, "control").
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from typing import Any
 
 import structlog
-
-
-@dataclasses.dataclass
-class Control:
-    """An in-process query to an actor: `op` names it; the actor resolves `reply`."""
-    op: str
-    reply: asyncio.Future
-    args: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 class Actor:

@@ -17,11 +17,12 @@ from typing import AsyncIterator
 import structlog
 import torch
 
-from tokenloom.actors.base import Control
 from tokenloom.actors.kv_actor import KVManagerActor
 from tokenloom.actors.kv_manager import KVCacheManager
-from tokenloom.actors.messages import (AbortRequest, GenerateRequest, RequestFinished,
-                                       RequestOutput, Shutdown)
+from tokenloom.actors.messages import (AbortRequest, EngineStats, GenerateRequest,
+                                       GetKVStats, GetRouterStats, GetSchedulerStats, GetTrace,
+                                       RequestFinished, RequestOutput, Shutdown)
+from tokenloom.actors.output_processor import OutputProcessor
 from tokenloom.actors.model_runner import ModelRunner
 from tokenloom.actors.block_hash import model_fingerprint
 from tokenloom.actors.policy import PolicyLimits
@@ -34,7 +35,8 @@ from tokenloom.actors.tokenizer import TokenizerActor
 from tokenloom.config.schema import ConfigError, EngineConfig, resolve_cache_dir
 from tokenloom.actors.swap import SwapSpace
 from tokenloom.kernels.kv_store import HostKVPool, KVCache
-from tokenloom.kernels.loader import DTYPES, load_model, resolve_model_dir, weights_digest
+from tokenloom.kernels.device import pick_device, pick_dtype, select_decode_backend
+from tokenloom.kernels.loader import load_model, resolve_model_dir, weights_digest
 from tokenloom.kernels.model_spec import ModelSpec
 
 log = structlog.get_logger("tokenloom.engine")
@@ -59,23 +61,6 @@ class RuntimeInfo:
         return self.num_blocks * self.block_size
 
 
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("config error: model.device is 'cuda' but no CUDA device is available")
-    return torch.device(name)
-
-
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name == "float16" and device.type == "cpu":
-        raise ConfigError("config error: model.dtype float16 is not supported on CPU "
-                          "(allowed on CPU: float32, bfloat16)")
-    return DTYPES[name]
-
-
 def size_kv_pool(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype,
                  device: torch.device) -> tuple[int, int]:
     """Number of blocks from the budget (bytes on CPU, fraction of free memory on CUDA)."""
@@ -96,57 +81,6 @@ def size_kv_pool(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype,
         raise ConfigError(f"config error: the KV budget ({budget} bytes) is smaller than one "
                           f"block ({per_block} bytes); raise cache.kv_cache_memory_bytes")
     return num_blocks, per_token
-
-
-def select_decode_backend(model, wanted: str, device: torch.device, say,
-                          max_model_len: int = 0) -> str:
-    """Pick the decode-attention implementation; falls back to the torch reference with a
-    stated reason when the wanted kernel is unavailable."""
-    if device.type == "cuda":
-        return _select_cuda_backend(model, wanted, max_model_len, say)
-    if wanted == "triton":
-        raise ConfigError("model.attention_backend 'triton' needs model.device cuda "
-                          "(on CPU: auto, torch or cpu_kernel)", key="model.attention_backend")
-    if wanted == "torch" or (wanted == "auto" and device.type != "cpu"):
-        return "torch"
-    if device.type != "cpu":
-        raise ConfigError("config error: model.attention_backend 'cpu_kernel' needs model.device cpu")
-    from tokenloom.kernels.cpu_attention import (cpu_kernel_status, load_cpu_decode_kernel,
-                                                 paged_decode_cpu)
-    if load_cpu_decode_kernel() is None:
-        say(f"decode attention: torch reference (C++ kernel unavailable: {cpu_kernel_status()})")
-        return "torch"
-    model.set_decode_kernel(paged_decode_cpu)
-    return "cpu_kernel"
-
-
-def _select_cuda_backend(model, wanted: str, max_model_len: int, say) -> str:
-    """On CUDA: Triton paged decode (auto/triton), else the torch reference. The Triton KV
-    store (skips padded slots without a host sync, which CUDA graphs need) is used whenever
-    Triton works, whatever the attention backend."""
-    if wanted == "cpu_kernel":
-        raise ConfigError("model.attention_backend 'cpu_kernel' needs model.device cpu",
-                          key="model.attention_backend")
-    reason = None
-    head_dim = model.spec.head_dim
-    try:
-        from tokenloom.kernels.triton_attention import (make_decode_kernel, smoke_test,
-                                                        store_kv_triton)
-    except Exception as e:  # triton missing or broken: the reference still works
-        reason = f"{type(e).__name__}: {e}"
-    if reason is None and torch.cuda.is_available():
-        reason = smoke_test("cuda")
-    if reason is None:
-        model.set_kv_store_kernel(store_kv_triton)
-        if head_dim < 16 or head_dim & (head_dim - 1):
-            reason = f"head dim {head_dim} is not a power of two >= 16"
-    if wanted == "torch":
-        return "torch"
-    if reason is not None:
-        say(f"decode attention: torch reference (Triton kernel unavailable: {reason})")
-        return "torch"
-    model.set_decode_kernel(make_decode_kernel(max_model_len or model.spec.max_position_embeddings))
-    return "triton"
 
 
 class Engine:
@@ -184,7 +118,8 @@ class Engine:
                 f"({slots * block_bytes / 2**20:.0f} MiB), preemption mode {sc.preemption_mode}")
         self.scheduler = SchedulerActor(limits, eos, info.max_model_len, self._emit_scheduled,
                                         PrefixTracker(fingerprint, info.block_size, caching),
-                                        config=sc, swap=swap, block_bytes=block_bytes)
+                                        config=sc, swap=swap, block_bytes=block_bytes,
+                                        outputs=OutputProcessor(tokenizer))
         self.kv_manager = KVManagerActor(KVCacheManager(info.num_blocks, info.block_size,
                                                         enable_prefix_caching=caching))
         from tokenloom.graphs.setup import build_decode_graphs
@@ -197,7 +132,7 @@ class Engine:
         self.tokenizer_actor.next_inbox = self.router.inbox
         self.router.next_inbox = self.scheduler.inbox
         self.scheduler.kv_inbox = self.kv_manager.inbox
-        self.scheduler.runner_inbox = self.runner.inbox
+        self.scheduler.runner = self.runner
         self.kv_manager.scheduler_inbox = self.scheduler.inbox
         self.runner.scheduler_inbox = self.scheduler.inbox
         self._ids = itertools.count()
@@ -308,12 +243,18 @@ class Engine:
         """The trace of a recent request by the id the client saw: one engine request's
         trace, or {"request_id", "choices": [...]} when the id stands for several (n > 1 or
         several prompts); None when no such request is in the bounded history."""
-        traces = await self.query("scheduler", "trace", request_id=request_id)
+        traces = await self.ask(self.scheduler, GetTrace(request_id=request_id))
         if not traces:
             return None
         if len(traces) == 1 and traces[0]["request_id"] == request_id:
             return traces[0]
         return {"request_id": request_id, "choices": traces}
+
+    async def stats(self) -> EngineStats:
+        """One typed snapshot of the engine for admin `stats` and /metrics."""
+        return EngineStats(scheduler=await self.ask(self.scheduler, GetSchedulerStats()),
+                           kv=await self.ask(self.kv_manager, GetKVStats()),
+                           router=await self.ask(self.router, GetRouterStats()))
 
     def stalled_seconds(self) -> float:
         """0.0 when the engine is idle or making progress, else the seconds since it last
@@ -321,12 +262,11 @@ class Engine:
         works while the engine is wedged (for /health and the systemd watchdog)."""
         return self.scheduler.stalled_seconds()
 
-    async def query(self, actor: str, op: str, **args):
-        target = {"router": self.router, "scheduler": self.scheduler,
-                  "kv_manager": self.kv_manager, "runner": self.runner}[actor]
-        reply = asyncio.get_running_loop().create_future()
-        target.send(Control(op=op, reply=reply, args=args))
-        return await reply
+    async def ask(self, actor, query):
+        """Send a typed query (messages.py, "control") to an actor and await its answer."""
+        query.reply = asyncio.get_running_loop().create_future()
+        actor.send(query)
+        return await query.reply
 
 
 def _tokenizer_eos(tokenizer) -> set[int]:

@@ -6,11 +6,10 @@ one `KVGrant` back: blocks for every grant, or a refusal with nothing allocated.
 
 from __future__ import annotations
 
-import msgspec
-
-from tokenloom.actors.base import Actor, Control, resolve
+from tokenloom.actors.base import Actor, resolve
 from tokenloom.actors.kv_manager import KVCacheManager
-from tokenloom.actors.messages import KVGrant, KVUpdate, Shutdown
+from tokenloom.actors.messages import (CheckIntegrity, FlushPrefixCache, GetKVStats, KVGrant, KVStats,
+                                       KVUpdate, Shutdown, SubscribeKVEvents)
 
 
 class KVManagerActor(Actor):
@@ -27,9 +26,18 @@ class KVManagerActor(Actor):
         for c in update.commits:
             m.commit_full_blocks(c.request_id, c.num_computed_tokens, c.block_hashes,
                                  c.token_ids, c.content_hashes)
+        swap_out = [pair for rid, slots in update.swap_outs
+                    for pair in zip(m.block_table(rid), slots)]
         freed = sum(m.free(rid) for rid in update.frees)
+        forked, copies = {}, []
+        for parent, child, num_tokens in update.forks:
+            made = m.fork(parent, child, num_tokens)
+            if made is not None:  # None: no free block for the copy; the child waits
+                forked[child] = m.block_table(child)
+                copies.extend(made)
         new_blocks = m.allocate(update.grants) if update.grants else {}
         admitted = {}
+        swap_in = []
         if new_blocks is not None:
             # Each admission may use its reserved blocks plus whatever nobody reserved:
             # reclaiming cached hit blocks that sit free costs free blocks too.
@@ -41,16 +49,21 @@ class KVManagerActor(Actor):
                 admitted[a.request_id] = m.admit(a.request_id, a.planned_tokens, a.query,
                                                  budget=reserved + max(0, slack))
                 slack -= max(0, before - m.num_free_blocks - reserved)
-        forked, copies = {}, []
-        for parent, child, num_tokens in update.forks:
-            made = m.fork(parent, child, num_tokens)
-            if made is not None:  # None: no free block for the copy; the child waits
-                forked[child] = m.block_table(child)
-                copies.extend(made)
+            swap_in = [pair for rid, slots in update.swap_ins
+                       for pair in zip(slots, m.block_table(rid))]
         return KVGrant(new_blocks=new_blocks, num_free_blocks=m.num_free_blocks,
                        num_used_blocks=m.num_used_blocks, freed=freed, admitted=admitted,
+                       held={rid: m.num_held(rid) for rid in update.report},
                        exclusive={rid: m.num_exclusive(rid) for rid in update.report},
-                       forked=forked, copies=copies)
+                       tables={rid: m.block_table(rid) for rid in update.tables_for
+                               if m.has_request(rid)},
+                       forked=forked, copies=copies, swap_out=swap_out, swap_in=swap_in)
+
+    def stats(self) -> KVStats:
+        m = self.manager
+        return KVStats(num_blocks=m.num_blocks, free=m.num_free_blocks, used=m.num_used_blocks,
+                       usage=m.usage, block_size=m.block_size, cached_blocks=m.num_cached_blocks,
+                       prefix_cache=m.prefix_stats())
 
     async def run(self) -> None:
         while True:
@@ -58,26 +71,20 @@ class KVManagerActor(Actor):
             match msg:
                 case KVUpdate():
                     self.scheduler_inbox.put_nowait(self.apply(msg))
-                case Control(op="integrity", reply=reply):
+                case CheckIntegrity(reply=reply):
                     try:
                         self.manager.check_integrity()
                         resolve(reply, None)
                     except AssertionError as e:
                         resolve(reply, str(e))
-                case Control(op="stats", reply=reply):
-                    m = self.manager
-                    resolve(reply, {"num_blocks": m.num_blocks, "free": m.num_free_blocks,
-                                    "used": m.num_used_blocks, "usage": m.usage,
-                                    "block_size": m.block_size,
-                                    "cached_blocks": m.num_cached_blocks,
-                                    "prefix_cache": msgspec.to_builtins(m.prefix_stats())})
-                case Control(op="flush_cache", reply=reply, args=args):
+                case GetKVStats(reply=reply):
+                    resolve(reply, self.stats())
+                case FlushPrefixCache(reply=reply, force=force):
                     # Running requests hold tables; refuse while any does, unless forced.
-                    r = self.manager.flush(force=bool(args.get("force")),
-                                           num_running=self.manager.num_requests)
-                    resolve(reply, {"freed": r.freed, "refused_reason": r.refused_reason})
-                case Control(op="subscribe_kv_events", reply=reply, args=args):
-                    self.manager.events.subscribe(args["callback"])
+                    resolve(reply, self.manager.flush(force=force,
+                                                      num_running=self.manager.num_requests))
+                case SubscribeKVEvents(reply=reply, callback=callback):
+                    self.manager.events.subscribe(callback)
                     resolve(reply, None)
                 case Shutdown():
                     return

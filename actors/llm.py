@@ -15,11 +15,16 @@ import sys
 import threading
 from typing import Any, Iterator, Sequence
 
+import msgspec
 import structlog
 
-from tokenloom.actors.detokenizer import IncrementalDetokenizer
 from tokenloom.actors.engine import Engine
-from tokenloom.actors.messages import GenerateRequest, RequestOutput, TokenLogprob
+from tokenloom.actors.messages import (CheckIntegrity, FlushPrefixCache, GenerateRequest,
+                                       GetKVStats, GetSchedulerStats, IsIdle, KVStats,
+                                       RequestOutput, SchedulerStats, SubscribeKVEvents,
+                                       TokenLogprob)
+from tokenloom.actors.output_processor import fan_out
+from tokenloom.actors.prefix_cache import FlushResult
 from tokenloom.actors.sampling_params import SamplingParams
 from tokenloom.config.load import load_config
 from tokenloom.config.schema import ConfigError, EngineConfig, field_types, CacheConfig, ModelConfig, SchedulerConfig, GraphsConfig
@@ -134,8 +139,9 @@ class LLM:
 
         async def produce():
             try:
-                await self._one(prompt, params, messages, 0, self.engine.new_request_id(),
-                                on_delta=q.put)
+                (request,) = fan_out(self.engine.new_request_id(), [prompt],
+                                     msgspec.structs.replace(params, n=1), messages=messages)
+                await self._choice(request, on_delta=q.put)
             finally:
                 q.put(None)
 
@@ -147,44 +153,45 @@ class LLM:
             yield item
         fut.result()
 
-    def query(self, actor: str, op: str, **args) -> Any:
-        return self._wait(self.engine.query(actor, op, **args))
+    def ask(self, actor, query) -> Any:
+        """Send a typed query (messages.py, "control") to one of the engine's actors."""
+        return self._wait(self.engine.ask(actor, query))
 
     def check_integrity(self) -> None:
         """KV pool integrity (free + used == total, no block owned twice) — raises if broken."""
-        problem = self.query("kv_manager", "integrity")
+        problem = self.ask(self.engine.kv_manager, CheckIntegrity())
         if problem is not None:
             raise AssertionError(problem)
 
-    def wait_for_idle(self, timeout: float = 10.0) -> dict:
-        """Block until no request is queued or running and every block is back in the pool
-        (frees land at the scheduler's next KV update, an iteration after the final output).
+    def wait_for_idle(self, timeout: float = 10.0) -> KVStats:
+        """Block until no request is queued, running or in flight and every block is back
+        in the pool (frees land with the scheduler's next KV update, after the final output).
         Returns the KV stats; raises TimeoutError if that does not happen in `timeout`."""
         import time
         deadline = time.monotonic() + timeout
         while True:
             stats = self.kv_stats()
-            if stats["used"] == 0 and self.query("scheduler", "idle"):
+            if stats.used == 0 and self.ask(self.engine.scheduler, IsIdle()):
                 return stats
             if time.monotonic() > deadline:
                 raise TimeoutError(f"engine not idle after {timeout}s: {stats}")
             time.sleep(0.01)
 
-    def flush_cache(self, force: bool = False) -> dict:
-        """Drop every unreferenced cached block: {"freed": n, "refused_reason": None}.
+    def flush_cache(self, force: bool = False) -> FlushResult:
+        """Drop every unreferenced cached block: FlushResult(freed, refused_reason).
         Refuses (freed 0, with a reason) while requests hold blocks, unless `force`."""
-        return self._wait(self.engine.query("kv_manager", "flush_cache", force=force))
+        return self.ask(self.engine.kv_manager, FlushPrefixCache(force=force))
 
     def subscribe_kv_events(self, callback) -> None:
         """Call `callback(event)` for every BlockStored / BlockRemoved / AllBlocksCleared
         (vLLM-shaped, see actors/kv_events.py), in order, on the engine's event loop."""
-        self._wait(self.engine.query("kv_manager", "subscribe_kv_events", callback=callback))
+        self.ask(self.engine.kv_manager, SubscribeKVEvents(callback=callback))
 
-    def kv_stats(self) -> dict:
-        return self.query("kv_manager", "stats")
+    def kv_stats(self) -> KVStats:
+        return self.ask(self.engine.kv_manager, GetKVStats())
 
-    def scheduler_stats(self) -> dict:
-        return self.query("scheduler", "stats")
+    def scheduler_stats(self) -> SchedulerStats:
+        return self.ask(self.engine.scheduler, GetSchedulerStats())
 
     def close(self) -> None:
         if self._loop.is_closed():
@@ -224,60 +231,36 @@ class LLM:
 
     async def _prompt(self, prompt, params: SamplingParams, messages, rid: str,
                       cache_salt: str | None = None) -> GenerationOutput:
-        siblings = []
-        for i in range(params.n):
-            p = params
-            if params.n > 1:
-                # Siblings must differ: each gets its own seed stream derived from the seed.
-                p = _replace(params, n=1, seed=None if params.seed is None else params.seed + i)
-            siblings.append(self._one(prompt, p, messages, i, f"{rid}-{i}" if params.n > 1 else rid,
-                                      cache_salt=cache_salt,
-                                      group_id=f"{rid}-0" if i > 0 else None))
-        results = await asyncio.gather(*siblings)
-        outputs = [r[0] for r in results]
-        num_prompt = results[0][1]
+        requests = fan_out(rid, [prompt], params, messages=messages, cache_salt=cache_salt)
+        results = await asyncio.gather(*(self._choice(r, i) for i, r in enumerate(requests)))
         ids = list(prompt) if isinstance(prompt, list) else None
         return GenerationOutput(request_id=rid, prompt=prompt if isinstance(prompt, str) else None,
-                                prompt_token_ids=ids, num_prompt_tokens=num_prompt,
-                                outputs=outputs)
+                                prompt_token_ids=ids, num_prompt_tokens=results[0][1],
+                                outputs=[out for out, _ in results])
 
-    async def _one(self, prompt, params: SamplingParams, messages, index: int, rid: str,
-                   on_delta=None, cache_salt: str | None = None,
-                   group_id: str | None = None) -> tuple[CompletionOutput, int]:
-        req = GenerateRequest(request_id=rid, sampling_params=params,
-                              prompt=prompt if isinstance(prompt, str) else None,
-                              prompt_token_ids=list(prompt) if isinstance(prompt, list) else None,
-                              messages=messages, cache_salt=cache_salt, group_id=group_id)
-        detok = None
+    async def _choice(self, request: GenerateRequest, index: int = 0,
+                      on_delta=None) -> tuple[CompletionOutput, int]:
+        """Run one engine request; its outputs come detokenized, stop strings applied."""
+        text: list[str] = []
         token_ids: list[int] = []
-        logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        logprobs: list[TokenLogprob] | None = ([] if request.sampling_params.logprobs is not None
+                                               else None)
         last: RequestOutput | None = None
-        finish_reason = None
         num_prompt = 0
-        async for out in self.engine.generate(req):
+        async for out in self.engine.generate(request):
             last = out
             num_prompt = out.num_prompt_tokens or num_prompt
-            if detok is None:
-                detok = IncrementalDetokenizer(self.tokenizer, [], stop=params.stop)
-            if finish_reason is not None:
-                continue  # stopped by a stop string: drain until the aborted final output
             token_ids.extend(out.new_token_ids)
             if logprobs is not None and out.new_logprobs:
                 logprobs.extend(out.new_logprobs)
-            delta = detok.add(out.new_token_ids)
-            if out.finished:
-                delta += detok.finish() if detok.stopped is None else ""
-            if delta and on_delta is not None:
-                on_delta(delta)
-            if detok.stopped is not None and finish_reason is None:
-                # Abort, but keep reading: the final output carries the timings.
-                finish_reason = "stop"
-                self.engine.abort(rid)
-        if finish_reason is None and last is not None:
-            finish_reason = last.finish_reason
+            if out.text:
+                text.append(out.text)
+                if on_delta is not None:
+                    on_delta(out.text)
         timings = _timings(last.timings) if last is not None and last.timings else None
-        return CompletionOutput(index=index, text=detok.text if detok else "", token_ids=token_ids,
-                                finish_reason=finish_reason, logprobs=logprobs, timings=timings,
+        return CompletionOutput(index=index, text="".join(text), token_ids=token_ids,
+                                finish_reason=last.finish_reason if last is not None else None,
+                                logprobs=logprobs, timings=timings,
                                 error=last.error if last is not None else None), num_prompt
 
 
@@ -287,11 +270,6 @@ def _timings(t) -> Timings:
                    token_times=[x - t.arrival for x in t.token_times], e2e=rel(t.finished),
                    num_preemptions=t.num_preemptions, num_cached_tokens=t.num_cached_tokens,
                    prefix_hit_blocks=t.prefix_hit_blocks, prefix_miss_reason=t.prefix_miss_reason)
-
-
-def _replace(params: SamplingParams, **changes) -> SamplingParams:
-    import msgspec
-    return msgspec.structs.replace(params, **changes)
 
 
 def _normalise_prompts(prompts) -> list:

@@ -6,10 +6,12 @@ boundary later: each one is encodable with msgspec.msgpack. Actors dispatch with
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from tokenloom.actors.kv_manager import TableGrowth
-from tokenloom.actors.prefix_cache import PrefixQuery
+from tokenloom.actors.prefix_cache import PrefixCacheStats, PrefixQuery
 from tokenloom.actors.sampling_params import SamplingParams
 
 
@@ -91,8 +93,11 @@ ERROR_INTERNAL = "internal"         # the engine failed or shut down (500/503)
 
 
 class RequestOutput(_Msg):
+    """One engine request's progress: new tokens and the text they completed (incremental
+    detokenization and stop strings run inside the engine, see output_processor.py)."""
     request_id: str
     new_token_ids: list[int]
+    text: str = ""                         # the new, final text (stop strings never leak)
     new_logprobs: list[TokenLogprob] | None = None
     num_prompt_tokens: int = 0
     finished: bool = False
@@ -122,27 +127,38 @@ class KVAdmission(_Msg):
 
 
 class KVUpdate(_Msg):
-    """Apply, in order: `commits`, `frees`, the running `grants` (grow each table to hold
-    its token count, atomically), then each of `admissions`. Then report the exclusive
-    block counts of `report` (blocks each would free if released)."""
+    """One iteration's KV work, applied in order: `commits`, `swap_outs` (the tables to copy
+    to host slots, resolved before they are freed), `frees`, `forks`, the running `grants`
+    (grow each table to hold its token count, atomically), each of `admissions`, then
+    `swap_ins` (host slots copied into the tables just granted). The reply reports the
+    tables of `tables_for` and the held/exclusive block counts of `report`."""
     frees: list[str]
     grants: list[tuple[str, int]]
     commits: list[KVCommit] = []
     admissions: list[KVAdmission] = []
     report: list[str] = []
+    tables_for: list[str] = []
     # n > 1: (sibling 0, sibling, tokens) — share its full blocks, copy its partial one.
     forks: list[tuple[str, str, int]] = []
+    swap_outs: list[tuple[str, list[int]]] = []   # (request, host slots in table order)
+    swap_ins: list[tuple[str, list[int]]] = []    # (request, host slots in table order)
 
 
 class KVGrant(_Msg):
+    """The KV manager's answer, and the scheduler's whole view of the pool until the next
+    one: nothing in it is kept up to date by hand on the scheduler's side."""
     new_blocks: dict[str, list[int]] | None  # None: refused, nothing was allocated
     num_free_blocks: int
     num_used_blocks: int
     freed: int
     admitted: dict[str, TableGrowth] = {}
-    exclusive: dict[str, int] = {}
+    held: dict[str, int] = {}                # report: blocks in each table
+    exclusive: dict[str, int] = {}           # report: blocks each would free if released
+    tables: dict[str, list[int]] = {}        # tables_for: the block tables for the runner
     forked: dict[str, list[int]] = {}        # child -> its new table
     copies: list[tuple[int, int]] = []       # (src, dst) blocks the runner must copy first
+    swap_out: list[tuple[int, int]] = []     # (device block, host slot)
+    swap_in: list[tuple[int, int]] = []      # (host slot, device block)
 
 
 # -- scheduler <-> runner ----------------------------------------------------------------
@@ -153,9 +169,14 @@ class NewSequence(_Msg):
     sampling_params: SamplingParams
 
 
+# In a ScheduledSequence's token_ids: "the token this request sampled in the previous step",
+# which the scheduler has not seen yet when steps overlap. The runner substitutes it.
+PLACEHOLDER = -1
+
+
 class ScheduledSequence(_Msg):
     request_id: str
-    token_ids: list[int]       # tokens to compute this step (1 for a decode)
+    token_ids: list[int]       # tokens to compute this step (1 for a decode; may be PLACEHOLDER)
     start_pos: int             # position of token_ids[0]
     block_table: list[int]     # blocks covering positions [0, start_pos + len(token_ids))
     sample: bool               # this step completes the sequence's known tokens: sample one
@@ -185,7 +206,121 @@ class StepOutput(_Msg):
     compute_seconds: float
     error: str | None = None             # the whole step failed; message for the requests
     swap_seconds: float = 0.0            # time spent on swap_out + swap_in copies
+    # How long the compute thread waited for this batch after finishing the previous one
+    # (host work the device was exposed to; with overlapped steps, near 0).
+    idle_seconds: float = 0.0
 
 
 class Shutdown(_Msg):
     pass
+
+
+# -- control: typed queries to one actor (tests, admin, /metrics) ------------------------
+# Each carries `reply`, an asyncio.Future (in-process only) that the actor resolves with the
+# typed answer named in the docstring. Actors match on the type.
+class _Query(_Msg, kw_only=True):
+    reply: Any = None
+
+
+class GetSchedulerStats(_Query):
+    """-> SchedulerStats"""
+
+
+class IsIdle(_Query):
+    """-> bool: nothing waiting, running or in flight"""
+
+
+class GetTrace(_Query):
+    """-> list[dict]: the traces of request_id (or of its choices)"""
+    request_id: str
+
+
+class GetKVStats(_Query):
+    """-> KVStats"""
+
+
+class CheckIntegrity(_Query):
+    """-> str | None: what is wrong with the block pool, None when it is sound"""
+
+
+class FlushPrefixCache(_Query):
+    """-> FlushResult"""
+    force: bool = False
+
+
+class SubscribeKVEvents(_Query):
+    """-> None; callback(KVEventBatch) runs on the engine's loop for every batch"""
+    callback: Any = None
+
+
+class GetRouterStats(_Query):
+    """-> RouterStats"""
+
+
+class GetRunnerState(_Query):
+    """-> RunnerState"""
+
+
+class GetGraphStats(_Query):
+    """-> dict: graph/eager step counts, padding waste, decode batch-size histogram"""
+
+
+class StepTimings(_Msg, frozen=True):
+    """Where an engine step's time goes, as means over the last window of steps (ms).
+    `forward_ms` is the runner's execute time; `host_ms` the scheduler's planning, KV
+    round trip and output processing; `exposed_host_ms` the part of host_ms the runner
+    waited for (with overlapped steps most of host_ms runs while the runner computes)."""
+    steps: int = 0
+    forward_ms: float = 0.0
+    host_ms: float = 0.0
+    exposed_host_ms: float = 0.0
+    kv_round_trip_ms: float = 0.0
+    batch_size: float = 0.0
+
+
+class SchedulerStats(_Msg):
+    waiting: int
+    running: int
+    in_flight_steps: int
+    overlap: bool
+    num_steps: int
+    num_forks: int
+    num_preemptions: int
+    num_swap_preemptions: int
+    num_free_blocks: int
+    max_decode_skip: int
+    admission_paused: bool
+    prefill_budget: int | None
+    cost_model: list[float] | None
+    swap_free_slots: int | None
+    num_slo_evaluated: int
+    num_slo_good: int
+    timings: StepTimings = StepTimings()
+
+
+class KVStats(_Msg):
+    num_blocks: int
+    free: int
+    used: int
+    usage: float
+    block_size: int
+    cached_blocks: int
+    prefix_cache: PrefixCacheStats
+
+
+class RouterStats(_Msg):
+    in_flight: int
+    capacity: int
+    num_rejected: int
+
+
+class RunnerState(_Msg):
+    num_tracked: int
+    graphs: dict = {}
+
+
+class EngineStats(_Msg):
+    """Everything admin `stats` and `/metrics` show about the engine, read in one call."""
+    scheduler: SchedulerStats
+    kv: KVStats
+    router: RouterStats

@@ -19,8 +19,8 @@ import torch
 from tokenloom.actors.batch_inputs import build_batch_inputs
 from tokenloom.graphs.capture import DecodeGraphs
 from tokenloom.graphs.dispatch import GRAPH, Dispatcher
-from tokenloom.actors.messages import (ExecuteBatch, NewSequence, SampledToken, StepOutput,
-                                       TokenLogprob)
+from tokenloom.actors.messages import (PLACEHOLDER, ExecuteBatch, NewSequence, SampledToken,
+                                       StepOutput, TokenLogprob)
 from tokenloom.kernels.kv_store import HostKVPool, KVCache
 from tokenloom.kernels.llama import LlamaForCausalLM
 from tokenloom.kernels.sampling import SamplingRow, make_generator, sample
@@ -45,6 +45,9 @@ class ModelRunner:
         self.dispatcher = dispatcher or Dispatcher(None, "eager only")
         assert graphs is not None or self.dispatcher.table is None, "a graph table needs graphs"
         self._seqs: dict[str, _SeqState] = {}
+        # Requests of a step that failed: later batches (already queued when steps overlap)
+        # skip them until the scheduler reports them finished.
+        self._failed: set[str] = set()
 
     @property
     def num_tracked(self) -> int:
@@ -63,13 +66,35 @@ class ModelRunner:
                           output_token_ids=outputs, eos_token_ids=self.eos_token_ids)
         self._seqs[request_id] = _SeqState(row=row, output_token_ids=outputs)
 
+    def forget_failed(self, batch: ExecuteBatch) -> None:
+        """The step raised: drop its requests' state (the scheduler fails them) and skip
+        them in batches that were planned before the scheduler heard of it."""
+        for s in batch.sequences:
+            self._seqs.pop(s.request_id, None)
+            self._failed.add(s.request_id)
+
+    def _resolve_inputs(self, batch: ExecuteBatch) -> None:
+        """Drop sequences of failed requests; replace each PLACEHOLDER with the token its
+        request sampled in the previous step (overlapped steps: the scheduler planned this
+        step before that token came back)."""
+        if self._failed:
+            keep = [s for s in batch.sequences if s.request_id not in self._failed]
+            batch.num_decodes -= sum(s.request_id in self._failed
+                                     for s in batch.sequences[:batch.num_decodes])
+            batch.sequences = keep
+        for s in batch.sequences[:batch.num_decodes]:
+            if s.token_ids[-1] == PLACEHOLDER:
+                s.token_ids[-1] = self._seqs[s.request_id].output_token_ids[-1]
+
     def execute(self, batch: ExecuteBatch) -> StepOutput:
         t0 = time.perf_counter()
         for rid in batch.finished_ids:
             self._seqs.pop(rid, None)
+            self._failed.discard(rid)
         for s in batch.sequences:
             if s.new is not None:
                 self._register(s.request_id, s.new)
+        self._resolve_inputs(batch)
         swap_seconds = 0.0
         if batch.swap_out or batch.swap_in:  # swap preemption, before anything reuses blocks
             t_swap = time.perf_counter()

@@ -136,7 +136,8 @@ def schedule(running: Sequence[Request], waiting: deque[Request] | Sequence[Requ
 
     def preempt_one(exclude: Request) -> bool:
         eligible = [r for r in running if r.request_id not in victims
-                    and r.request_id not in scheduled and r is not exclude]
+                    and r.request_id not in scheduled and r is not exclude
+                    and not r.is_awaiting_output]
         if not eligible:
             return False
         evict(min(eligible, key=lambda r: victim_key(r, order[r.request_id])))
@@ -159,7 +160,10 @@ def schedule(running: Sequence[Request], waiting: deque[Request] | Sequence[Requ
     # 1. Decodes, most important first. They always fit the token budget (max_num_seqs <=
     # max_num_batched_tokens); only KV exhaustion can stop one, and then it is preempted.
     decodes = sorted((r for r in running if r.is_decode), key=by_class)
-    prefilling = sorted((r for r in running if not r.is_decode), key=by_class)
+    # Requests whose last token is already being sampled (overlapped steps) have nothing
+    # left to schedule; they hold their blocks until that token comes back.
+    prefilling = sorted((r for r in running if not r.is_decode and not r.is_awaiting_output),
+                        key=by_class)
     for req in decodes:
         if req.request_id in victims:
             continue

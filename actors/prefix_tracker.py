@@ -50,15 +50,16 @@ class PrefixTracker:
                            content_hashes=req.content_hashes[:n] if req.cache_salt else None,
                            preempted=req.num_preemptions > 0)
 
-    def commit(self, req: Request) -> KVCommit | None:
-        """Newly full, computed blocks to offer to the cache, or None."""
+    def commit(self, req: Request, num_computed_tokens: int) -> KVCommit | None:
+        """Newly full blocks among the first `num_computed_tokens` (computed by a step that
+        has completed) to offer to the cache, or None."""
         if not self.enabled:
             return None
-        num_full = req.num_computed_tokens // self.block_size
+        num_full = num_computed_tokens // self.block_size
         if num_full <= req.num_committed_blocks:
             return None
         self._extend(req, num_full * self.block_size)
         req.num_committed_blocks = num_full
-        return KVCommit(request_id=req.request_id, num_computed_tokens=req.num_computed_tokens,
+        return KVCommit(request_id=req.request_id, num_computed_tokens=num_computed_tokens,
                         block_hashes=req.block_hashes, token_ids=req.token_ids,
                         content_hashes=req.content_hashes if req.cache_salt else None)

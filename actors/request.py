@@ -74,7 +74,16 @@ class Request:
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_model_len = max_model_len
         self.status = RequestStatus.WAITING_PREFILL
+        # Tokens whose KV is computed or being computed by a step in flight (the scheduler
+        # advances it when it launches a step, as vLLM's async scheduling does).
         self.num_computed_tokens = 0
+        # Sampled tokens of steps in flight that have not come back yet (overlapped steps:
+        # at most one step is in flight while the next is planned). They count as tokens
+        # for scheduling; the next step feeds them to the model as placeholders.
+        self.num_placeholders = 0
+        # Whether the runner holds this request's sampling state (set when a batch carries
+        # its NewSequence, cleared when it is preempted or finished).
+        self.on_runner = False
         self.num_preemptions = 0
         # Scheduling: lower priority runs first; tenant is the fair-share key; arrival_seq
         # breaks ties in arrival order.
@@ -85,6 +94,8 @@ class Request:
         # while it waits to be swapped back in; None when its KV is on the device or gone.
         self.swapped_slots: list[int] | None = None
         self.trace = None  # tokenloom.actors.trace.RequestTrace, set by the scheduler
+        # Its IncrementalDetokenizer (stop strings included), set by the output processor.
+        self.detokenizer = None
         # Prefix cache: chain hashes of full blocks (extended as tokens are computed), the
         # salt-free chain when salted (to explain isolation misses), blocks committed to the
         # cache, and what the first admission found cached.
@@ -107,11 +118,12 @@ class Request:
     # -- progress, derived from token counts ------------------------------------------
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Known tokens plus those being sampled by a step in flight."""
+        return len(self.token_ids) + self.num_placeholders
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return self.num_tokens - self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -124,7 +136,18 @@ class Request:
 
     @property
     def is_decode(self) -> bool:
-        return self.num_remaining_tokens == 1 and self.num_output_tokens > 0
+        return (self.num_remaining_tokens == 1 and self.num_output_tokens > 0
+                and not self.is_awaiting_output)
+
+    @property
+    def is_awaiting_output(self) -> bool:
+        """Every token it may still produce is already being sampled by a step in flight
+        (max_tokens or the context window reached): nothing more to schedule."""
+        if self.num_placeholders == 0:
+            return False
+        if self.num_output_tokens >= self.sampling_params.max_tokens:
+            return True
+        return self.max_model_len is not None and self.num_tokens >= self.max_model_len
 
     @property
     def is_finished(self) -> bool:
@@ -138,6 +161,9 @@ class Request:
         self.status = new
 
     def append_token(self, token_id: int, now: float) -> None:
+        """A sampled token came back (it replaces a placeholder when one is pending)."""
+        if self.num_placeholders:
+            self.num_placeholders -= 1
         self.token_ids.append(token_id)
         if self.first_token_time is None:
             self.first_token_time = now
@@ -147,7 +173,7 @@ class Request:
         """Token-level stop conditions after a new token (stop strings live in the detokenizer)."""
         p = self.sampling_params
         last = self.token_ids[-1]
-        n_out = self.num_output_tokens
+        n_out = len(self.token_ids) - self.num_prompt_tokens   # known tokens only
         if n_out >= p.min_tokens:
             if not p.ignore_eos and last in self.eos_token_ids:
                 return FinishReason.STOP
@@ -155,7 +181,7 @@ class Request:
                 return FinishReason.STOP
         if n_out >= p.max_tokens:
             return FinishReason.LENGTH
-        if self.max_model_len is not None and self.num_tokens >= self.max_model_len:
+        if self.max_model_len is not None and len(self.token_ids) >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 

@@ -1,7 +1,7 @@
 """The router actor: between the tokenizer and the scheduler.
 
-It keeps request ids unique among the requests in flight, applies the admission gate,
-forwards, and acknowledges each admitted request on its stream (an empty RequestOutput), so
+It applies the admission gate, forwards (aborts keep their order behind their request),
+and acknowledges each admitted request on its stream (an empty RequestOutput), so
 that the front end knows the request passed validation before its first token exists. The gate bounds memory under overload: at most `max_num_seqs` requests can run, and
 at most `max_waiting` more may queue behind them; a request beyond that ends at once with an
 "overloaded" error (HTTP 429 with Retry-After) instead of growing the queue without bound.
@@ -16,35 +16,36 @@ import asyncio
 import time
 from typing import Callable
 
-from tokenloom.actors.base import Actor, Control, resolve
-from tokenloom.actors.messages import (ERROR_INVALID, ERROR_OVERLOADED, AbortRequest, AddRequest,
-                                       RequestFinished, RequestOutput, Shutdown)
+from tokenloom.actors.base import Actor, resolve
+from tokenloom.actors.messages import (ERROR_OVERLOADED, AddRequest,
+                                       GetRouterStats, RequestFinished, RequestOutput,
+                                       RouterStats, Shutdown)
 
 
 class AdmissionGate:
-    """Pure bookkeeping of requests in flight (forwarded, not yet finished)."""
+    """Pure count of requests in flight (forwarded, not yet finished). A count, not a
+    registry of ids: request ids are unique by the time they get here (the stream registry
+    refuses a second stream with the same id), and the scheduler is the one registry of
+    live requests on the engine side."""
 
     def __init__(self, max_running: int, max_waiting: int):
         self.capacity = max_running + max_waiting
         self.max_waiting = max_waiting
-        self.in_flight: set[str] = set()
+        self.in_flight = 0
         self.num_rejected = 0
 
-    def admit(self, request_id: str) -> str | None:
-        """Record `request_id` as in flight, or return why it may not enter."""
-        if request_id in self.in_flight:
-            return "duplicate"
-        if len(self.in_flight) >= self.capacity:
+    def admit(self) -> bool:
+        """Count one more request in flight, or refuse it (False) when the queue is full."""
+        if self.in_flight >= self.capacity:
             self.num_rejected += 1
-            return "overloaded"
-        self.in_flight.add(request_id)
-        return None
+            return False
+        self.in_flight += 1
+        return True
 
-    def done(self, request_id: str) -> None:
-        self.in_flight.discard(request_id)
-
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self.in_flight
+    def done(self) -> None:
+        """A forwarded request has finished (its RequestFinished)."""
+        assert self.in_flight > 0, "a request finished that the router never forwarded"
+        self.in_flight -= 1
 
 
 class RouterActor(Actor):
@@ -58,8 +59,7 @@ class RouterActor(Actor):
         self.next_inbox: asyncio.Queue | None = None  # the scheduler; wired by the engine
 
     def _add(self, msg: AddRequest) -> None:
-        refusal = self.gate.admit(msg.request_id)
-        if refusal is None:
+        if self.gate.admit():
             msg.routed_time = time.monotonic()
             self.next_inbox.put_nowait(msg)
             # The acknowledgement: an empty output telling the stream's owner that the request
@@ -67,20 +67,11 @@ class RouterActor(Actor):
             self.emit(RequestOutput(request_id=msg.request_id, new_token_ids=[],
                                     num_prompt_tokens=len(msg.prompt_token_ids)))
             return
-        if refusal == "duplicate":
-            error, kind = f"request id {msg.request_id!r} is already in flight", ERROR_INVALID
-        else:
-            error = (f"the server is overloaded: {self.gate.max_waiting} requests are already "
-                     f"waiting; retry later")
-            kind = ERROR_OVERLOADED
-        self.log.warning("request refused", request_id=msg.request_id, reason=refusal)
+        error = (f"the server is overloaded: {self.gate.max_waiting} requests are already "
+                 f"waiting; retry later")
+        self.log.warning("request refused", request_id=msg.request_id, reason="overloaded")
         self.emit(RequestOutput(request_id=msg.request_id, new_token_ids=[], finished=True,
-                                finish_reason="error", error=error, error_kind=kind))
-
-    def _abort(self, msg: AbortRequest) -> None:
-        # Only requests that went through; behind their AddRequest in the scheduler's inbox.
-        if msg.request_id in self.gate:
-            self.next_inbox.put_nowait(msg)
+                                finish_reason="error", error=error, error_kind=ERROR_OVERLOADED))
 
     async def run(self) -> None:
         while True:
@@ -88,14 +79,12 @@ class RouterActor(Actor):
             match msg:
                 case AddRequest():
                     self._add(msg)
-                case AbortRequest():
-                    self._abort(msg)
-                case RequestFinished(request_id=rid):
-                    self.gate.done(rid)
-                case Control(op="stats", reply=reply):
-                    resolve(reply, {"in_flight": len(self.gate.in_flight),
-                                    "capacity": self.gate.capacity,
-                                    "num_rejected": self.gate.num_rejected})
+                case RequestFinished():
+                    self.gate.done()
+                case GetRouterStats(reply=reply):
+                    resolve(reply, RouterStats(in_flight=self.gate.in_flight,
+                                               capacity=self.gate.capacity,
+                                               num_rejected=self.gate.num_rejected))
                 case Shutdown():
                     return
                 case _:

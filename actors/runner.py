@@ -1,18 +1,26 @@
-"""The runner actor: executes batches on one dedicated compute thread.
+"""The runner actor: executes batches on its own compute thread, which is its run loop.
 
 The event loop never runs model code, so the daemon's HTTP layer stays responsive while a
-long prompt is being prefilled. A step that raises ends only the requests in that step.
+long prompt is being prefilled. The inbox is a thread-safe queue read by the compute thread
+itself: when steps overlap, the scheduler queues step N+1 while N runs, and the thread
+starts N+1 the moment N ends, without waiting for the event loop to get round to it. Step
+outputs go back to the scheduler's inbox through the loop's thread-safe callback.
+
+A step that raises ends only the requests in that step (see ModelRunner.execute).
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import gc
+import queue
+import threading
 import traceback
+from typing import Any
 
-from tokenloom.actors.base import Actor, Control, resolve
-from tokenloom.actors.messages import ExecuteBatch, Shutdown, StepOutput
+from tokenloom.actors.base import Actor, resolve
+from tokenloom.actors.messages import (ExecuteBatch, GetGraphStats, GetRunnerState, RunnerState,
+                                       Shutdown, StepOutput)
 from tokenloom.actors.model_runner import ModelRunner
 
 
@@ -38,33 +46,56 @@ class RunnerActor(Actor):
     def __init__(self, runner: ModelRunner):
         super().__init__()
         self.runner = runner
-        self.scheduler_inbox: asyncio.Queue | None = None  # wired by the engine
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="tokenloom-runner")
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # read by the compute thread
+        self.scheduler_inbox: asyncio.Queue | None = None    # wired by the engine
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def send(self, msg: Any) -> None:
+        self.inbox.put(msg)
 
     async def run(self) -> None:
-        loop = asyncio.get_running_loop()
+        self._loop = asyncio.get_running_loop()
         freeze_startup_objects()
+        done = self._loop.create_future()
+        thread = threading.Thread(target=self._thread_main, args=(done,),
+                                  name="tokenloom-runner", daemon=True)
+        thread.start()
+        try:
+            await done
+        finally:
+            thaw_objects()
+
+    # -- the compute thread --------------------------------------------------------------
+    def _thread_main(self, done: asyncio.Future) -> None:
         try:
             while True:
-                msg = await self.inbox.get()
+                msg = self.inbox.get()
                 match msg:
                     case ExecuteBatch():
-                        try:
-                            out = await loop.run_in_executor(self._executor, self.runner.execute, msg)
-                        except Exception as e:  # the step failed; its requests end with an error
-                            self.log.error("step failed", error=repr(e),
-                                           traceback=traceback.format_exc())
-                            out = StepOutput(step=msg.step, sampled=[], compute_seconds=0.0,
-                                             error=f"model step failed: {e!r}")
-                        self.scheduler_inbox.put_nowait(out)
-                    case Control(op="num_tracked", reply=reply):
-                        resolve(reply, self.runner.num_tracked)
-                    case Control(op="graph_stats", reply=reply):
-                        # Graph/eager step counts, padding waste, decode batch-size histogram.
-                        resolve(reply, self.runner.graph_stats())
+                        self._post(self.scheduler_inbox.put_nowait, self._execute(msg))
+                    case GetRunnerState(reply=reply):
+                        self._post(resolve, reply, RunnerState(
+                            num_tracked=self.runner.num_tracked,
+                            graphs=self.runner.graph_stats()))
+                    case GetGraphStats(reply=reply):
+                        self._post(resolve, reply, self.runner.graph_stats())
                     case Shutdown():
                         return
         finally:
-            self._executor.shutdown(wait=False)
-            thaw_objects()
+            self._post(resolve, done, None)
+
+    def _execute(self, batch: ExecuteBatch) -> StepOutput:
+        try:
+            return self.runner.execute(batch)
+        except Exception as e:  # the step failed; its requests end with an error
+            self.runner.forget_failed(batch)
+            self.log.error("step failed", step=batch.step, error=repr(e),
+                           traceback=traceback.format_exc())
+            return StepOutput(step=batch.step, sampled=[], compute_seconds=0.0,
+                              error=f"model step failed: {e!r}")
+
+    def _post(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop has closed under us: nobody is listening
+            pass

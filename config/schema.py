@@ -185,9 +185,15 @@ class SchedulerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only
     # model fitted online so that running decodes keep `target_itl_ms`; "static" always
     # fills max_num_batched_tokens.
     chunking: Literal["slo", "static"] = "slo"
-    # Target inter-token latency for "slo" chunking; 0 = twice the predicted time of an
-    # iteration with only the running decodes (mixed iterations at most 2x a pure one).
+    # Target inter-token latency for "slo" chunking; 0 = auto_itl_factor times the
+    # predicted time of an iteration with only the running decodes.
     target_itl_ms: Annotated[float, msgspec.Meta(ge=0.0, le=600_000.0)] = 0.0
+    # The automatic target's multiple of a decode-only iteration: how much slower than a
+    # pure decode step a mixed prefill+decode step may be while streams are decoding.
+    auto_itl_factor: Annotated[float, msgspec.Meta(ge=1.0, le=100.0)] = 1.5
+    # Overlapped steps: plan and launch step N+1 while step N runs, and process N's outputs
+    # meanwhile (one step ahead); false = the serial loop (plan, run, wait, process).
+    overlap: bool = True
     # Fewest prefill tokens per iteration under "slo", so long prompts always progress.
     min_prefill_chunk: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 64
     # KV plan: fraction of the pool admission keeps free...

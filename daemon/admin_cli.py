@@ -157,6 +157,10 @@ def _render_stats(r: P.StatsReply) -> str:
          "{:.2f} ms + {:.4f} ms/token + {:.3f} ms/attn unit".format(
              *(1000 * c for c in r.cost_model))),
         ("goodput", f"{r.goodput_requests} / {r.slo_evaluated_requests} requests"),
+        ("engine loop", ("overlapped" if r.overlap else "serial") +
+         f", step {r.step_timings.forward_ms:.2f} ms forward + {r.step_timings.host_ms:.2f} ms "
+         f"host ({r.step_timings.exposed_host_ms:.2f} ms exposed), "
+         f"mean batch {r.step_timings.batch_size:g}"),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -17,6 +17,8 @@ from typing import Any, Literal, Union
 
 import msgspec
 
+from tokenloom.actors.messages import StepTimings
+
 LogLevel = Literal["debug", "info", "warning", "error"]
 
 
@@ -110,6 +112,9 @@ class StatsReply(_Reply, tag="stats", kw_only=True):
     cost_model: list[float] | None = None
     goodput_requests: int = 0
     slo_evaluated_requests: int = 0
+    # The engine loop: overlapped steps on, and where a step's time goes (means, ms).
+    overlap: bool = True
+    step_timings: StepTimings = StepTimings()
 
 
 class FlushCacheReply(_Reply, tag="flush-cache", kw_only=True):

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import structlog
 
+from tokenloom.actors.messages import FlushPrefixCache
 from tokenloom.config.schema import DEFAULT_ADMIN_SOCKET, AdminConfig
 from tokenloom.daemon import admin_protocol as P
 from tokenloom.daemon import logs
@@ -207,42 +208,42 @@ class AdminServer:
             raise _Refused("unavailable", "the engine is not running")
         return engine
 
-    async def _query(self, actor: str, op: str, **args):
-        return await asyncio.wait_for(self._engine().query(actor, op, **args), QUERY_TIMEOUT)
+    async def _ask(self, actor, query):
+        return await asyncio.wait_for(self._engine().ask(actor, query), QUERY_TIMEOUT)
 
     async def stats(self) -> P.StatsReply:
         engine = self._engine()
-        sched = await self._query("scheduler", "stats")
-        kv = await self._query("kv_manager", "stats")
-        pc = kv["prefix_cache"]
+        s = await asyncio.wait_for(engine.stats(), QUERY_TIMEOUT)
+        sched, kv, pc = s.scheduler, s.kv, s.kv.prefix_cache
         rate = lambda hit, asked: round(hit / asked, 6) if asked else 0.0  # noqa: E731
         return P.StatsReply(
             model=self.state.model_name, ready=self.state.ready,
             uptime_seconds=round(time.time() - self.state.started, 3),
             log_level=logs.current_level(), in_flight=len(self.state.inflight),
-            waiting=sched["waiting"], running=sched["running"], num_steps=sched["num_steps"],
-            num_preemptions=sched["num_preemptions"],
+            waiting=sched.waiting, running=sched.running, num_steps=sched.num_steps,
+            num_preemptions=sched.num_preemptions,
             engine_stalled_seconds=round(engine.stalled_seconds(), 3),
-            kv_blocks_total=kv["num_blocks"], kv_blocks_used=kv["used"],
-            kv_blocks_free=kv["free"], kv_blocks_cached=kv["cached_blocks"],
-            kv_usage=round(kv["usage"], 6),
-            prefix_cache_queried_tokens=pc["queried_tokens"],
-            prefix_cache_hit_tokens=pc["hit_tokens"],
-            prefix_cache_hit_rate=rate(pc["hit_tokens"], pc["queried_tokens"]),
-            preempted_hit_rate=rate(pc["preempted_hit_tokens"], pc["preempted_queried_tokens"]),
+            kv_blocks_total=kv.num_blocks, kv_blocks_used=kv.used,
+            kv_blocks_free=kv.free, kv_blocks_cached=kv.cached_blocks,
+            kv_usage=round(kv.usage, 6),
+            prefix_cache_queried_tokens=pc.queried_tokens,
+            prefix_cache_hit_tokens=pc.hit_tokens,
+            prefix_cache_hit_rate=rate(pc.hit_tokens, pc.queried_tokens),
+            preempted_hit_rate=rate(pc.preempted_hit_tokens, pc.preempted_queried_tokens),
             drain=self.state.drain.progress(),
-            num_swap_preemptions=sched["num_swap_preemptions"],
-            max_decode_skip=sched["max_decode_skip"],
-            admission_paused=sched["admission_paused"], prefill_budget=sched["prefill_budget"],
-            cost_model=sched["cost_model"], goodput_requests=sched["num_slo_good"],
-            slo_evaluated_requests=sched["num_slo_evaluated"])
+            num_swap_preemptions=sched.num_swap_preemptions,
+            max_decode_skip=sched.max_decode_skip,
+            admission_paused=sched.admission_paused, prefill_budget=sched.prefill_budget,
+            cost_model=sched.cost_model, goodput_requests=sched.num_slo_good,
+            slo_evaluated_requests=sched.num_slo_evaluated, overlap=sched.overlap,
+            step_timings=sched.timings)
 
     async def flush_cache(self, force: bool) -> P.FlushCacheReply:
-        r = await self._query("kv_manager", "flush_cache", force=force)
-        if r["refused_reason"]:
-            raise _Refused("refused", f"cache flush refused: {r['refused_reason']}")
-        log.info("prefix cache flushed", freed_blocks=r["freed"], force=force)
-        return P.FlushCacheReply(freed=r["freed"])
+        r = await self._ask(self._engine().kv_manager, FlushPrefixCache(force=force))
+        if r.refused_reason:
+            raise _Refused("refused", f"cache flush refused: {r.refused_reason}")
+        log.info("prefix cache flushed", freed_blocks=r.freed, force=force)
+        return P.FlushCacheReply(freed=r.freed)
 
     def cancel(self, request_id: str) -> P.CancelReply:
         """End a running request: its client gets an error (a stream's last event, or a 503)

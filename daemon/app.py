@@ -15,7 +15,7 @@ from aiohttp import web
 
 from tokenloom.config.schema import EngineConfig
 from tokenloom.daemon import admin_server, openai_api
-from tokenloom.daemon.drain import Drain
+from tokenloom.daemon.drain import DrainController
 from tokenloom.daemon.errors import APIError
 from tokenloom.daemon.metrics import CONTENT_TYPE, Metrics
 from tokenloom.daemon.protocol import Limits
@@ -193,7 +193,7 @@ def create_app(config: EngineConfig, engine=None, notifier: Notifier | None = No
     state = ServerState(config=config, engine=engine,
                         metrics=Metrics(config.server.served_model_name or "loading"),
                         notifier=notifier or Notifier())
-    state.drain = Drain(state)
+    state.drain = DrainController(state)
     app[STATE] = state
     app.cleanup_ctx.append(engine_ctx)
     app.cleanup_ctx.append(admin_server.admin_ctx)  # after the engine is up; closed first

@@ -28,7 +28,7 @@ from tokenloom.daemon.admin_protocol import DrainProgress
 log = structlog.get_logger("tokenloom.daemon")
 
 
-class Drain:
+class DrainController:
     def __init__(self, state, poll_seconds: float = 0.05, grace_seconds: float = 10.0):
         self.state = state                  # ServerState: draining flag, inflight, engine
         self.poll_seconds = poll_seconds

@@ -2,9 +2,9 @@
 
 A request with several prompts and/or `n` > 1 becomes one engine request per choice (choice
 `index` = prompt_index * n + i, as OpenAI numbers them). Their outputs share one queue, so a
-single consumer turns them into `Delta`s in arrival order: incremental detokenization, stop
-strings (on a match the choice ends with finish_reason "stop" and its engine request is
-aborted), per-choice accounting.
+single consumer turns them into `Delta`s in arrival order, with per-choice accounting.
+Detokenization and stop strings happen inside the engine (actors/output_processor.py): a
+stop string ends the engine request with finish_reason "stop", like EOS.
 
 Contract:
 - `start()` returns once every choice is admitted (the router's acknowledgement), or raises
@@ -23,11 +23,10 @@ import dataclasses
 import time
 from typing import AsyncIterator
 
-import msgspec
 
-from tokenloom.actors.detokenizer import IncrementalDetokenizer
 from tokenloom.actors.messages import (ERROR_INVALID, ERROR_OVERLOADED, GenerateRequest,
                                        RequestOutput, RequestTimings, TokenLogprob)
+from tokenloom.actors.output_processor import fan_out
 from tokenloom.actors.sampling_params import SamplingParams
 from tokenloom.daemon.errors import APIError
 
@@ -45,7 +44,6 @@ class Delta:
 class Choice:
     index: int
     request_id: str
-    detok: IncrementalDetokenizer
     text: list[str] = dataclasses.field(default_factory=list)
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
@@ -71,26 +69,13 @@ class Generation:
         self.arrival = time.monotonic()
         self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.choices: dict[str, Choice] = {}
-        self._requests: list[GenerateRequest] = []
-        self.n = n = params.n
-        sibling = msgspec.structs.replace(params, n=1)
-        for p, prompt in enumerate(prompts):
-            for i in range(n):
-                index = p * n + i
-                rid = request_id if len(prompts) * n == 1 else f"{request_id}-{index}"
-                # Siblings must differ: each gets its own seed stream (as the offline LLM does).
-                sp = sibling if params.seed is None else msgspec.structs.replace(
-                    sibling, seed=params.seed + i)
-                self._requests.append(GenerateRequest(
-                    request_id=rid, sampling_params=sp, arrival_time=self.arrival,
-                    prompt=prompt if isinstance(prompt, str) else None,
-                    prompt_token_ids=list(prompt) if isinstance(prompt, list) else None,
-                    messages=messages, fit_max_tokens=fit_max_tokens, cache_salt=cache_salt,
-                    priority=priority, tenant=tenant,
-                    # Siblings reuse sibling 0's prompt blocks (see SchedulerActor).
-                    group_id=f"{request_id}-{p * n}" if i > 0 else None))
-                self.choices[rid] = Choice(index, rid, IncrementalDetokenizer(
-                    engine.tokenizer, [], stop=params.stop))
+        self.n = params.n
+        self._requests: list[GenerateRequest] = fan_out(
+            request_id, prompts, params, arrival_time=self.arrival, messages=messages,
+            fit_max_tokens=fit_max_tokens, cache_salt=cache_salt, priority=priority,
+            tenant=tenant)
+        for index, req in enumerate(self._requests):
+            self.choices[req.request_id] = Choice(index, req.request_id)
         self._open: set[str] = set()
         self._early: list[RequestOutput] = []
 
@@ -157,34 +142,21 @@ class Generation:
             c.closed = True
             c.timings = out.timings
             self._open.discard(out.request_id)
-            if c.finish_reason is not None:   # stopped by a stop string; this is the abort
-                self._observe(c)
-                return None
             if out.finish_reason == "error" or (out.finish_reason == "abort" and out.error):
                 self.close()
                 raise _engine_error(out)
-        if c.finish_reason is not None:
-            return None                       # tokens computed after a stop string matched
+            c.finish_reason = out.finish_reason
         new = out.new_token_ids
         c.token_ids.extend(new)
         lps = list(out.new_logprobs or ())
         c.logprobs.extend(lps)
-        text = c.detok.add(new)
-        if c.detok.stopped is not None:
-            c.finish_reason = "stop"
-            if not c.closed:
-                # The engine does not know stop strings: end the request; its final
-                # (aborted) output still comes back, with the timings.
-                self.engine.abort(out.request_id)
-        elif out.finished:
-            text += c.detok.finish()
-            c.finish_reason = out.finish_reason
+        if out.text:
+            c.text.append(out.text)
+        if out.finished:
             self._observe(c)
-        if text:
-            c.text.append(text)
-        if not (text or new or c.finish_reason):
+        if not (out.text or new or c.finish_reason):
             return None
-        return Delta(c.index, text, list(new), lps, c.finish_reason)
+        return Delta(c.index, out.text, list(new), lps, c.finish_reason)
 
     def _observe(self, c: Choice) -> None:
         if self.metrics is not None:

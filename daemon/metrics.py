@@ -15,7 +15,7 @@ from prometheus_client import (CollectorRegistry, Counter, Histogram, disable_cr
                                generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from tokenloom.actors.messages import RequestTimings
+from tokenloom.actors.messages import EngineStats, RequestTimings
 
 # As vLLM does: no `_created` series next to every counter and histogram.
 disable_created_metrics()
@@ -36,10 +36,13 @@ class _EngineCollector:
 
     def __init__(self, model_name: str):
         self.model_name = model_name
-        self.snapshot: dict = {}
+        self.stats: EngineStats | None = None
 
     def collect(self):
-        s = self.snapshot
+        s = self.stats
+        if s is None:  # not scraped through refresh() yet
+            return
+        sched, kv, router, pc = s.scheduler, s.kv, s.router, s.kv.prefix_cache
         labels = ["model_name"]
         value = [self.model_name]
 
@@ -54,61 +57,57 @@ class _EngineCollector:
             return c
 
         yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
-                    s.get("running", 0))
+                    sched.running)
         yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-                    s.get("waiting", 0))
+                    sched.waiting)
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                    s.get("usage", 0.0))
+                    kv.usage)
         yield counter("vllm:num_preemptions", "Cumulative number of preemptions.",
-                      s.get("num_preemptions", 0))
-        yield gauge("tokenloom:kv_blocks_total", "KV-cache blocks in the pool.",
-                    s.get("num_blocks", 0))
-        yield gauge("tokenloom:kv_blocks_free", "KV-cache blocks free.", s.get("free", 0))
+                      sched.num_preemptions)
+        yield gauge("tokenloom:kv_blocks_total", "KV-cache blocks in the pool.", kv.num_blocks)
+        yield gauge("tokenloom:kv_blocks_free", "KV-cache blocks free.", kv.free)
         yield counter("tokenloom:engine_steps", "Engine iterations (batches) executed.",
-                      s.get("num_steps", 0))
+                      sched.num_steps)
         yield gauge("tokenloom:requests_in_flight",
-                    "Requests admitted by the router and not yet finished.",
-                    s.get("in_flight", 0))
+                    "Requests admitted by the router and not yet finished.", router.in_flight)
         yield counter("tokenloom:requests_rejected_overload",
                       "Requests refused with 429 because the waiting queue was full.",
-                      s.get("num_rejected", 0))
+                      router.num_rejected)
         # Prefix cache: vLLM's token-based query/hit counters, plus misses by reason (a
         # preempted request's recompute is neither a query nor a hit, only a miss reason).
-        p = s.get("prefix_cache") or {}
         yield counter("vllm:prefix_cache_queries",
                       "Prefix cache queries, in terms of number of queried tokens.",
-                      p.get("queried_tokens", 0))
+                      pc.queried_tokens)
         yield counter("vllm:prefix_cache_hits",
-                      "Prefix cache hits, in terms of number of cached tokens.",
-                      p.get("hit_tokens", 0))
+                      "Prefix cache hits, in terms of number of cached tokens.", pc.hit_tokens)
         missed = CounterMetricFamily("tokenloom:prefix_cache_missed_tokens",
                                      "Prompt tokens not served from the prefix cache, by the "
                                      "reason of the request's first miss.",
                                      labels=labels + ["reason"])
-        for reason, n in sorted((p.get("missed_tokens") or {}).items()):
+        for reason, n in sorted(pc.missed_tokens.items()):
             missed.add_metric(value + [reason], n)
         yield missed
         yield gauge("tokenloom:prefix_cache_blocks", "KV blocks holding a cached prefix.",
-                    s.get("cached_blocks", 0))
+                    kv.cached_blocks)
         # Scheduling promises (see README, Scheduling).
         by_mode = CounterMetricFamily("tokenloom:preemptions",
                                       "Preemptions by mode (recompute or swap).",
                                       labels=labels + ["mode"])
-        swapped = s.get("num_swap_preemptions", 0)
-        by_mode.add_metric(value + ["recompute"], s.get("num_preemptions", 0) - swapped)
+        swapped = sched.num_swap_preemptions
+        by_mode.add_metric(value + ["recompute"], sched.num_preemptions - swapped)
         by_mode.add_metric(value + ["swap"], swapped)
         yield by_mode
         yield gauge("tokenloom:max_decode_skip",
                     "Most consecutive iterations any running decode was left out (invariant: "
-                    "<= scheduler.max_decode_skip).", s.get("max_decode_skip", 0))
-        budget = s.get("prefill_budget")
+                    "<= scheduler.max_decode_skip).", sched.max_decode_skip)
+        budget = sched.prefill_budget
         yield gauge("tokenloom:prefill_chunk_budget_tokens",
                     "Prefill tokens the SLO chunker allowed in the last iteration (-1: the "
                     "static budget).", -1 if budget is None else budget)
         yield gauge("tokenloom:admission_paused",
                     "1 while admission waits for the KV resume watermark after a preemption.",
-                    1 if s.get("admission_paused") else 0)
-        evaluated, good = s.get("num_slo_evaluated", 0), s.get("num_slo_good", 0)
+                    1 if sched.admission_paused else 0)
+        evaluated, good = sched.num_slo_evaluated, sched.num_slo_good
         yield counter("tokenloom:slo_evaluated_requests",
                       "Finished requests checked against the TTFT and ITL objectives.", evaluated)
         yield counter("tokenloom:goodput_requests",
@@ -116,6 +115,16 @@ class _EngineCollector:
         yield gauge("tokenloom:goodput_ratio",
                     "Share of finished requests within their objectives (1 before any).",
                     good / evaluated if evaluated else 1.0)
+        # Where a step's time goes (means over the last 256 steps), see README "Engine loop".
+        t = sched.timings
+        step = GaugeMetricFamily("tokenloom:step_time_ms",
+                                 "Mean engine step time by part over the last steps: forward "
+                                 "(the runner), host (planning, KV round trip, output "
+                                 "processing), exposed_host (host time the runner waited for).",
+                                 labels=labels + ["part"])
+        for part in ("forward", "host", "exposed_host", "kv_round_trip"):
+            step.add_metric(value + [part], getattr(t, f"{part}_ms"))
+        yield step
 
 
 class Metrics:
@@ -178,11 +187,7 @@ class Metrics:
 
     async def refresh(self, engine) -> None:
         """Read the actors' current state for the collector (at scrape time)."""
-        snap = {}
-        snap.update(await engine.query("scheduler", "stats"))
-        snap.update(await engine.query("kv_manager", "stats"))
-        snap.update(await engine.query("router", "stats"))
-        self.engine.snapshot = snap
+        self.engine.stats = await engine.stats()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

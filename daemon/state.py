@@ -28,7 +28,7 @@ class ServerState:
     draining: bool = False                  # draining (SIGTERM or admin): no new requests
     stopping: bool = False                  # the app is shutting down its engine
     inflight: InFlight = dataclasses.field(default_factory=InFlight)  # HTTP requests running
-    drain: object | None = None             # tokenloom.daemon.drain.Drain (create_app)
+    drain: object | None = None             # tokenloom.daemon.drain.DrainController (create_app)
     notifier: Notifier = dataclasses.field(default_factory=Notifier)  # sd_notify (or no-op)
     started: int = dataclasses.field(default_factory=lambda: int(time.time()))
 

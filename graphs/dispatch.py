@@ -19,7 +19,7 @@ EAGER = "eager"
 
 
 @dataclasses.dataclass(frozen=True)
-class Decision:
+class Dispatch:
     mode: str            # GRAPH or EAGER
     padded_size: int     # rows the step computes (== batch size when eager)
     reason: str          # why (for stats and debugging)
@@ -38,24 +38,24 @@ class Dispatcher:
         self.padded_rows = 0
         self.eager_reasons: Counter[str] = Counter()
 
-    def decide(self, num_seqs: int, num_decodes: int, num_tokens: int) -> Decision:
+    def decide(self, num_seqs: int, num_decodes: int, num_tokens: int) -> Dispatch:
         """Pure decision (no bookkeeping): see `record` for the counters."""
         if self.table is None:
-            return Decision(EAGER, num_tokens, self.disabled_reason)
+            return Dispatch(EAGER, num_tokens, self.disabled_reason)
         if num_decodes != num_seqs or num_tokens != num_seqs:
-            return Decision(EAGER, num_tokens, "prefill in batch")
+            return Dispatch(EAGER, num_tokens, "prefill in batch")
         padded = self.table.padded(num_seqs) if num_seqs else None
         if padded is None:
-            return Decision(EAGER, num_tokens, "larger than the largest bucket")
-        return Decision(GRAPH, padded, f"bucket {padded}")
+            return Dispatch(EAGER, num_tokens, "larger than the largest bucket")
+        return Dispatch(GRAPH, padded, f"bucket {padded}")
 
-    def dispatch(self, num_seqs: int, num_decodes: int, num_tokens: int) -> Decision:
+    def dispatch(self, num_seqs: int, num_decodes: int, num_tokens: int) -> Dispatch:
         """Decide and record the decision."""
         d = self.decide(num_seqs, num_decodes, num_tokens)
         self.record(d, num_seqs, num_decodes, num_tokens)
         return d
 
-    def record(self, d: Decision, num_seqs: int, num_decodes: int, num_tokens: int) -> None:
+    def record(self, d: Dispatch, num_seqs: int, num_decodes: int, num_tokens: int) -> None:
         if num_seqs and num_decodes == num_seqs and num_tokens == num_seqs:
             self.decode_batch_sizes[num_seqs] += 1
         if d.mode == GRAPH:

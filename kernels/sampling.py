@@ -42,7 +42,7 @@ class SamplingRow:
     eos_token_ids: tuple[int, ...] = ()
 
 
-class SampledToken(NamedTuple):
+class Sample(NamedTuple):
     """One sampled token. Logprobs are of the raw model logits (before penalties and
     temperature, like vLLM's default); both are None when `params.logprobs` is None."""
 
@@ -61,13 +61,13 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
     return generator
 
 
-def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
+def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[Sample]:
     """Pick one token per row. `logits`: [B, vocab], any float dtype, not modified."""
     assert logits.dim() == 2 and logits.shape[0] == len(rows), (
         f"logits {tuple(logits.shape)} must be [len(rows)={len(rows)}, vocab]"
     )
     if not any(_needs_full_path(row) for row in rows):
-        return [SampledToken(t, None, None) for t in argmax_rows(logits).tolist()]
+        return [Sample(t, None, None) for t in argmax_rows(logits).tolist()]
 
     raw = logits.to(torch.float32)  # [B, V]; may alias `logits`, never written
     processed = process_logits(raw, rows)  # [B, V], a fresh tensor, never written
@@ -371,11 +371,11 @@ def _draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> 
 
 def _with_logprobs(
     raw: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SamplingRow]
-) -> list[SampledToken]:
+) -> list[Sample]:
     wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     ids = token_ids.tolist()
     if not wanted:
-        return [SampledToken(t, None, None) for t in ids]
+        return [Sample(t, None, None) for t in ids]
 
     index = torch.tensor(wanted, device=raw.device)
     logprobs = raw[index].log_softmax(-1)  # [L, V]
@@ -384,9 +384,9 @@ def _with_logprobs(
     top_values, top_ids = logprobs.topk(k, dim=-1)  # [L, k] each, best first; k may be 0
     top_values, top_ids = top_values.tolist(), top_ids.tolist()
 
-    out = [SampledToken(t, None, None) for t in ids]
+    out = [Sample(t, None, None) for t in ids]
     for j, i in enumerate(wanted):
         n = rows[i].params.logprobs
         top = list(zip(top_ids[j][:n], top_values[j][:n]))
-        out[i] = SampledToken(ids[i], chosen[j], top)
+        out[i] = Sample(ids[i], chosen[j], top)
     return out

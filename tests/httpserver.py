@@ -2,7 +2,7 @@
 
 The server runs the real app (`create_app` + `AppRunner`/`TCPSite`) on its own uvloop event
 loop, so tests talk to it over real sockets with any client, and can still query the engine's
-actors (`server.query("kv_manager", "stats")`).
+actors with typed queries (`server.ask("kv_manager", GetKVStats())`).
 """
 
 from __future__ import annotations
@@ -45,19 +45,28 @@ class ServerThread:
     def call(self, coro, timeout: float = 60):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def query(self, actor: str, op: str):
-        return self.call(self.engine.query(actor, op))
+    def ask(self, actor: str, query):
+        """A typed query (tokenloom.actors.messages, "control") to the named actor."""
+        return self.call(self.engine.ask(getattr(self.engine, actor), query))
+
+    def stats(self):
+        return self.call(self.engine.stats())
 
     def wait_idle(self, timeout: float = 10.0) -> dict:
-        """Wait until the scheduler is idle and every block is back; return the KV stats."""
+        """Wait until the scheduler is idle and every block is back; return the KV and
+        scheduler stats as one dict, plus the open streams."""
+        import msgspec
+
+        from tokenloom.actors.messages import IsIdle
+
         async def idle():
             deadline = self.loop.time() + timeout
             while True:
-                kv = await self.engine.query("kv_manager", "stats")
-                sched = await self.engine.query("scheduler", "stats")
-                if (kv["used"] == 0 and sched["waiting"] == 0 and sched["running"] == 0) \
+                s = await self.engine.stats()
+                if (s.kv.used == 0 and await self.engine.ask(self.engine.scheduler, IsIdle())) \
                         or self.loop.time() > deadline:
-                    return {**kv, **sched, "streams": len(self.engine.streams)}
+                    return {**msgspec.to_builtins(s.kv), **msgspec.to_builtins(s.scheduler),
+                            "streams": len(self.engine.streams)}
                 await asyncio.sleep(0.02)
         return self.call(idle(), timeout + 5)
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tokenloom.actors.engine import select_decode_backend
+from tokenloom.kernels.device import select_decode_backend
 from tokenloom.config.schema import ConfigError
 
 pytest.importorskip("triton")

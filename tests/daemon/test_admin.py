@@ -32,25 +32,36 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 
 
 class Gate:
-    """Wraps ModelRunner.execute: while closed, the next step blocks until reopened."""
+    """Wraps ModelRunner.execute: while closed, the next step blocks until reopened.
+    `close(after=k)` lets k more steps through first, so a test can know a request is still
+    running however fast the engine is (its step k+1 waits at the gate)."""
 
     def __init__(self, model_runner):
         self.opened = threading.Event()
         self.opened.set()
         self.blocked = threading.Event()   # a step is waiting at the gate
+        self._lock = threading.Lock()
+        self._allowed = 0
         inner = model_runner.execute
 
         def execute(batch):
-            if not self.opened.is_set():
+            with self._lock:
+                wait = not self.opened.is_set() and self._allowed == 0
+                self._allowed = max(0, self._allowed - 1)
+            if wait:
                 self.blocked.set()
                 self.opened.wait()
             return inner(batch)
 
         model_runner.execute = execute
 
-    def close(self) -> None:
-        self.blocked.clear()
-        self.opened.clear()
+    def close(self, after: int = 0) -> None:
+        with self._lock:
+            if not self.opened.is_set():
+                return  # already closed: a step may be waiting at it
+            self.blocked.clear()
+            self._allowed = after
+            self.opened.clear()
 
     def open(self) -> None:
         self.opened.set()
@@ -131,6 +142,9 @@ def extra(server):
 
 
 async def start_stream(server, session, model_name, max_tokens=400, **body):
+    """Start a stream and read its first event; the gate then holds the engine's next
+    step, so the stream is certainly still running (open the gate to let it go on)."""
+    server.gate.close(after=1)
     resp = await session.post(server.url + "/v1/completions", json=dict(
         model=model_name, prompt="w5 w6 w7 w8", max_tokens=max_tokens, stream=True,
         **GREEDY, **body))

@@ -156,4 +156,4 @@ async def test_burst_of_bad_requests_leaves_the_server_serving(server, model_nam
     after = server.wait_idle()
     for key in ("num_blocks", "free", "used", "waiting", "running", "streams"):
         assert after[key] == before[key], key
-    assert server.query("router", "stats")["in_flight"] == 0
+    assert server.stats().router.in_flight == 0

@@ -12,6 +12,8 @@ import time
 
 import aiohttp
 
+from tokenloom.actors.messages import CheckIntegrity
+
 from sse import read_events
 
 
@@ -71,8 +73,8 @@ async def test_storm_of_streams_with_cancellations(server, model_name):
     after = server.wait_idle(timeout=2)
     assert after["used"] == 0 and after["free"] == idle["free"]
     assert after["running"] == 0 and after["waiting"] == 0 and after["streams"] == 0
-    assert server.query("router", "stats")["in_flight"] == 0
-    assert server.query("kv_manager", "integrity") is None
+    assert server.stats().router.in_flight == 0
+    assert server.ask("kv_manager", CheckIntegrity()) is None
     # The hung-up streams were aborted by the server, not left to run out their 200 tokens.
     assert await _metric(server.url, "tokenloom:requests_aborted_total") - aborted_before == 10
 
@@ -146,6 +148,6 @@ async def test_storm_with_shared_prefixes_preemption_and_cancellations(tiny_mode
         assert any(c for c in cached if c), "some requests must reuse the shared prefix"
         assert after["used"] == 0 and after["running"] == 0 and after["waiting"] == 0
         assert after["streams"] == 0
-        assert server.query("kv_manager", "integrity") is None
+        assert server.ask("kv_manager", CheckIntegrity()) is None
     finally:
         server.close()

@@ -132,7 +132,7 @@ async def _interference(server, model_name) -> dict:
     async with aiohttp.ClientSession() as session:
         streams = [asyncio.create_task(stream(session)) for _ in range(4)]
         # Let >= 16 iterations of decodes feed the cost model before the long prompt.
-        while (await asyncio.to_thread(server.query, "scheduler", "stats"))["num_steps"] < 30:
+        while (await asyncio.to_thread(server.stats)).scheduler.num_steps < 30:
             await asyncio.sleep(0.02)
         body = dict(model=model_name, prompt=[5 + (i % 50) for i in range(600)], max_tokens=2,
                     return_metrics=True, **GREEDY)
@@ -151,7 +151,7 @@ async def test_slo_chunking_splits_a_long_prompt_that_static_runs_whole(tiny_mod
     static = _serve(tiny_model_dir, tmp_path / "a", **{"scheduler.chunking": "static"})
     try:
         t_static = await _interference(static, model_name)
-        assert static.query("scheduler", "stats")["prefill_budget"] is None
+        assert static.stats().scheduler.prefill_budget is None
     finally:
         static.close()
     slo = _serve(tiny_model_dir, tmp_path / "b", **{"scheduler.chunking": "slo",
@@ -159,8 +159,8 @@ async def test_slo_chunking_splits_a_long_prompt_that_static_runs_whole(tiny_mod
                                                     "scheduler.min_prefill_chunk": 32})
     try:
         t_slo = await _interference(slo, model_name)
-        stats = slo.query("scheduler", "stats")
-        assert stats["cost_model"] is not None and stats["max_decode_skip"] == 0
+        stats = slo.stats().scheduler
+        assert stats.cost_model is not None and stats.max_decode_skip == 0
     finally:
         slo.close()
     assert t_static["prefill_chunks"] == 2
@@ -196,7 +196,7 @@ async def test_swap_and_auto_preemption_leave_greedy_output_identical(
         small.close()
     assert got == expected
     assert stats["num_preemptions"] > 0 and stats["used"] == 0
-    assert stats["swap_free_slots"] == small.engine.scheduler.swap.num_slots
+    assert stats["swap_free_slots"] == small.engine.scheduler.preemptor.swap.num_slots
     if mode == "swap":
         assert stats["num_swap_preemptions"] == stats["num_preemptions"]
 
@@ -219,7 +219,7 @@ async def test_interactive_class_is_admitted_before_queued_batch_work(tiny_model
 
         async with aiohttp.ClientSession() as session:
             batch = [asyncio.create_task(one(session, "batch", i)) for i in range(6)]
-            while (await asyncio.to_thread(s.query, "scheduler", "stats"))["waiting"] < 5:
+            while (await asyncio.to_thread(s.stats)).scheduler.waiting < 5:
                 await asyncio.sleep(0.01)
             vip = await one(session, "interactive", 99)
             batch_admitted = sorted(await asyncio.gather(*batch))

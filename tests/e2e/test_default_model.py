@@ -100,32 +100,34 @@ def test_one_request_at_a_time(default_model_dir, prompt_ids, reference):
             out = llm.generate([ids], GREEDY)[0]
             assert out.token_ids == ref
         llm.check_integrity()
-        assert llm.kv_stats()["used"] == 0
+        assert llm.kv_stats().used == 0
     finally:
         llm.close()
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_batched_configurations(name, default_model_dir, prompt_ids, reference):
-    llm = _llm(default_model_dir, **CONFIGS[name])
+def test_batched_configurations(name, overlap, default_model_dir, prompt_ids, reference):
+    """Every configuration with overlapped steps (the default) and with the serial loop."""
+    llm = _llm(default_model_dir, overlap=overlap, **CONFIGS[name])
     try:
         outs = llm.generate(prompt_ids, GREEDY)
         for i, (out, ref) in enumerate(zip(outs, reference)):
             assert out.token_ids == ref, f"prompt {i} diverged under {name}"
         stats = llm.scheduler_stats()
         if name == "preemption":
-            assert stats["num_preemptions"] > 0, "the small pool must force preemption"
-            assert stats["num_swap_preemptions"] == 0
+            assert stats.num_preemptions > 0, "the small pool must force preemption"
+            assert stats.num_swap_preemptions == 0
         if name == "preemption_swap":
-            assert stats["num_swap_preemptions"] > 0, "victims must be swapped, not recomputed"
-            assert stats["swap_free_slots"] == llm.engine.scheduler.swap.num_slots
+            assert stats.num_swap_preemptions > 0, "victims must be swapped, not recomputed"
+            assert stats.swap_free_slots == llm.engine.scheduler.preemptor.swap.num_slots
         if name == "slo_chunking":
-            assert stats["cost_model"] is not None, "the step-cost model was never fitted"
+            assert stats.cost_model is not None, "the step-cost model was never fitted"
         if name == "kv_plan":
-            assert stats["num_preemptions"] <= 1, stats
-        assert stats["max_decode_skip"] == 0
+            assert stats.num_preemptions <= 1, stats
+        assert stats.max_decode_skip == 0
         llm.check_integrity()
-        assert llm.kv_stats()["used"] == 0
+        assert llm.kv_stats().used == 0
     finally:
         llm.close()
 
@@ -177,7 +179,8 @@ def test_logits_match_transformers(default_model_dir, hf_model, prompt_ids):
 
 
 def test_stop_string_ends_request_with_timings(default_model_dir):
-    """A stop string cuts the text, never leaks, frees the blocks, and keeps the timings."""
+    """A stop string cuts the text, never leaks, frees the blocks, and keeps the timings;
+    the engine itself finishes the request as "stop" (trace included), no abort."""
     llm = _llm(default_model_dir)
     try:
         full = llm.generate(PROMPTS[0], GREEDY)[0]
@@ -188,7 +191,10 @@ def test_stop_string_ends_request_with_timings(default_model_dir):
         assert out.text == full.text.split("\n")[0]
         assert out.token_ids == full.token_ids[: len(out.token_ids)]
         assert out.outputs[0].timings is not None
-        llm.wait_for_idle()  # the aborted request's blocks come back within an iteration
+        trace = llm._wait(llm.engine.trace(out.request_id))
+        assert trace["finish_reason"] == "stop"
+        assert [e["event"] for e in trace["events"]][-2:] == ["final_token", "kv_blocks_released"]
+        llm.wait_for_idle()  # its blocks come back with the next KV update
         llm.check_integrity()
     finally:
         llm.close()

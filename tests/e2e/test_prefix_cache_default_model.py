@@ -106,17 +106,17 @@ def test_flush_events_and_eviction_reason(default_model_dir, prompts, reference)
             temperature=0.0, max_tokens=200, ignore_eos=True)))
         long.start()
         deadline = time.monotonic() + 30
-        while llm.scheduler_stats()["running"] == 0 and time.monotonic() < deadline:
+        while llm.scheduler_stats().running == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
         refused = llm.flush_cache()
-        assert refused["freed"] == 0 and refused["refused_reason"]
+        assert refused.freed == 0 and refused.refused_reason
         long.join()
 
         llm.wait_for_idle()
         flushed = llm.flush_cache()
-        assert flushed["freed"] > 0 and flushed["refused_reason"] is None
+        assert flushed.freed > 0 and flushed.refused_reason is None
         assert isinstance(events[-1], AllBlocksCleared)
-        assert llm.kv_stats()["cached_blocks"] == 0
+        assert llm.kv_stats().cached_blocks == 0
         again = llm.generate([full[0]], GREEDY)[0]
         assert again.token_ids == reference[0]
         assert again.outputs[0].timings.num_cached_tokens == 0
@@ -137,7 +137,7 @@ def test_n_siblings_share_the_prompt_blocks(default_model_dir, prompts, referenc
         assert [o.token_ids for o in out.outputs] == [reference[2]] * 3
         cached = [o.timings.num_cached_tokens for o in out.outputs]
         assert cached == [0] + [((len(full[2]) - 1) // BS) * BS] * 2
-        assert llm.scheduler_stats()["num_forks"] == 2
+        assert llm.scheduler_stats().num_forks == 2
         llm.wait_for_idle()
         llm.check_integrity()
     finally:

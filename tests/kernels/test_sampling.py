@@ -7,7 +7,7 @@ import torch
 
 from tokenloom.actors.sampling_params import SamplingParams
 from tokenloom.kernels.sampling import (
-    SampledToken,
+    Sample,
     SamplingRow,
     filter_logits,
     make_generator,
@@ -70,7 +70,7 @@ def test_greedy_fast_path_is_argmax(dtype):
     rows = [make_row(SamplingParams.greedy()) for _ in range(8)]
     out = sample(logits, rows)
     assert [t.token_id for t in out] == logits.argmax(-1).tolist()
-    assert all(t == SampledToken(t.token_id, None, None) for t in out)
+    assert all(t == Sample(t.token_id, None, None) for t in out)
 
 
 def test_greedy_rows_in_a_mixed_batch_are_argmax():

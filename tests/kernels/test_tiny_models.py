@@ -143,12 +143,14 @@ SCHEDULES = {
 }
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("name", list(VARIANTS))
-def test_greedy_matches_transformers(tiny_model, tmp_path, name, schedule):
+def test_greedy_matches_transformers(tiny_model, tmp_path, name, schedule, overlap):
+    """Every schedule, with overlapped steps (the default) and with the serial loop."""
     m = tiny_model(name)
     expected = m.reference()
-    llm = make_llm(m, tmp_path, **SCHEDULES[schedule](m))
+    llm = make_llm(m, tmp_path, overlap=overlap, **SCHEDULES[schedule](m))
     try:
         if schedule == "one-at-a-time":
             got = [llm.generate([p], GREEDY)[0].token_ids for p in m.prompts]
@@ -161,9 +163,9 @@ def test_greedy_matches_transformers(tiny_model, tmp_path, name, schedule):
     for i, (g, e) in enumerate(zip(got, expected)):
         assert g == e, f"{name}/{schedule}: prompt {i} ({len(m.prompts[i])} tokens) diverges"
     if schedule.startswith("preempt"):
-        assert stats["num_preemptions"] > 0, "the tight pool was meant to force preemption"
+        assert stats.num_preemptions > 0, "the tight pool was meant to force preemption"
     if schedule == "preempt-swap":
-        assert stats["num_swap_preemptions"] > 0, "victims were meant to be swapped"
+        assert stats.num_swap_preemptions > 0, "victims were meant to be swapped"
 
 
 def test_outputs_are_not_degenerate(tiny_model):

@@ -1,0 +1,80 @@
+"""Where and how the model runs: device, dtype and the decode-attention backend.
+
+One place decides these, from the config and what the machine offers; each choice that
+falls back says why (a missing kernel, no CUDA device...) through `say`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenloom.config.schema import ConfigError
+from tokenloom.kernels.loader import DTYPES
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("config error: model.device is 'cuda' but no CUDA device is available")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name == "float16" and device.type == "cpu":
+        raise ConfigError("config error: model.dtype float16 is not supported on CPU "
+                          "(allowed on CPU: float32, bfloat16)")
+    return DTYPES[name]
+
+
+def select_decode_backend(model, wanted: str, device: torch.device, say,
+                          max_model_len: int = 0) -> str:
+    """Pick the decode-attention implementation; falls back to the torch reference with a
+    stated reason when the wanted kernel is unavailable."""
+    if device.type == "cuda":
+        return _select_cuda_backend(model, wanted, max_model_len, say)
+    if wanted == "triton":
+        raise ConfigError("model.attention_backend 'triton' needs model.device cuda "
+                          "(on CPU: auto, torch or cpu_kernel)", key="model.attention_backend")
+    if wanted == "torch" or (wanted == "auto" and device.type != "cpu"):
+        return "torch"
+    if device.type != "cpu":
+        raise ConfigError("config error: model.attention_backend 'cpu_kernel' needs model.device cpu")
+    from tokenloom.kernels.cpu_attention import (cpu_kernel_status, load_cpu_decode_kernel,
+                                                 paged_decode_cpu)
+    if load_cpu_decode_kernel() is None:
+        say(f"decode attention: torch reference (C++ kernel unavailable: {cpu_kernel_status()})")
+        return "torch"
+    model.set_decode_kernel(paged_decode_cpu)
+    return "cpu_kernel"
+
+
+def _select_cuda_backend(model, wanted: str, max_model_len: int, say) -> str:
+    """On CUDA: Triton paged decode (auto/triton), else the torch reference. The Triton KV
+    store (skips padded slots without a host sync, which CUDA graphs need) is used whenever
+    Triton works, whatever the attention backend."""
+    if wanted == "cpu_kernel":
+        raise ConfigError("model.attention_backend 'cpu_kernel' needs model.device cpu",
+                          key="model.attention_backend")
+    reason = None
+    head_dim = model.spec.head_dim
+    try:
+        from tokenloom.kernels.triton_attention import (make_decode_kernel, smoke_test,
+                                                        store_kv_triton)
+    except Exception as e:  # triton missing or broken: the reference still works
+        reason = f"{type(e).__name__}: {e}"
+    if reason is None and torch.cuda.is_available():
+        reason = smoke_test("cuda")
+    if reason is None:
+        model.set_kv_store_kernel(store_kv_triton)
+        if head_dim < 16 or head_dim & (head_dim - 1):
+            reason = f"head dim {head_dim} is not a power of two >= 16"
+    if wanted == "torch":
+        return "torch"
+    if reason is not None:
+        say(f"decode attention: torch reference (Triton kernel unavailable: {reason})")
+        return "torch"
+    model.set_decode_kernel(make_decode_kernel(max_model_len or model.spec.max_position_embeddings))
+    return "triton"
