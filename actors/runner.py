@@ -15,6 +15,7 @@ import asyncio
 import gc
 import queue
 import threading
+import time
 import traceback
 from typing import Any
 
@@ -67,12 +68,17 @@ class RunnerActor(Actor):
 
     # -- the compute thread --------------------------------------------------------------
     def _thread_main(self, done: asyncio.Future) -> None:
+        last_end = None   # when the previous step ended: the gap is host time it waited for
         try:
             while True:
                 msg = self.inbox.get()
                 match msg:
                     case ExecuteBatch():
-                        self._post(self.scheduler_inbox.put_nowait, self._execute(msg))
+                        start = time.perf_counter()
+                        out = self._execute(msg)
+                        out.idle_seconds = 0.0 if last_end is None else start - last_end
+                        last_end = time.perf_counter()
+                        self._post(self.scheduler_inbox.put_nowait, out)
                     case GetRunnerState(reply=reply):
                         self._post(resolve, reply, RunnerState(
                             num_tracked=self.runner.num_tracked,
