@@ -40,6 +40,7 @@ from tokenloom.kernels.loader import load_model, resolve_model_dir, weights_dige
 from tokenloom.kernels.model_spec import ModelSpec
 
 log = structlog.get_logger("tokenloom.engine")
+startup_log = structlog.get_logger("tokenloom.startup", logger_name="tokenloom.startup")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +87,7 @@ def size_kv_pool(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype,
 class Engine:
     """Owns the actors. Build with `Engine.build(config)`, then `await engine.run()`."""
 
-    def __init__(self, config: EngineConfig, info: RuntimeInfo, model, tokenizer, say=print):
+    def __init__(self, config: EngineConfig, info: RuntimeInfo, model, tokenizer):
         self.config = config
         self.info = info
         self.tokenizer = tokenizer
@@ -114,8 +115,10 @@ class Engine:
                     f"got {config.cache.swap_space_bytes}", key="cache.swap_space_bytes")
             host_pool = HostKVPool(kv.pool, slots)
             swap = SwapSpace(slots)
-            say(f"swap space: {slots} blocks of host memory "
-                f"({slots * block_bytes / 2**20:.0f} MiB), preemption mode {sc.preemption_mode}")
+            startup_log.info(f"swap space: {slots} blocks of host memory "
+                             f"({slots * block_bytes / 2**20:.0f} MiB), "
+                             f"preemption mode {sc.preemption_mode}",
+                             swap_blocks=slots, preemption_mode=sc.preemption_mode)
         self.scheduler = SchedulerActor(limits, eos, info.max_model_len, self._emit_scheduled,
                                         PrefixTracker(fingerprint, info.block_size, caching),
                                         config=sc, swap=swap, block_bytes=block_bytes,
@@ -125,7 +128,7 @@ class Engine:
         from tokenloom.graphs.setup import build_decode_graphs
         dispatcher, graphs = build_decode_graphs(
             config.graphs, model, kv, max_num_seqs=sc.max_num_seqs,
-            max_model_len=info.max_model_len, device=info.device, say=say)
+            max_model_len=info.max_model_len, device=info.device)
         self.runner = RunnerActor(ModelRunner(model, kv, info.device, eos, graphs, dispatcher,
                                               host_pool=host_pool))
         # Wiring: tokenizer -> router -> scheduler <-> {KV manager, runner}.
@@ -149,25 +152,26 @@ class Engine:
             self.router.send(RequestFinished(request_id=out.request_id))
 
     @classmethod
-    def build(cls, config: EngineConfig, say=print) -> "Engine":
+    def build(cls, config: EngineConfig) -> "Engine":
         device = pick_device(config.model.device)
         dtype = pick_dtype(config.model.dtype, device)
         if config.model.num_threads:
             torch.set_num_threads(config.model.num_threads)
         torch.manual_seed(config.model.seed)
         t0 = time.perf_counter()
-        model_dir = resolve_model_dir(config.model.model, resolve_cache_dir(config), log=say)
+        model_dir = resolve_model_dir(config.model.model, resolve_cache_dir(config))
         from tokenloom.kernels.loader import load_spec
         spec = load_spec(model_dir)
         max_len = config.model.max_model_len or spec.max_position_embeddings
         model, spec = load_model(model_dir, dtype, device, max_positions=max_len)
-        backend = select_decode_backend(model, config.model.attention_backend, device, say,
+        backend = select_decode_backend(model, config.model.attention_backend, device,
                                         max_model_len=max_len)
         num_blocks, per_token = size_kv_pool(config, spec, dtype, device)
         capacity = num_blocks * config.cache.block_size
         if capacity < max_len:
             # Any single request must fit alone, or a lone request could preempt itself forever.
-            say(f"max_model_len lowered from {max_len} to the KV capacity of {capacity} tokens")
+            startup_log.info(f"max_model_len lowered from {max_len} to the KV capacity of "
+                             f"{capacity} tokens", max_model_len=capacity)
             max_len = capacity
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -176,13 +180,18 @@ class Engine:
                            kv_bytes_per_token=per_token, max_model_len=max_len,
                            attention_backend=backend,
                            weights_digest=weights_digest(model_dir, resolve_cache_dir(config)))
-        say(f"model {spec.architecture} from {model_dir} ({str(dtype).removeprefix('torch.')}, "
-            f"{device}) loaded in {time.perf_counter() - t0:.1f}s")
-        say(f"KV cache: {num_blocks} blocks x {info.block_size} tokens = {capacity} tokens, "
+        seconds = time.perf_counter() - t0
+        startup_log.info(f"model {spec.architecture} from {model_dir} "
+                         f"({str(dtype).removeprefix('torch.')}, {device}) "
+                         f"loaded in {seconds:.1f}s",
+                         model_dir=str(model_dir), seconds=round(seconds, 1))
+        startup_log.info(
+            f"KV cache: {num_blocks} blocks x {info.block_size} tokens = {capacity} tokens, "
             f"{per_token} bytes/token ({spec.num_layers} layers x 2 x {spec.num_kv_heads} kv heads "
             f"x {spec.head_dim} head dim x {torch.tensor([], dtype=dtype).element_size()} bytes), "
-            f"{num_blocks * per_token * info.block_size / 2**20:.0f} MiB")
-        return cls(config, info, model, tokenizer, say=say)
+            f"{num_blocks * per_token * info.block_size / 2**20:.0f} MiB",
+            num_blocks=num_blocks, block_size=info.block_size, capacity_tokens=capacity)
+        return cls(config, info, model, tokenizer)
 
     # -- running -------------------------------------------------------------------------
     async def run(self) -> None:

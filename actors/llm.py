@@ -2,12 +2,17 @@
 
 It drives the same actors as the daemon (there is no second engine loop): the engine runs
 on an event loop in a background thread; `generate` submits requests to it and waits.
+
+Logging is structlog's. Where the application has not configured it, the first LLM does:
+warnings and up to stderr, and start-up progress (the "tokenloom.startup" logger: model
+loaded, KV cache size...) unless the LLM is built with `quiet=True`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import dataclasses
 import logging
 import queue
@@ -31,6 +36,31 @@ from tokenloom.config.schema import ConfigError, EngineConfig, field_types, Cach
 
 _SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
              "graphs": GraphsConfig}
+STARTUP_LOGGER = "tokenloom.startup"
+# Per thread of control, so that a quiet LLM built beside a chatty one stays quiet.
+_show_startup: contextvars.ContextVar[bool] = contextvars.ContextVar("tokenloom_show_startup",
+                                                                     default=True)
+
+
+def _library_filter(logger, method_name: str, event_dict):
+    """A library must not spray debug lines: warnings and up, plus start-up progress unless
+    the LLM being built is quiet."""
+    level = structlog.processors.NAME_TO_LEVEL.get(method_name, logging.CRITICAL)
+    if level >= logging.WARNING or (level >= logging.INFO and _show_startup.get()
+                                    and event_dict.get("logger_name") == STARTUP_LOGGER):
+        return event_dict
+    raise structlog.DropEvent
+
+
+def _configure_logging_once() -> None:
+    """structlog's default console output, on stderr and filtered, unless the application
+    configured structlog itself (then its configuration decides what is shown)."""
+    if structlog.is_configured():
+        return
+    structlog.configure(
+        processors=[_library_filter, *structlog.get_config()["processors"]],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr))
 
 
 @dataclasses.dataclass
@@ -95,18 +125,17 @@ def options_to_overrides(options: dict[str, Any]) -> dict[str, Any]:
 
 class LLM:
     def __init__(self, model: str = "default", *, config: EngineConfig | None = None,
-                 config_path: str | None = None, quiet: bool = False, say=None, **options: Any):
+                 config_path: str | None = None, quiet: bool = False, **options: Any):
+        """`quiet`: do not show start-up progress (see the module docstring)."""
         if config is None:
             overrides = options_to_overrides({"model": model, **options})
             config = load_config(config_path, overrides=overrides)
-        if say is None:
-            say = (lambda *_: None) if quiet else print
-        if not structlog.is_configured():
-            # A library must not spray debug lines on stdout: warnings and up, to stderr.
-            structlog.configure(
-                wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
-                logger_factory=structlog.PrintLoggerFactory(sys.stderr))
-        self.engine = Engine.build(config, say=say)
+        _configure_logging_once()
+        shown = _show_startup.set(not quiet)
+        try:
+            self.engine = Engine.build(config)
+        finally:
+            _show_startup.reset(shown)
         self.tokenizer = self.engine.tokenizer
         self._loop = _new_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tokenloom-engine",

@@ -99,7 +99,8 @@ def cmd_generate(args) -> int:
     logs.configure("warning")  # stdout carries only the generated text
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    llm = LLM(config=config, say=lambda m: print(m, file=sys.stderr))
+    with logs.startup_sink(lambda message: print(message, file=sys.stderr, flush=True)):
+        llm = LLM(config=config)  # start-up progress: plain lines on stderr
     try:
         if args.chat:
             messages = ([{"role": "system", "content": args.system}] if args.system else [])
@@ -128,8 +129,7 @@ def cmd_prefix_diff(args) -> int:
     if args.model:
         overrides["model.model"] = args.model
     config = load_config(args.config, overrides=overrides)
-    model_dir = resolve_model_dir(config.model.model, resolve_cache_dir(config),
-                                  log=lambda m: print(m, file=sys.stderr))
+    model_dir = resolve_model_dir(config.model.model, resolve_cache_dir(config))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     print(run(tokenizer, args.a, args.b, config.cache.block_size))
     return 0

@@ -14,7 +14,7 @@ import structlog
 from aiohttp import web
 
 from tokenloom.config.schema import EngineConfig
-from tokenloom.daemon import admin_server, openai_api
+from tokenloom.daemon import admin_server, logs, openai_api
 from tokenloom.daemon.drain import DrainController
 from tokenloom.daemon.errors import APIError
 from tokenloom.daemon.metrics import CONTENT_TYPE, Metrics
@@ -23,6 +23,7 @@ from tokenloom.daemon.sdnotify import Notifier
 from tokenloom.daemon.state import STATE, ServerState
 
 log = structlog.get_logger("tokenloom.http")
+startup_log = structlog.get_logger(logs.STARTUP_LOGGER, logger_name=logs.STARTUP_LOGGER)
 
 
 @web.middleware
@@ -127,6 +128,29 @@ async def warm_up(engine) -> None:
             raise RuntimeError(f"warm-up failed: {out.error}")
 
 
+async def _start_engine(state: ServerState):
+    """Load the engine (unless one was given), start its actors and warm it up."""
+    if state.engine is None:
+        from tokenloom.actors.engine import Engine
+
+        model = state.config.model.model
+        startup_log.info(f"loading model {model}", model=model)
+        loop = asyncio.get_running_loop()
+        state.engine = await loop.run_in_executor(None, Engine.build, state.config)
+    engine = state.engine
+    state.engine_task = asyncio.create_task(engine.run(), name="engine")
+    state.engine_task.add_done_callback(lambda task: _engine_stopped(state, task))
+    state.model_name = served_model_name(state.config, engine)
+    state.limits = Limits(max_n=state.config.server.max_n, served_name=state.model_name,
+                          model_names=frozenset({state.model_name, state.config.model.model}),
+                          max_model_len=engine.info.max_model_len)
+    state.metrics = Metrics(state.model_name)
+    state.token_text = openai_api.token_text_cache(engine.tokenizer)
+    startup_log.info("warming up")
+    await warm_up(engine)
+    return engine
+
+
 def _engine_stopped(state: ServerState, task: asyncio.Task) -> None:
     """The actors' TaskGroup ended. Unless we are shutting down that is a crash: requests
     waiting on their streams would wait forever, so end them with an error; /health and
@@ -141,30 +165,11 @@ def _engine_stopped(state: ServerState, task: asyncio.Task) -> None:
 
 
 async def engine_ctx(app: web.Application):
-    """cleanup_ctx: load (unless an engine was given), start actors, warm up; then stop."""
+    """cleanup_ctx: load (unless an engine was given), start actors, warm up; then stop.
+    Start-up events are systemd STATUS= lines too."""
     state = app[STATE]
-    loop = asyncio.get_running_loop()
-    if state.engine is None:
-        from tokenloom.actors.engine import Engine
-
-        def say(message: str) -> None:  # start-up progress, also systemd's STATUS=
-            log.info(message)
-            state.notifier.status(message)
-
-        say(f"loading model {state.config.model.model}")
-        state.engine = await loop.run_in_executor(None, lambda: Engine.build(state.config,
-                                                                             say=say))
-    engine = state.engine
-    state.engine_task = asyncio.create_task(engine.run(), name="engine")
-    state.engine_task.add_done_callback(lambda task: _engine_stopped(state, task))
-    state.model_name = served_model_name(state.config, engine)
-    state.limits = Limits(max_n=state.config.server.max_n, served_name=state.model_name,
-                          model_names=frozenset({state.model_name, state.config.model.model}),
-                          max_model_len=engine.info.max_model_len)
-    state.metrics = Metrics(state.model_name)
-    state.token_text = openai_api.token_text_cache(engine.tokenizer)
-    state.notifier.status("warming up")
-    await warm_up(engine)
+    with logs.startup_sink(state.notifier.status):
+        engine = await _start_engine(state)
     state.ready = True
     log.info("ready", model=state.model_name, max_model_len=engine.info.max_model_len,
              kv_blocks=engine.info.num_blocks)

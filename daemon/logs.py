@@ -5,13 +5,22 @@ Lines about a request carry `request_id`: the HTTP handler binds it in a context
 
 The level can change at run time (`set_level`, the admin `log-level` command). Loggers bound
 before the change (actors bind theirs at start-up) keep their wrapper class, so filtering is
-done by the first processor, which reads the current level, rather than baked into the class.
+done by a processor that reads the current level, rather than baked into the class.
+
+Start-up progress (model loaded, KV cache size, graph capture...) is logged on the
+"tokenloom.startup" logger, created as
+`structlog.get_logger("tokenloom.startup", logger_name="tokenloom.startup")` so that the
+name is in every event (structlog's PrintLogger has none; `logger=` is reserved). While a
+`startup_sink(fn)` block runs, the text of each such event is also handed to `fn` (the
+daemon's systemd STATUS= lines), whatever the log level.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+from typing import Callable, Iterator
 
 import structlog
 
@@ -26,6 +35,28 @@ def _filter_by_level(logger, method_name: str, event_dict):
     if _LEVELS.get(method_name, logging.CRITICAL) < _LEVELS[_current["level"]]:
         raise structlog.DropEvent
     return event_dict
+
+
+STARTUP_LOGGER = "tokenloom.startup"
+_startup_sinks: list[Callable[[str], object]] = []
+
+
+def _forward_startup(logger, method_name: str, event_dict):
+    if event_dict.get("logger_name") == STARTUP_LOGGER:
+        for sink in tuple(_startup_sinks):  # the engine may log from a worker thread
+            sink(str(event_dict.get("event", "")))
+    return event_dict
+
+
+@contextlib.contextmanager
+def startup_sink(sink: Callable[[str], object]) -> Iterator[None]:
+    """Hand the text of every start-up event to `sink` (which must not raise) until the block
+    ends. Needs the processors installed by `configure`."""
+    _startup_sinks.append(sink)
+    try:
+        yield
+    finally:
+        _startup_sinks.remove(sink)
 
 
 def current_level() -> str:
@@ -55,6 +86,7 @@ def configure(level: str = "info", stream=None) -> None:
     set_level(level)
     structlog.configure(
         processors=[
+            _forward_startup,  # before the level filter: STATUS= lines at any log level
             _filter_by_level,
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,

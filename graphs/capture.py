@@ -31,9 +31,9 @@ if TYPE_CHECKING:
 
 try:
     import structlog
-    log = structlog.get_logger("tokenloom.graphs")
+    startup_log = structlog.get_logger("tokenloom.startup", logger_name="tokenloom.startup")
 except ImportError:  # the GPU check runs with nothing but torch + triton
-    log = None
+    startup_log = None
 
 
 class CaptureError(RuntimeError):
@@ -117,7 +117,7 @@ class DecodeGraphs:
             self.pool = graph.pool()
         self.graphs[size] = graph
 
-    def capture(self, sizes: tuple[int, ...], memory_budget_bytes: int, say=None,
+    def capture(self, sizes: tuple[int, ...], memory_budget_bytes: int,
                 progress: bool = True) -> None:
         """Capture every size, largest first; raise CaptureError (graphs dropped) on failure
         or when the graphs take more than `memory_budget_bytes` of device memory."""
@@ -158,13 +158,12 @@ class DecodeGraphs:
                 bar.close()
         self.capture_seconds = time.perf_counter() - t0
         self.capture_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])
-        if log is not None:
-            log.info("decode graphs captured", sizes=list(sorted(sizes)),
-                     seconds=round(self.capture_seconds, 2),
-                     memory_mib=round(self.capture_bytes / 2**20, 1))
-        if say is not None:
-            say(f"CUDA graphs: {len(order)} decode buckets ({order[-1]}..{order[0]}) captured in "
-                f"{self.capture_seconds:.1f}s using {self.capture_bytes / 2**20:.0f} MiB")
+        if startup_log is not None:
+            startup_log.info(f"CUDA graphs: {len(order)} decode buckets ({order[-1]}..{order[0]}) "
+                             f"captured in {self.capture_seconds:.1f}s using "
+                             f"{self.capture_bytes / 2**20:.0f} MiB", sizes=sorted(sizes),
+                             seconds=round(self.capture_seconds, 2),
+                             memory_mib=round(self.capture_bytes / 2**20, 1))
         if self.capture_bytes > memory_budget_bytes:
             self.graphs.clear()
             self.pool = None

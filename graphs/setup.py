@@ -2,7 +2,8 @@
 stated reason why decode runs eager.
 
 Graphs are a CUDA-only speed-up with a kill switch (`graphs.enforce_eager`); any failure
-here is logged with its reason and the engine keeps serving on the eager path.
+here is logged with its reason (on the "tokenloom.startup" logger) and the engine keeps
+serving on the eager path.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from tokenloom.graphs.capture import CaptureError, DecodeGraphs
 from tokenloom.graphs.dispatch import Dispatcher
 from tokenloom.kernels.kv_store import KVCache
 
-log = structlog.get_logger("tokenloom.graphs")
+startup_log = structlog.get_logger("tokenloom.startup", logger_name="tokenloom.startup")
 REFERENCE_MAX_CONTEXT = 4096
 
 
@@ -43,34 +44,33 @@ def resolve_capture_sizes(cfg: GraphsConfig, max_num_seqs: int) -> tuple[int, ..
 
 
 def build_decode_graphs(cfg: GraphsConfig, model, kv: KVCache, *, max_num_seqs: int,
-                        max_model_len: int, device: torch.device,
-                        say=print) -> tuple[Dispatcher, DecodeGraphs | None]:
+                        max_model_len: int, device: torch.device
+                        ) -> tuple[Dispatcher, DecodeGraphs | None]:
     """Capture on CUDA (unless disabled); otherwise an eager-only dispatcher with its reason."""
     if device.type != "cuda":
         return Dispatcher(None, "eager on CPU"), None
     if cfg.enforce_eager:
-        say("CUDA graphs off (graphs.enforce_eager); decode runs eager")
+        startup_log.info("CUDA graphs off (graphs.enforce_eager); decode runs eager")
         return Dispatcher(None, "graphs.enforce_eager"), None
     if model.layers[0].self_attn.store_fn is None:
         reason = "no graph-safe KV store kernel (Triton unavailable)"
-        say(f"CUDA graphs disabled: {reason}; decode runs eager")
+        startup_log.info(f"CUDA graphs disabled: {reason}; decode runs eager", reason=reason)
         return Dispatcher(None, reason), None
     width = -(-max_model_len // kv.block_size) * kv.block_size
     if model.layers[0].self_attn.decode_fn is None and width > REFERENCE_MAX_CONTEXT:
         # The reference decode gathers every row's whole block table inside the graph.
         reason = (f"the torch reference attention would gather {width} tokens per row in every "
                   f"graph (limit {REFERENCE_MAX_CONTEXT}); use model.attention_backend auto")
-        say(f"CUDA graphs disabled: {reason}; decode runs eager")
+        startup_log.info(f"CUDA graphs disabled: {reason}; decode runs eager", reason=reason)
         return Dispatcher(None, reason), None
     sizes = resolve_capture_sizes(cfg, max_num_seqs)
     buffers = DecodeBuffers(max(sizes), -(-max_model_len // kv.block_size), kv.block_size,
                             model.spec.vocab_size, device)
     graphs = DecodeGraphs(model, kv, buffers)
     try:
-        graphs.capture(sizes, cfg.memory_budget_bytes, say=say)
+        graphs.capture(sizes, cfg.memory_budget_bytes)
     except CaptureError as e:
-        log.warning("cuda graphs disabled", reason=str(e))
-        say(f"CUDA graphs disabled: {e}; decode runs eager")
+        startup_log.warning(f"CUDA graphs disabled: {e}; decode runs eager", reason=str(e))
         del graphs, buffers
         torch.cuda.empty_cache()
         return Dispatcher(None, f"capture failed: {e}"), None

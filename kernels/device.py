@@ -1,15 +1,18 @@
 """Where and how the model runs: device, dtype and the decode-attention backend.
 
 One place decides these, from the config and what the machine offers; each choice that
-falls back says why (a missing kernel, no CUDA device...) through `say`.
+falls back says why (a missing kernel, no CUDA device...) on the "tokenloom.startup" logger.
 """
 
 from __future__ import annotations
 
+import structlog
 import torch
 
 from tokenloom.config.schema import ConfigError
 from tokenloom.kernels.loader import DTYPES
+
+startup_log = structlog.get_logger("tokenloom.startup", logger_name="tokenloom.startup")
 
 
 def pick_device(name: str) -> torch.device:
@@ -29,12 +32,12 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def select_decode_backend(model, wanted: str, device: torch.device, say,
+def select_decode_backend(model, wanted: str, device: torch.device,
                           max_model_len: int = 0) -> str:
     """Pick the decode-attention implementation; falls back to the torch reference with a
     stated reason when the wanted kernel is unavailable."""
     if device.type == "cuda":
-        return _select_cuda_backend(model, wanted, max_model_len, say)
+        return _select_cuda_backend(model, wanted, max_model_len)
     if wanted == "triton":
         raise ConfigError("model.attention_backend 'triton' needs model.device cuda "
                           "(on CPU: auto, torch or cpu_kernel)", key="model.attention_backend")
@@ -45,13 +48,15 @@ def select_decode_backend(model, wanted: str, device: torch.device, say,
     from tokenloom.kernels.cpu_attention import (cpu_kernel_status, load_cpu_decode_kernel,
                                                  paged_decode_cpu)
     if load_cpu_decode_kernel() is None:
-        say(f"decode attention: torch reference (C++ kernel unavailable: {cpu_kernel_status()})")
+        reason = cpu_kernel_status()
+        startup_log.info(f"decode attention: torch reference (C++ kernel unavailable: {reason})",
+                         backend="torch", reason=reason)
         return "torch"
     model.set_decode_kernel(paged_decode_cpu)
     return "cpu_kernel"
 
 
-def _select_cuda_backend(model, wanted: str, max_model_len: int, say) -> str:
+def _select_cuda_backend(model, wanted: str, max_model_len: int) -> str:
     """On CUDA: Triton paged decode (auto/triton), else the torch reference. The Triton KV
     store (skips padded slots without a host sync, which CUDA graphs need) is used whenever
     Triton works, whatever the attention backend."""
@@ -74,7 +79,8 @@ def _select_cuda_backend(model, wanted: str, max_model_len: int, say) -> str:
     if wanted == "torch":
         return "torch"
     if reason is not None:
-        say(f"decode attention: torch reference (Triton kernel unavailable: {reason})")
+        startup_log.info("decode attention: torch reference "
+                         f"(Triton kernel unavailable: {reason})", backend="torch", reason=reason)
         return "torch"
     model.set_decode_kernel(make_decode_kernel(max_model_len or model.spec.max_position_embeddings))
     return "triton"

@@ -4,6 +4,8 @@
   de-quantizes it (~10-30 s) the first time; we save safetensors + config + tokenizer in
   the cache directory, so later starts read plain files.
 - Anything else must be a local Hugging Face directory (config.json + *.safetensors).
+
+Conversion progress is logged on the "tokenloom.startup" logger.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import structlog
 import torch
 
 from tokenloom.kernels.llama import LlamaForCausalLM
@@ -29,15 +32,17 @@ _COMPLETE_MARKER = ".tokenloom-complete"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CHECKPOINT_DTYPES = {torch.float32, torch.bfloat16, torch.float16}
 
+startup_log = structlog.get_logger("tokenloom.startup", logger_name="tokenloom.startup")
+
 
 class ModelLoadError(ValueError):
     """The model could not be found or loaded; the message names what is wrong."""
 
 
-def resolve_model_dir(model: str, cache_dir: Path, log=print) -> Path:
+def resolve_model_dir(model: str, cache_dir: Path) -> Path:
     """Return a local HF-format directory for `model`, converting the default GGUF once."""
     if model == "default":
-        return ensure_default_model(cache_dir, log=log)
+        return ensure_default_model(cache_dir)
     path = Path(model).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model directory {str(path)!r} does not exist")
@@ -62,12 +67,13 @@ def default_gguf_path() -> Path:
     return path
 
 
-def ensure_default_model(cache_dir: Path, log=print) -> Path:
+def ensure_default_model(cache_dir: Path) -> Path:
     target = Path(cache_dir) / "models" / DEFAULT_MODEL_NAME
     if (target / _COMPLETE_MARKER).is_file():
         return target
     gguf = default_gguf_path()
-    log(f"converting {gguf.name} to safetensors in {target} (once; later starts read the cache)")
+    startup_log.info(f"converting {gguf.name} to safetensors in {target} "
+                     "(once; later starts read the cache)", gguf=str(gguf), target=str(target))
     t0 = time.perf_counter()
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -95,7 +101,8 @@ def ensure_default_model(cache_dir: Path, log=print) -> Path:
         os.replace(tmp, target)  # atomic: a crash mid-conversion never leaves a half cache
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    log(f"converted in {time.perf_counter() - t0:.1f}s")
+    seconds = time.perf_counter() - t0
+    startup_log.info(f"converted in {seconds:.1f}s", seconds=round(seconds, 1))
     return target
 
 

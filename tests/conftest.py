@@ -24,7 +24,7 @@ def test_cache_dir() -> Path:
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     from tokenloom.kernels.loader import resolve_model_dir
-    return resolve_model_dir("default", test_cache_dir(), log=lambda *_: None)
+    return resolve_model_dir("default", test_cache_dir())
 
 
 # CI runs derandomized property tests (the same examples every run, so a red CI is

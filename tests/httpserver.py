@@ -29,7 +29,7 @@ class ServerThread:
         from tokenloom.actors.engine import Engine
         from tokenloom.daemon.app import create_app
 
-        self.engine = engine or Engine.build(config, say=lambda *_: None)
+        self.engine = engine or Engine.build(config)
         self.app = create_app(config, self.engine)
         self.loop = uvloop.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="test-server",

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from structlog.testing import capture_logs
 
 from tokenloom.kernels.device import select_decode_backend
 from tokenloom.config.schema import ConfigError
@@ -33,26 +34,30 @@ def test_auto_on_cuda_picks_triton_with_partition_for_the_context():
     from tokenloom.kernels.triton_attention import paged_decode_triton, store_kv_triton
 
     m = FakeModel(128)
-    assert select_decode_backend(m, "auto", CUDA, print, max_model_len=131072) == "triton"
+    assert select_decode_backend(m, "auto", CUDA, max_model_len=131072) == "triton"
     assert m.decode_fn.func is paged_decode_triton and m.decode_fn.keywords["partition"] == 2048
     assert m.store_fn is store_kv_triton
 
 
 def test_torch_on_cuda_keeps_the_reference_but_a_graph_safe_store():
     m = FakeModel(64)
-    assert select_decode_backend(m, "torch", CUDA, print) == "torch"
+    assert select_decode_backend(m, "torch", CUDA) == "torch"
     assert m.decode_fn is None and m.store_fn is not None
 
 
 def test_unsupported_head_dim_falls_back_with_a_reason():
-    said = []
     m = FakeModel(80)
-    assert select_decode_backend(m, "auto", CUDA, said.append) == "torch"
-    assert m.decode_fn is None and "head dim 80" in said[0]
+    with capture_logs() as events:
+        assert select_decode_backend(m, "auto", CUDA) == "torch"
+    assert m.decode_fn is None
+    [event] = events
+    assert event["logger_name"] == "tokenloom.startup" and event["log_level"] == "info"
+    assert event["event"].startswith("decode attention: torch reference")
+    assert "head dim 80" in event["event"] and "head dim 80" in event["reason"]
 
 
 def test_backend_device_mismatches_are_config_errors():
     with pytest.raises(ConfigError, match="'triton' needs model.device cuda"):
-        select_decode_backend(FakeModel(64), "triton", torch.device("cpu"), print)
+        select_decode_backend(FakeModel(64), "triton", torch.device("cpu"))
     with pytest.raises(ConfigError, match="'cpu_kernel' needs model.device cpu"):
-        select_decode_backend(FakeModel(64), "cpu_kernel", CUDA, print)
+        select_decode_backend(FakeModel(64), "cpu_kernel", CUDA)

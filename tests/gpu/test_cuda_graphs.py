@@ -90,6 +90,8 @@ def test_graph_replay_matches_eager_for_every_bucket(shape, dtype, tol):
 
 
 def test_capture_memory_within_budget_and_over_budget_falls_back():
+    from structlog.testing import capture_logs
+
     from tokenloom.config.schema import GraphsConfig
     from tokenloom.graphs import setup as graph_setup
     from tokenloom.graphs.buckets import default_capture_sizes
@@ -105,12 +107,13 @@ def test_capture_memory_within_budget_and_over_budget_falls_back():
     with pytest.raises(CaptureError, match="over the budget"):
         _setup("tiny", torch.float32, (1, 2))[3].capture((1, 2), memory_budget_bytes=0,
                                                           progress=False)
-    said = []
-    d, g = graph_setup.build_decode_graphs(GraphsConfig(memory_budget_bytes=0), model, kv,
-                                           max_num_seqs=8, max_model_len=256,
-                                           device=torch.device("cuda"), say=said.append)
+    with capture_logs() as events:
+        d, g = graph_setup.build_decode_graphs(GraphsConfig(memory_budget_bytes=0), model, kv,
+                                               max_num_seqs=8, max_model_len=256,
+                                               device=torch.device("cuda"))
     assert g is None and "over the budget" in d.disabled_reason
-    assert any("decode runs eager" in m for m in said)
+    assert any(e["logger_name"] == "tokenloom.startup" and "decode runs eager" in e["event"]
+               for e in events), events
 
 
 def test_accidental_capture_raises_after_start_up():

@@ -15,6 +15,7 @@ import random
 
 import pytest
 import torch
+from structlog.testing import capture_logs
 
 from tokenloom.actors.messages import ExecuteBatch, NewSequence, ScheduledSequence
 from tokenloom.actors.model_runner import ModelRunner
@@ -187,33 +188,38 @@ def test_failed_capture_falls_back_to_eager_with_a_logged_reason(tiny, monkeypat
         def __init__(self, *a):
             pass
 
-        def capture(self, sizes, budget, say=None):
+        def capture(self, sizes, budget):
             raise CaptureError("capture failed: RuntimeError: out of memory")
 
     monkeypatch.setattr(graph_setup, "DecodeBuffers", lambda *a: None)
     monkeypatch.setattr(graph_setup, "DecodeGraphs", FailingGraphs)
     monkeypatch.setattr(graph_setup.torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(model.layers[0].self_attn, "store_fn", object())
-    said = []
-    d, graphs = graph_setup.build_decode_graphs(GraphsConfig(), model, _kv(spec), max_num_seqs=8,
-                                                max_model_len=64, device=torch.device("cuda"),
-                                                say=said.append)
+    with capture_logs() as events:
+        d, graphs = graph_setup.build_decode_graphs(GraphsConfig(), model, _kv(spec),
+                                                    max_num_seqs=8, max_model_len=64,
+                                                    device=torch.device("cuda"))
     assert graphs is None and d.table is None
     assert "out of memory" in d.disabled_reason
-    assert any("CUDA graphs disabled" in m and "eager" in m for m in said)
+    [event] = events
+    assert event["logger_name"] == "tokenloom.startup" and event["log_level"] == "warning"
+    assert "CUDA graphs disabled" in event["event"] and "eager" in event["event"]
+    assert "out of memory" in event["reason"]
 
 
 def test_enforce_eager_and_missing_store_kernel(tiny):
     model, spec, _ = tiny
-    said = []
-    d, g = graph_setup.build_decode_graphs(GraphsConfig(enforce_eager=True), model, _kv(spec),
-                                           max_num_seqs=8, max_model_len=64,
-                                           device=torch.device("cuda"), say=said.append)
-    assert g is None and d.disabled_reason == "graphs.enforce_eager"
-    d, g = graph_setup.build_decode_graphs(GraphsConfig(), model, _kv(spec), max_num_seqs=8,
-                                           max_model_len=64, device=torch.device("cuda"),
-                                           say=said.append)
-    assert g is None and "KV store" in d.disabled_reason
+    with capture_logs() as events:
+        d, g = graph_setup.build_decode_graphs(GraphsConfig(enforce_eager=True), model,
+                                               _kv(spec), max_num_seqs=8, max_model_len=64,
+                                               device=torch.device("cuda"))
+        assert g is None and d.disabled_reason == "graphs.enforce_eager"
+        d, g = graph_setup.build_decode_graphs(GraphsConfig(), model, _kv(spec), max_num_seqs=8,
+                                               max_model_len=64, device=torch.device("cuda"))
+        assert g is None and "KV store" in d.disabled_reason
+    assert [e["logger_name"] for e in events] == ["tokenloom.startup"] * 2
+    assert events[0]["event"] == "CUDA graphs off (graphs.enforce_eager); decode runs eager"
+    assert "KV store" in events[1]["event"] and "KV store" in events[1]["reason"]
 
 
 def test_histogram_file_drives_capture_sizes(tmp_path):
@@ -232,11 +238,12 @@ def test_histogram_file_drives_capture_sizes(tmp_path):
 def test_reference_attention_with_long_context_is_not_captured(tiny, monkeypatch):
     model, spec, _ = tiny
     monkeypatch.setattr(model.layers[0].self_attn, "store_fn", object())
-    said = []
-    d, g = graph_setup.build_decode_graphs(GraphsConfig(), model, _kv(spec), max_num_seqs=8,
-                                           max_model_len=8192, device=torch.device("cuda"),
-                                           say=said.append)
-    assert g is None and "reference attention" in d.disabled_reason and said
+    with capture_logs() as events:
+        d, g = graph_setup.build_decode_graphs(GraphsConfig(), model, _kv(spec), max_num_seqs=8,
+                                               max_model_len=8192, device=torch.device("cuda"))
+    assert g is None and "reference attention" in d.disabled_reason
+    [event] = events
+    assert event["logger_name"] == "tokenloom.startup" and "reference attention" in event["event"]
 
 
 def test_graph_options_reach_the_config():
