@@ -106,7 +106,7 @@ def resolve_dir(model: str) -> str:
     from tokenloom.config.schema import ModelConfig, resolve_cache_dir
     from tokenloom.kernels.loader import resolve_model_dir
 
-    return str(resolve_model_dir("default", resolve_cache_dir(ModelConfig()), log=lambda *_: None))
+    return str(resolve_model_dir("default", resolve_cache_dir(ModelConfig())))
 
 
 def text_prompts(url: str, prompts: list[list[int]]) -> list[str]:
@@ -264,7 +264,8 @@ class _Stream(asyncio.Protocol):
 class _Connections:
     """Idle keep-alive connections to one server, opened on demand."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, protocol: type | None = None):
+        self.protocol = protocol or _Stream  # a _Stream subclass parses another server's SSE
         parts = urllib.parse.urlsplit(url)
         self.host, self.port = parts.hostname, parts.port or 80
         self.prefix = parts.path.rstrip("/")
@@ -274,7 +275,7 @@ class _Connections:
         conn = self._idle.pop() if self._idle else None
         if conn is None:
             _, conn = await asyncio.get_running_loop().create_connection(
-                _Stream, self.host, self.port)
+                self.protocol, self.host, self.port)
         request = (f"POST {self.prefix}{path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
                    f"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
                    f"Content-Length: {len(body)}\r\n\r\n").encode() + body
@@ -314,9 +315,9 @@ async def one_request(conns: _Connections, model, prompt, output_len, tokenloom=
 
 
 async def run_load(url, model, prompts, output_len, concurrency, rate, seed,
-                   tokenloom=True) -> tuple[list, float]:
+                   tokenloom=True, protocol: type | None = None) -> tuple[list, float]:
     rng = random.Random(seed)
-    conns = _Connections(url)
+    conns = _Connections(url, protocol)
     # This process may hold torch and transformers (--tiny, --offline): without this, a full
     # collection walks all their objects, stalling every stream for ~200 ms mid-run.
     gc.collect()
@@ -454,8 +455,7 @@ def main() -> None:
         from tokenloom.kernels.loader import resolve_model_dir
 
         tmp = tempfile.TemporaryDirectory()
-        default_dir = resolve_model_dir("default", resolve_cache_dir(ModelConfig()),
-                                        log=lambda *_: None)
+        default_dir = resolve_model_dir("default", resolve_cache_dir(ModelConfig()))
         build_tiny_model(Path(tmp.name), default_dir)
         model = tmp.name
     proc = None
@@ -532,7 +532,7 @@ def interference(args) -> None:
 
         tmp = tempfile.TemporaryDirectory()
         build_tiny_model(Path(tmp.name), resolve_model_dir(
-            "default", resolve_cache_dir(ModelConfig()), log=lambda *_: None))
+            "default", resolve_cache_dir(ModelConfig())))
         model = tmp.name
     try:
         interference_main(args, start_server, model_name, model)
