@@ -23,7 +23,26 @@ from tokenloom.actors.messages import (PLACEHOLDER, ExecuteBatch, NewSequence, S
                                        StepOutput, TokenLogprob)
 from tokenloom.kernels.kv_store import HostKVPool, KVCache
 from tokenloom.kernels.llama import LlamaForCausalLM
-from tokenloom.kernels.sampling import SamplingRow, make_generator, sample
+from tokenloom.kernels.sampling import Sample, SamplingRow, make_generator, sample
+from tokenloom.kernels.sampling import reads_host_history
+from tokenloom.kernels.sampling import sample_ids as sample_ids_on_device
+
+
+@dataclasses.dataclass
+class LaunchedStep:
+    """A step whose forward and sampling are launched; `finish` brings its tokens home."""
+    batch: ExecuteBatch
+    t0: float
+    swap_seconds: float = 0.0
+    sample_ids: list[str] = dataclasses.field(default_factory=list)
+    row_of: dict[str, int] = dataclasses.field(default_factory=dict)  # request -> token row
+    token_ids: torch.Tensor | None = None   # [S] on the device (no logprobs wanted)
+    samples: list | None = None             # host Samples (logprobs wanted: synced at once)
+    event: object | None = None             # CUDA event recorded after sampling
+    idle_seconds: float = 0.0               # how long the runner waited for this batch
+
+    def done(self) -> bool:
+        return self.event is None or self.event.query()
 
 
 @dataclasses.dataclass
@@ -73,20 +92,52 @@ class ModelRunner:
             self._seqs.pop(s.request_id, None)
             self._failed.add(s.request_id)
 
-    def _resolve_inputs(self, batch: ExecuteBatch) -> None:
-        """Drop sequences of failed requests; replace each PLACEHOLDER with the token its
+    def _resolve_inputs(self, batch: ExecuteBatch,
+                        prev: "LaunchedStep | None") -> tuple[list[int], list[int]]:
+        """Drop sequences of failed requests; resolve each PLACEHOLDER to the token its
         request sampled in the previous step (overlapped steps: the scheduler planned this
-        step before that token came back)."""
+        step before that token came back). From the host copy when the previous step is
+        finished; else (`prev` still on the device) returns (decode rows, rows of
+        prev.token_ids) for the forward to copy on the device, with no host round trip."""
         if self._failed:
             keep = [s for s in batch.sequences if s.request_id not in self._failed]
             batch.num_decodes -= sum(s.request_id in self._failed
                                      for s in batch.sequences[:batch.num_decodes])
             batch.sequences = keep
-        for s in batch.sequences[:batch.num_decodes]:
-            if s.token_ids[-1] == PLACEHOLDER:
+        dst, src = [], []
+        for i, s in enumerate(batch.sequences[:batch.num_decodes]):
+            if s.token_ids[-1] != PLACEHOLDER:
+                continue
+            row = prev.row_of.get(s.request_id) if prev is not None else None
+            if row is None:
                 s.token_ids[-1] = self._seqs[s.request_id].output_token_ids[-1]
+            else:
+                s.token_ids[-1] = 0   # overwritten on the device before the forward
+                dst.append(i)
+                src.append(row)
+        return dst, src
+
+    def can_launch_ahead(self, batch: ExecuteBatch) -> bool:
+        """Whether `batch` may be launched before the previous step's tokens reach the
+        host: only when none of its sampled rows reads its output history on the host."""
+        for s in batch.sequences:
+            if not s.sample:
+                continue
+            state = self._seqs.get(s.request_id)
+            params = s.new.sampling_params if s.new is not None else (
+                state.row.params if state is not None else None)
+            if params is None or reads_host_history(params):
+                return False
+        return True
 
     def execute(self, batch: ExecuteBatch) -> StepOutput:
+        """Run one step to the end (launch, then finish)."""
+        return self.finish(self.launch(batch))
+
+    def launch(self, batch: ExecuteBatch, prev: "LaunchedStep | None" = None) -> "LaunchedStep":
+        """Everything up to the sampled token ids, left on the device (on CUDA the kernels
+        are queued, nothing waits for them). `prev`: the previous step when it has been
+        launched but not finished; its tokens feed this step's placeholders on the device."""
         t0 = time.perf_counter()
         for rid in batch.finished_ids:
             self._seqs.pop(rid, None)
@@ -94,7 +145,7 @@ class ModelRunner:
         for s in batch.sequences:
             if s.new is not None:
                 self._register(s.request_id, s.new)
-        self._resolve_inputs(batch)
+        patch = self._resolve_inputs(batch, prev)
         swap_seconds = 0.0
         if batch.swap_out or batch.swap_in:  # swap preemption, before anything reuses blocks
             t_swap = time.perf_counter()
@@ -107,22 +158,49 @@ class ModelRunner:
             swap_seconds = time.perf_counter() - t_swap
         if batch.block_copies:  # copy-on-write of forked siblings' partial blocks
             self.kv.copy_blocks(batch.block_copies)
+        launched = LaunchedStep(batch=batch, t0=t0, swap_seconds=swap_seconds)
         if not batch.sequences:
-            return StepOutput(step=batch.step, sampled=[], compute_seconds=0.0,
-                              swap_seconds=swap_seconds)
-        logits, sample_ids = self._forward(batch)                   # [S, vocab]
-        sampled: list[SampledToken] = []
+            return launched
+        patch_src = None
+        if patch[0]:
+            patch_src = (torch.tensor(patch[0], dtype=torch.int64, device=self.device),
+                         prev.token_ids[torch.tensor(patch[1], dtype=torch.int64,
+                                                     device=self.device)])
+        logits, sample_ids = self._forward(batch, patch_src)          # [S, vocab]
         if sample_ids:
-            states = [self._seqs[rid] for rid in sample_ids]
-            for rid, state, tok in zip(sample_ids, states, sample(logits, [s.row for s in states])):
-                state.output_token_ids.append(tok.token_id)
-                lp = None
-                if tok.logprob is not None:
-                    lp = TokenLogprob(token_id=tok.token_id, logprob=tok.logprob,
-                                      top=tok.top_logprobs)
-                sampled.append(SampledToken(request_id=rid, token_id=tok.token_id, logprob=lp))
+            rows = [self._seqs[rid].row for rid in sample_ids]
+            launched.sample_ids = sample_ids
+            launched.row_of = {rid: i for i, rid in enumerate(sample_ids)}
+            if any(r.params.logprobs is not None for r in rows):
+                launched.samples = sample(logits, rows)               # host values now
+            else:
+                launched.token_ids = sample_ids_on_device(logits, rows)  # [S]
+            if self.device.type == "cuda":
+                launched.event = torch.cuda.Event()
+                launched.event.record()
+        return launched
+
+    def finish(self, launched: "LaunchedStep") -> StepOutput:
+        """Bring the step's tokens to the host (on CUDA, waits for its kernels) and record
+        them in each request's sampling state."""
+        batch = launched.batch
+        samples = launched.samples
+        if samples is None and launched.token_ids is not None:
+            samples = [Sample(t, None, None) for t in launched.token_ids.tolist()]
+        sampled: list[SampledToken] = []
+        for rid, tok in zip(launched.sample_ids, samples or ()):
+            state = self._seqs.get(rid)
+            if state is None or rid in self._failed:
+                continue  # its request ended (or failed) while this step was on the device
+            state.output_token_ids.append(tok.token_id)
+            lp = None
+            if tok.logprob is not None:
+                lp = TokenLogprob(token_id=tok.token_id, logprob=tok.logprob,
+                                  top=tok.top_logprobs)
+            sampled.append(SampledToken(request_id=rid, token_id=tok.token_id, logprob=lp))
         return StepOutput(step=batch.step, sampled=sampled,
-                          compute_seconds=time.perf_counter() - t0, swap_seconds=swap_seconds)
+                          compute_seconds=time.perf_counter() - launched.t0,
+                          swap_seconds=launched.swap_seconds)
 
     def _reference_decode(self) -> bool:
         # Only the torch reference decode reads a precomputed mask; kernels do without.
@@ -130,7 +208,7 @@ class ModelRunner:
 
     def forward_logits(self, batch: ExecuteBatch) -> torch.Tensor:
         """The raw logits of a batch's sampled rows (for parity tests and debugging)."""
-        return self._forward(batch)[0].clone()
+        return self._forward(batch, None)[0].clone()
 
     def graph_stats(self) -> dict:
         stats = self.dispatcher.stats()
@@ -140,13 +218,14 @@ class ModelRunner:
             stats["capture_bytes"] = self.graphs.capture_bytes
         return stats
 
-    def _forward(self, batch: ExecuteBatch) -> tuple[torch.Tensor, list[str]]:
-        """Logits of the rows to sample [S, vocab] and their request ids."""
+    def _forward(self, batch: ExecuteBatch, patch) -> tuple[torch.Tensor, list[str]]:
+        """Logits of the rows to sample [S, vocab] and their request ids. `patch`: None, or
+        (decode rows, token ids on the device) to write into the input ids first."""
         seqs = batch.sequences
         num_tokens = sum(len(s.token_ids) for s in seqs)
         decision = self.dispatcher.dispatch(len(seqs), batch.num_decodes, num_tokens)
         if decision.mode == GRAPH:
-            logits = self.graphs.run(seqs, decision.padded_size)    # [padded, vocab], static
+            logits = self.graphs.run(seqs, decision.padded_size, patch)  # [padded, vocab]
             rows = [i for i, s in enumerate(seqs) if s.sample]
             sample_ids = [seqs[i].request_id for i in rows]
             if len(rows) == len(seqs):          # every decode samples: a view, no copy
@@ -154,6 +233,8 @@ class ModelRunner:
             return logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)], sample_ids
         inputs = build_batch_inputs(batch, self.kv.block_size, self.device,
                                     with_decode_mask=self._reference_decode())
+        if patch is not None:   # decodes come first in the flat batch: row i is token i
+            inputs.input_ids.index_copy_(0, patch[0], patch[1])
         logits = self.model(inputs.input_ids, inputs.positions, self.kv, inputs.meta,
                             inputs.logits_indices)
         return logits, inputs.sample_ids

@@ -44,9 +44,14 @@ def thaw_objects() -> None:
 class RunnerActor(Actor):
     name = "runner"
 
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, run_ahead: bool | None = None):
         super().__init__()
         self.runner = runner
+        # Launch step N+1 before finishing step N when it is queued in time. Pays on CUDA,
+        # where launching only queues kernels; on CPU a launch computes the whole forward,
+        # so finishing N first gets its tokens out sooner (False there unless forced, e.g.
+        # by tests of the CUDA path's bookkeeping).
+        self.run_ahead = runner.device.type == "cuda" if run_ahead is None else run_ahead
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # read by the compute thread
         self.scheduler_inbox: asyncio.Queue | None = None    # wired by the engine
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -68,17 +73,38 @@ class RunnerActor(Actor):
 
     # -- the compute thread --------------------------------------------------------------
     def _thread_main(self, done: asyncio.Future) -> None:
-        last_end = None   # when the previous step ended: the gap is host time it waited for
+        """Take batches in order. A step is launched, then finished (its tokens brought to
+        the host and posted to the scheduler). With `run_ahead` (on CUDA), when the next
+        batch is already queued and may go ahead, it is launched *before* the previous one
+        is finished: its placeholders read the previous step's tokens on the device, and the
+        GPU never waits for the host round trip of the sampled ids."""
+        pending = None    # LaunchedStep not finished yet (only with run_ahead)
+        last_end = None   # when the previous step was launched after the one before ended
         try:
             while True:
-                msg = self.inbox.get()
+                msg = self._next(pending)
+                if msg is None:                     # nothing queued: finish what runs
+                    self._finish(pending)
+                    pending = None
+                    continue
                 match msg:
                     case ExecuteBatch():
+                        if pending is not None and not self.runner.can_launch_ahead(msg):
+                            self._finish(pending)
+                            pending = None
                         start = time.perf_counter()
-                        out = self._execute(msg)
-                        out.idle_seconds = 0.0 if last_end is None else start - last_end
+                        idle = 0.0 if last_end is None or pending is not None \
+                            else start - last_end
+                        launched = self._launch(msg, pending)
+                        if pending is not None:
+                            self._finish(pending)
+                        pending = launched
+                        if launched is not None:
+                            launched.idle_seconds = idle
+                        if not self.run_ahead and pending is not None:
+                            self._finish(pending)
+                            pending = None
                         last_end = time.perf_counter()
-                        self._post(self.scheduler_inbox.put_nowait, out)
                     case GetRunnerState(reply=reply):
                         self._post(resolve, reply, RunnerState(
                             num_tracked=self.runner.num_tracked,
@@ -86,19 +112,47 @@ class RunnerActor(Actor):
                     case GetGraphStats(reply=reply):
                         self._post(resolve, reply, self.runner.graph_stats())
                     case Shutdown():
+                        if pending is not None:
+                            self._finish(pending)
                         return
         finally:
             self._post(resolve, done, None)
 
-    def _execute(self, batch: ExecuteBatch) -> StepOutput:
+    def _next(self, pending):
+        """The next message; with a step pending, None as soon as it is done on the device
+        and nothing is queued (so its tokens go out without waiting for the next batch)."""
+        if pending is None:
+            return self.inbox.get()
+        while True:
+            try:
+                return self.inbox.get(timeout=0.0005)
+            except queue.Empty:
+                if pending.done():
+                    return None
+
+    def _launch(self, batch: ExecuteBatch, pending):
         try:
-            return self.runner.execute(batch)
-        except Exception as e:  # the step failed; its requests end with an error
-            self.runner.forget_failed(batch)
-            self.log.error("step failed", step=batch.step, error=repr(e),
-                           traceback=traceback.format_exc())
-            return StepOutput(step=batch.step, sampled=[], compute_seconds=0.0,
-                              error=f"model step failed: {e!r}")
+            return self.runner.launch(batch, pending)
+        except Exception as e:  # the step failed; its requests end with an error (the
+            self._fail(batch, e)  # scheduler takes outputs by step number, in any order)
+            return None
+
+    def _finish(self, launched) -> None:
+        try:
+            out = self.runner.finish(launched)
+        except Exception as e:
+            self._fail(launched.batch, e)
+            return
+        out.idle_seconds = launched.idle_seconds
+        self._post(self.scheduler_inbox.put_nowait, out)
+
+    def _fail(self, batch: ExecuteBatch, e: Exception) -> None:
+        self.runner.forget_failed(batch)
+        self.log.error("step failed", step=batch.step, error=repr(e),
+                       traceback=traceback.format_exc())
+        self._post(self.scheduler_inbox.put_nowait, StepOutput(
+            step=batch.step, sampled=[], compute_seconds=0.0,
+            error=f"model step failed: {e!r}"))
 
     def _post(self, fn, *args) -> None:
         try:

@@ -87,10 +87,14 @@ class DecodeGraphs:
         b.logits[:size].copy_(out)
         return b.logits[:size]
 
-    def run(self, seqs: list[ScheduledSequence], padded: int) -> torch.Tensor:
+    def run(self, seqs: list[ScheduledSequence], padded: int, patch=None) -> torch.Tensor:
         """Fill the buffers, replay the bucket's graph (or run it eagerly when none was
-        captured, e.g. on CPU); returns logits [padded, vocab] (a view: copy to keep)."""
+        captured, e.g. on CPU); returns logits [padded, vocab] (a view: copy to keep).
+        `patch`: None, or (rows, token ids on the device) written into the input ids after
+        the fill — the previous step's samples, without a round trip through the host."""
         self.buffers.fill(seqs, padded)
+        if patch is not None:
+            self.buffers.input_ids.index_copy_(0, patch[0], patch[1])
         graph = self.graphs.get(padded)
         if graph is None:
             return self.forward_static(padded)

@@ -63,11 +63,21 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
 
 def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[Sample]:
     """Pick one token per row. `logits`: [B, vocab], any float dtype, not modified."""
+    token_ids = sample_ids(logits, rows)
+    if not any(row.params.logprobs is not None for row in rows):
+        return [Sample(t, None, None) for t in token_ids.tolist()]
+    return _with_logprobs(logits.to(torch.float32), token_ids, rows)
+
+
+def sample_ids(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """The sampled token ids [B] (int64, on the logits' device), without a host sync on
+    CUDA: the runner feeds them to the next step's placeholders on the device before it
+    copies them to the host."""
     assert logits.dim() == 2 and logits.shape[0] == len(rows), (
         f"logits {tuple(logits.shape)} must be [len(rows)={len(rows)}, vocab]"
     )
     if not any(_needs_full_path(row) for row in rows):
-        return [Sample(t, None, None) for t in argmax_rows(logits).tolist()]
+        return argmax_rows(logits)
 
     raw = logits.to(torch.float32)  # [B, V]; may alias `logits`, never written
     processed = process_logits(raw, rows)  # [B, V], a fresh tensor, never written
@@ -77,14 +87,19 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[Sample]:
     params = [r.params for r in sampled_rows]
     generators = [r.generator for r in sampled_rows]
     if len(sampled_idx) == len(rows):
-        token_ids = _draw(_filtered_probs(processed, params), generators)  # [B]
-    else:
-        token_ids = argmax_rows(processed)  # [B]; final answer for greedy rows
-        if sampled_idx:
-            index = torch.tensor(sampled_idx, device=logits.device)
-            token_ids[index] = _draw(_filtered_probs(processed[index], params), generators)
+        return _draw(_filtered_probs(processed, params), generators)  # [B]
+    token_ids = argmax_rows(processed)  # [B]; final answer for greedy rows
+    if sampled_idx:
+        index = torch.tensor(sampled_idx, device=logits.device)
+        token_ids[index] = _draw(_filtered_probs(processed[index], params), generators)
+    return token_ids
 
-    return _with_logprobs(raw, token_ids, rows)
+
+def reads_host_history(p: SamplingParams) -> bool:
+    """Whether sampling with `p` reads the output history on the host (penalties, the
+    min_tokens mask) or returns logprobs: the previous step's token must be on the host
+    before such a row is sampled, so its step cannot be launched ahead of that one."""
+    return p.needs_penalties or p.logprobs is not None or p.min_tokens > 0
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

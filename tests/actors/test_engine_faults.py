@@ -37,21 +37,24 @@ class Fault:
         self.fired = threading.Event()
         inner = model_runner._forward
 
-        def forward(batch):
+        def forward(batch, patch):
             if any(s.request_id == request_id for s in batch.sequences):
                 self.calls += 1
                 if self.calls == at:
                     self.fired.set()
                     raise RuntimeError("injected fault")
-            return inner(batch)
+            return inner(batch, patch)
 
         model_runner._forward = forward
 
 
-@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
-def test_a_failed_step_ends_only_its_requests(model_dir, tmp_path, overlap):
+@pytest.mark.parametrize("overlap,run_ahead", [(True, False), (False, False), (True, True)],
+                         ids=["overlap", "serial", "run-ahead"])
+def test_a_failed_step_ends_only_its_requests(model_dir, tmp_path, overlap, run_ahead):
+    """run-ahead: the CUDA path's launch-before-finish, forced on CPU (test_run_ahead.py)."""
     llm = LLM(model=str(model_dir), quiet=True, device="cpu", dtype="float32",
               cache_dir=str(tmp_path), block_size=8, max_num_seqs=1, overlap=overlap)
+    llm.engine.runner.run_ahead = run_ahead
     try:
         a, b = [5, 6, 7, 8, 9], [40, 41, 42]
         alone = llm.generate([b], GREEDY)[0].token_ids

@@ -32,7 +32,7 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 
 
 class Gate:
-    """Wraps ModelRunner.execute: while closed, the next step blocks until reopened.
+    """Wraps ModelRunner.launch: while closed, the next step blocks until reopened.
     `close(after=k)` lets k more steps through first, so a test can know a request is still
     running however fast the engine is (its step k+1 waits at the gate)."""
 
@@ -42,18 +42,18 @@ class Gate:
         self.blocked = threading.Event()   # a step is waiting at the gate
         self._lock = threading.Lock()
         self._allowed = 0
-        inner = model_runner.execute
+        inner = model_runner.launch
 
-        def execute(batch):
+        def launch(batch, prev=None):
             with self._lock:
                 wait = not self.opened.is_set() and self._allowed == 0
                 self._allowed = max(0, self._allowed - 1)
             if wait:
                 self.blocked.set()
                 self.opened.wait()
-            return inner(batch)
+            return inner(batch, prev)
 
-        model_runner.execute = execute
+        model_runner.launch = launch
 
     def close(self, after: int = 0) -> None:
         with self._lock:
