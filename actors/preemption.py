@@ -78,7 +78,6 @@ class Preemptor:
                 req.num_computed_tokens = 0
             req.num_committed_blocks = 0
             req.num_preemptions += 1
-            req.on_runner = False
             self.num_preemptions += 1
             view.release(rid)
             waiting.appendleft(req)

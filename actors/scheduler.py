@@ -103,6 +103,8 @@ class SchedulerActor(Actor):
         self._step_outputs: dict[int, StepOutput] = {}
         self._pending_commits: list[KVCommit] = []
         self._pending_copies: list[tuple[int, int]] = []   # fork copy-on-write, next batch
+        self._pending_swap_out: list[tuple[int, int]] = []  # resolved in a step that ran
+        self._pending_swap_in: list[tuple[int, int]] = []   # nothing: go with the next batch
         self._runner_finished: list[str] = []
         self._arrivals = 0
         self._step = 0
@@ -183,9 +185,10 @@ class SchedulerActor(Actor):
         if not self.waiting and not self.running and not self.in_flight:
             if self.view.has_pending_frees or self._pending_commits:
                 await self._kv_update(None)  # return blocks promptly even when idle
-            self._busy = False
-            self._handle(await self.inbox.get())
-            self.last_step_time = time.monotonic()  # the stall clock starts with work
+            if not self.waiting and not self.running:  # (a request may have come meanwhile)
+                self._busy = False
+                self._handle(await self.inbox.get())
+                self.last_step_time = time.monotonic()  # the stall clock starts with work
         self._drain_inbox()
 
     async def step(self) -> None:
@@ -207,8 +210,11 @@ class SchedulerActor(Actor):
                                          self.prefix.enabled)
         if forks:  # an extra round trip, only in the step after an n > 1 prompt completes
             grant = await self._kv_update(None, forks=forks)
-            self.num_forks += siblings.apply_forks(grant.forked, self.requests, self.waiting,
-                                                   self.running, self.limits.block_size)
+            made, orphans = siblings.apply_forks(grant.forked, self.requests, self.waiting,
+                                                 self.running, self.limits.block_size)
+            self.num_forks += made
+            for child_id in orphans:   # aborted during the round trip: free its new table
+                self.view.release(child_id)
             self._pending_copies.extend(grant.copies)
         waiting = self.fair.order(siblings.admissible(self.waiting, self.requests,
                                                       self.prefix.enabled), time.monotonic())
@@ -222,7 +228,7 @@ class SchedulerActor(Actor):
             self._admission_paused = True
         for req, why in d.rejected:
             self._finish(req, S.FINISHED, FinishReason.ERROR, error=why, error_kind=ERROR_INVALID)
-        swap_ins = self.preemptor.swap_ins(d)
+        swap_ins = self.preemptor.swap_ins(d)   # (their slots are released here)
         self._admit(d)
         t_kv = time.perf_counter()
         grant = await self._kv_update(d, swap_outs=swap_outs, swap_ins=swap_ins)
@@ -233,7 +239,12 @@ class SchedulerActor(Actor):
         d.decodes = [w for w in d.decodes if not w.request.is_finished]
         d.prefills = [w for w in d.prefills if not w.request.is_finished]
         if d.empty:
-            if not self.running and self.waiting and not grant.freed and not self.in_flight:
+            # Copies the KV manager resolved still have to run, before any later forward
+            # reuses the blocks they read: they go with the next batch.
+            self._pending_swap_out.extend(grant.swap_out)
+            self._pending_swap_in.extend(grant.swap_in)
+            if (not self.running and self.waiting and not grant.freed and not self.in_flight
+                    and not self.view.has_pending_frees):
                 self._handle(await self.inbox.get())  # nothing fits or runs: wait for news
             return None
         self._start(d, time.monotonic())
@@ -275,7 +286,10 @@ class SchedulerActor(Actor):
         grants and admissions (or forks); the answer becomes the scheduler's view."""
         grants, admissions, tables_for = [], [], []
         if d is not None:
-            admitted = {r.request_id for r in d.admitted if r.swapped_slots is None}
+            # New admissions may start from a cached prefix; a request swapped back in
+            # resumes from its own KV instead (a plain grant plus the swap-in copies).
+            swapped_in = {rid for rid, _ in swap_ins}
+            admitted = {r.request_id for r in d.admitted} - swapped_in
             grants = [g for g in d.grants if g[0] not in admitted]
             admissions = [KVAdmission(request_id=w.request.request_id, planned_tokens=w.num_tokens,
                                       query=self.prefix.query(w.request))
@@ -360,9 +374,11 @@ class SchedulerActor(Actor):
         self._step += 1
         finished, self._runner_finished = self._runner_finished, []
         copies, self._pending_copies = self._pending_copies, []
+        swap_out, self._pending_swap_out = self._pending_swap_out + grant.swap_out, []
+        swap_in, self._pending_swap_in = self._pending_swap_in + grant.swap_in, []
         batch = ExecuteBatch(step=self._step, sequences=seqs, num_decodes=len(d.decodes),
                              finished_ids=finished, block_copies=copies,
-                             swap_out=grant.swap_out, swap_in=grant.swap_in)
+                             swap_out=swap_out, swap_in=swap_in)
         return batch, starts, epochs
 
     # -- processing a step's outputs -------------------------------------------------------

@@ -55,20 +55,26 @@ def fork_candidates(waiting: Sequence[Request], requests: Mapping[str, Request],
 
 
 def apply_forks(forked: Mapping[str, list[int]], requests: Mapping[str, Request],
-                waiting: deque[Request], running: list[Request], block_size: int) -> int:
+                waiting: deque[Request], running: list[Request],
+                block_size: int) -> tuple[int, list[str]]:
     """Move the forked siblings from waiting to running, with their prompt but the last
-    token computed; returns how many."""
+    token computed. Returns how many, and the forked siblings that ended (aborted) during
+    the round trip: their new tables must be freed."""
     now = time.monotonic()
+    orphans = []
     for child_id in forked:
-        req = requests[child_id]
-        leader = requests[req.group_id]
+        req = requests.get(child_id)
+        if req is None:
+            orphans.append(child_id)
+            continue
+        leader = requests.get(req.group_id)  # it may have ended meanwhile: the blocks stay
         waiting.remove(req)
         running.append(req)
         req.num_computed_tokens = req.num_prompt_tokens - 1  # only the last token to go
         full = req.num_computed_tokens // block_size
-        req.num_committed_blocks = min(leader.num_committed_blocks, full)
+        req.num_committed_blocks = min(leader.num_committed_blocks if leader else 0, full)
         req.num_cached_tokens, req.prefix_hit_blocks = full * block_size, full
         req.prefix_miss_reason = "partial_block" if req.num_computed_tokens % block_size else None
         req.first_scheduled_time = now
         req.transition(S.PREFILLING)
-    return len(forked)
+    return len(forked) - len(orphans), orphans
