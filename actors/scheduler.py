@@ -38,17 +38,17 @@ from tokenloom.actors.chunk_sizing import ChunkSizer
 from tokenloom.actors.cost_model import StepCostModel
 from tokenloom.actors.fairness import FairShare
 from tokenloom.actors.kv_view import KVView
-from tokenloom.actors.messages import (ERROR_INTERNAL, ERROR_INVALID, PLACEHOLDER, AbortRequest,
-                                       AddRequest, ExecuteBatch, GetSchedulerStats, GetTrace,
-                                       IsIdle, KVAdmission, KVCommit, KVGrant, KVUpdate,
-                                       NewSequence, RequestOutput, RequestTimings,
-                                       SampledToken, ScheduledSequence, SchedulerStats,
-                                       Shutdown, StepOutput)
+from tokenloom.actors.messages import (ERROR_INTERNAL, ERROR_INVALID, AbortRequest, AddRequest,
+                                       ExecuteBatch, GetSchedulerStats, GetTrace, IsIdle,
+                                       KVAdmission, KVCommit, KVGrant, KVUpdate, RequestOutput,
+                                       SampledToken, SchedulerStats, Shutdown, StepOutput)
 from tokenloom.actors.output_processor import OutputProcessor
 from tokenloom.actors.policy import AdmissionParams, Decision, PolicyLimits, schedule
 from tokenloom.actors.preemption import Preemptor
 from tokenloom.actors.prefix_tracker import PrefixTracker
 from tokenloom.actors.request import FinishReason, Request, RequestStatus
+from tokenloom.actors.step_batch import (apply_prefix_hits, build_batch, note_plans,
+                                         request_timings, start_works)
 from tokenloom.actors.step_observer import StepObserver
 from tokenloom.actors.swap import SwapSpace
 from tokenloom.actors.trace import RequestTrace, TraceHistory
@@ -205,17 +205,7 @@ class SchedulerActor(Actor):
     async def _schedule(self) -> LaunchedStep | None:
         t0 = time.perf_counter()
         continues = self._busy or bool(self.in_flight)
-        forks = siblings.fork_candidates(self.waiting, self.requests, self.view,
-                                         self.limits.max_num_seqs - len(self.running),
-                                         self.prefix.enabled)
-        if forks:  # an extra round trip, only in the step after an n > 1 prompt completes
-            grant = await self._kv_update(None, forks=forks)
-            made, orphans = siblings.apply_forks(grant.forked, self.requests, self.waiting,
-                                                 self.running, self.limits.block_size)
-            self.num_forks += made
-            for child_id in orphans:   # aborted during the round trip: free its new table
-                self.view.release(child_id)
-            self._pending_copies.extend(grant.copies)
+        await self._fork_siblings()
         waiting = self.fair.order(siblings.admissible(self.waiting, self.requests,
                                                       self.prefix.enabled), time.monotonic())
         d = schedule(self.running, waiting, self.view.num_free_blocks, self.view.held,
@@ -233,8 +223,8 @@ class SchedulerActor(Actor):
         t_kv = time.perf_counter()
         grant = await self._kv_update(d, swap_outs=swap_outs, swap_ins=swap_ins)
         kv_seconds = time.perf_counter() - t_kv
-        self._apply_prefix_hits(d, grant)
-        self._note_plans(d, time.monotonic())
+        apply_prefix_hits(d, grant, self.limits.block_size)
+        note_plans(d, time.monotonic())
         # Aborts handled during the round trip end requests of this decision: drop them.
         d.decodes = [w for w in d.decodes if not w.request.is_finished]
         d.prefills = [w for w in d.prefills if not w.request.is_finished]
@@ -247,11 +237,34 @@ class SchedulerActor(Actor):
                     and not self.view.has_pending_frees):
                 self._handle(await self.inbox.get())  # nothing fits or runs: wait for news
             return None
-        self._start(d, time.monotonic())
+        start_works(d, time.monotonic())
         self.observer.count_skips(d, self.running)
-        batch, starts, epochs = self._build_batch(d, grant)
+        self._step += 1
+        finished, self._runner_finished = self._runner_finished, []
+        copies, self._pending_copies = self._pending_copies, []
+        swap_out, self._pending_swap_out = self._pending_swap_out + grant.swap_out, []
+        swap_in, self._pending_swap_in = self._pending_swap_in + grant.swap_in, []
+        batch, starts, epochs = build_batch(d, grant.tables, ExecuteBatch(
+            step=self._step, sequences=[], num_decodes=len(d.decodes), finished_ids=finished,
+            block_copies=copies, swap_out=swap_out, swap_in=swap_in))
         return LaunchedStep(d, batch, starts, epochs, time.perf_counter() - t0, kv_seconds,
                             continues)
+
+    async def _fork_siblings(self) -> None:
+        """n > 1: siblings whose sibling 0 has computed the prompt start from its blocks.
+        An extra KV round trip, only in the step after such a prompt completes."""
+        forks = siblings.fork_candidates(self.waiting, self.requests, self.view,
+                                         self.limits.max_num_seqs - len(self.running),
+                                         self.prefix.enabled)
+        if not forks:
+            return
+        grant = await self._kv_update(None, forks=forks)
+        made, orphans = siblings.apply_forks(grant.forked, self.requests, self.waiting,
+                                             self.running, self.limits.block_size)
+        self.num_forks += made
+        for child_id in orphans:   # aborted during the round trip: free its new table
+            self.view.release(child_id)
+        self._pending_copies.extend(grant.copies)
 
     def _admission_params(self) -> AdmissionParams:
         """The watermark, raised after a preemption until the pool has recovered."""
@@ -268,17 +281,6 @@ class SchedulerActor(Actor):
             self.running.append(req)
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
-
-    def _start(self, d: Decision, now: float) -> None:
-        """Status transitions of the works this step runs (after the trace's admission)."""
-        for w in d.prefills:
-            if w.request.status == S.WAITING_PREFILL:
-                w.request.transition(S.PREFILLING)
-                if w.request.trace is not None and not w.request.trace.has("prefill_started"):
-                    w.request.trace.mark("prefill_started", now)
-        for w in d.decodes:
-            if w.request.status == S.WAITING_DECODE:
-                w.request.transition(S.DECODING)
 
     async def _kv_update(self, d: Decision | None, *, forks=(), swap_outs=(),
                          swap_ins=()) -> KVGrant:
@@ -316,70 +318,6 @@ class SchedulerActor(Actor):
             if isinstance(msg, kind):
                 return msg
             self._handle(msg)
-
-    def _apply_prefix_hits(self, d: Decision, grant: KVGrant) -> None:
-        """Admitted requests start after their cached prefix: shrink their chunk to match."""
-        for w in d.prefills:
-            growth = grant.admitted.get(w.request.request_id)
-            if growth is None:
-                continue
-            req = w.request
-            cached = growth.num_cached_tokens
-            req.num_computed_tokens = cached
-            req.num_committed_blocks = cached // self.limits.block_size
-            w.num_tokens = min(w.num_tokens, req.num_tokens - cached)
-            if req.num_preemptions == 0 and growth.prefix is not None:
-                req.num_cached_tokens = cached
-                req.prefix_hit_blocks = growth.prefix.num_hit_blocks
-                req.prefix_miss_reason = str(growth.prefix.miss_reason)
-
-    def _note_plans(self, d: Decision, now: float) -> None:
-        for req in d.admitted:
-            if req.trace is not None:
-                req.trace.plan = {**d.plans.get(req.request_id, {}), "decision": "admit"}
-                if not req.trace.has("prefix_cache_lookup_done"):
-                    req.trace.mark("prefix_cache_lookup_done", now)
-                req.trace.mark("resumed" if req.trace.has("admitted") else "admitted", now)
-        if d.blocked is not None:
-            req, why, plan = d.blocked
-            if req.trace is not None:
-                req.trace.plan = {**plan, "decision": "wait", "reason": why}
-
-    def _build_batch(self, d: Decision, grant: KVGrant) -> tuple[ExecuteBatch, list, list]:
-        """The runner's batch, with the tables the KV manager just reported. Advances each
-        request's computed tokens to the end of its work (the step is as good as done for
-        planning the next one) and counts a placeholder for each token it will sample."""
-        seqs, starts, epochs = [], [], []
-        for w in d.decodes + d.prefills:
-            req = w.request
-            start, end = req.num_computed_tokens, req.num_computed_tokens + w.num_tokens
-            ids = req.token_ids[start:end]
-            if len(ids) < w.num_tokens:  # the token the step in flight is sampling
-                ids.append(PLACEHOLDER)
-            assert len(ids) == w.num_tokens, f"{req}: {w.num_tokens} tokens scheduled"
-            new = None
-            if w.resumed or not req.on_runner:
-                new = NewSequence(prompt_token_ids=req.token_ids[: req.num_prompt_tokens],
-                                  output_token_ids=req.output_token_ids,
-                                  sampling_params=req.sampling_params)
-                req.on_runner = True
-            sample = end == req.num_tokens
-            seqs.append(ScheduledSequence(request_id=req.request_id, token_ids=ids,
-                                          start_pos=start, block_table=grant.tables[req.request_id],
-                                          sample=sample, new=new))
-            starts.append(start)
-            epochs.append(req.num_preemptions)
-            req.num_computed_tokens = end
-            req.num_placeholders += sample
-        self._step += 1
-        finished, self._runner_finished = self._runner_finished, []
-        copies, self._pending_copies = self._pending_copies, []
-        swap_out, self._pending_swap_out = self._pending_swap_out + grant.swap_out, []
-        swap_in, self._pending_swap_in = self._pending_swap_in + grant.swap_in, []
-        batch = ExecuteBatch(step=self._step, sequences=seqs, num_decodes=len(d.decodes),
-                             finished_ids=finished, block_copies=copies,
-                             swap_out=swap_out, swap_in=swap_in)
-        return batch, starts, epochs
 
     # -- processing a step's outputs -------------------------------------------------------
     async def _process(self, launched: LaunchedStep) -> None:
@@ -485,7 +423,7 @@ class SchedulerActor(Actor):
         if req.on_runner:
             self._runner_finished.append(rid)
             req.on_runner = False
-        timings = self._timings(req)
+        timings = request_timings(req)
         self.emit(RequestOutput(
             request_id=rid, new_token_ids=new_tokens or [], text=text,
             new_logprobs=new_logprobs, num_prompt_tokens=req.num_prompt_tokens, finished=True,
@@ -493,16 +431,6 @@ class SchedulerActor(Actor):
             timings=timings))
         if timings.trace is not None:
             self.log.info("trace", request_id=rid, trace=timings.trace)
-
-    def _timings(self, req: Request) -> RequestTimings:
-        return RequestTimings(arrival=req.arrival_time, first_scheduled=req.first_scheduled_time,
-                              first_token=req.first_token_time, finished=time.monotonic(),
-                              token_times=list(req.token_times),
-                              num_preemptions=req.num_preemptions,
-                              num_cached_tokens=req.num_cached_tokens,
-                              prefix_hit_blocks=req.prefix_hit_blocks,
-                              prefix_miss_reason=req.prefix_miss_reason,
-                              trace=req.trace.as_dict() if req.trace is not None else None)
 
     # -- observation ---------------------------------------------------------------------
     def stats(self) -> SchedulerStats:
