@@ -154,8 +154,8 @@ def _render_stats(r: P.StatsReply) -> str:
         ("prefill budget", "static" if r.prefill_budget is None
          else f"{r.prefill_budget} tokens (SLO)"),
         ("step cost model", "not fitted" if r.cost_model is None else
-         "{:.2f} ms + {:.4f} ms/token + {:.3f} ms/attn unit".format(
-             *(1000 * c for c in r.cost_model))),
+         "{:.2f} ms + {:.4f} ms/token + {:.3f} ms/M query-key pairs + {:.3f} ms/M keys "
+         "read".format(*(1000 * c for c in r.cost_model))),
         ("goodput", f"{r.goodput_requests} / {r.slo_evaluated_requests} requests"),
         ("engine loop", ("overlapped" if r.overlap else "serial") +
          f", step {r.step_timings.forward_ms:.2f} ms forward + {r.step_timings.host_ms:.2f} ms "

@@ -11,6 +11,8 @@ heads that share one KV head are laid out as G query rows against that KV head.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -41,8 +43,27 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
         if seg.start_pos == 0 and key is not None:
             local = (key[rows], value[rows])
         out[rows] = prefill_attention(q[rows], key_cache, value_cache, seg.block_table,
-                                      seg.start_pos, scale, local)
+                                      seg.start_pos, scale, local, seg.mask)
     return out
+
+
+def with_chunk_masks(meta: AttentionMetadata, dtype: torch.dtype) -> AttentionMetadata:
+    """`meta` with the attention mask of every continuation chunk (start_pos > 0) built,
+    once per step: every layer reuses it instead of rebuilding [n, context] per layer."""
+    if not any(seg.start_pos and seg.mask is None for seg in meta.prefills):
+        return meta
+    segments = [dataclasses.replace(seg, mask=chunk_mask(seg.start_pos, seg.query_len, dtype,
+                                                          seg.block_table.device))
+                if seg.start_pos and seg.mask is None else seg for seg in meta.prefills]
+    return dataclasses.replace(meta, prefills=segments)
+
+
+def chunk_mask(start_pos: int, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[n, start_pos + n] additive mask: query i sits at position start_pos + i and sees
+    keys 0..start_pos + i (0), not the later keys of its own chunk (-inf). Additive in the
+    query dtype, so SDPA need not convert a bool mask in every layer."""
+    return torch.full((n, start_pos + n), float("-inf"), dtype=dtype,
+                      device=device).triu_(start_pos + 1)
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
@@ -82,10 +103,12 @@ def decode_mask(context_lens: torch.Tensor, length: int) -> torch.Tensor:
 
 def prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       block_table: torch.Tensor, start_pos: int, scale: float,
-                      local: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                      local: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      mask: torch.Tensor | None = None) -> torch.Tensor:
     """A chunk of n query tokens at positions [start_pos, start_pos + n). q: [n, H, D].
 
-    `local`: the chunk's own (key, value) [n, KVH, D], usable when start_pos == 0."""
+    `local`: the chunk's own (key, value) [n, KVH, D], usable when start_pos == 0.
+    `mask`: chunk_mask(start_pos, n, ...) when start_pos > 0, if already built."""
     n, h, d = q.shape
     kvh = key_cache.shape[2]
     ctx = start_pos + n
@@ -102,9 +125,8 @@ def prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         o = F.scaled_dot_product_attention(qh, k.unsqueeze(0), v.unsqueeze(0), is_causal=True,
                                            scale=scale, enable_gqa=h != kvh)
     else:
-        # Query i sits at position start_pos + i and sees keys 0..start_pos + i.
-        qpos = torch.arange(start_pos, ctx, device=q.device)
-        mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]   # [n, ctx]
+        if mask is None:
+            mask = chunk_mask(start_pos, n, q.dtype, q.device)                   # [n, ctx]
         o = F.scaled_dot_product_attention(qh, k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
                                            scale=scale, enable_gqa=h != kvh)
     return o[0].transpose(0, 1)                                # [n, H, D]

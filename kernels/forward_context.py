@@ -18,6 +18,9 @@ class PrefillSegment:
     query_len: int            # tokens in this chunk
     start_pos: int            # position of the chunk's first token in its sequence
     block_table: torch.Tensor  # [num_blocks] int64, blocks holding positions [0, start_pos + query_len)
+    # [query_len, context_len] additive mask (0 visible, -inf not) in the model's dtype, for
+    # a chunk with start_pos > 0: built once per step (attention.with_chunk_masks), not per layer.
+    mask: torch.Tensor | None = None
 
     @property
     def context_len(self) -> int:

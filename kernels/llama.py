@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenloom.kernels.attention import paged_attention
+from tokenloom.kernels.attention import paged_attention, with_chunk_masks
 from tokenloom.kernels.forward_context import AttentionMetadata
 from tokenloom.kernels.kv_store import KVCache, store_kv
 from tokenloom.kernels.layers import RMSNorm, RotaryEmbedding, apply_rope, silu_and_mul
@@ -121,6 +121,7 @@ class LlamaForCausalLM(nn.Module):
             self._use_cpu_weight_layout()
         h = self.embed_tokens(input_ids)                                # [T, hidden]
         cos, sin = self.rope.lookup(positions)                          # [T, 1, D] each
+        meta = with_chunk_masks(meta, h.dtype)                          # once, not per layer
         threads = torch.get_num_threads()
         narrow = (threads > 1 and input_ids.device.type == "cpu"
                   and self._layer_work(input_ids.shape[0], meta) < ONE_THREAD_LAYER_WORK)

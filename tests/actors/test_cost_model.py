@@ -7,30 +7,99 @@ import random
 
 import pytest
 
-from tokenloom.actors.cost_model import StepCostModel, attention_work
+from tokenloom.actors.cost_model import AttentionWork, StepCostModel, attention_work
 from tokenloom.actors.swap import SwapSpace
 from tokenloom.actors.trace import RequestTrace, TraceHistory
 
 
-def synthetic(tokens: int, attn: float) -> float:
-    return 0.010 + 0.0005 * tokens + 0.05 * attn
+def synthetic(tokens: int, attn: AttentionWork | float, read_cost: float = 0.0) -> float:
+    """A step time with a per-step, a per-token, a per-pair and a per-key-read cost."""
+    if not isinstance(attn, AttentionWork):
+        attn = AttentionWork(pairs=attn)
+    return 0.010 + 0.0005 * tokens + 0.05 * attn.pairs + read_cost * attn.reads
+
+
+def measured(tokens: int, attn: AttentionWork) -> float:
+    """Step time with the coefficients fitted on SmolLM2-135M fp32, 2 CPU cores
+    (benchmarks/mixed_step.py): 54 ms + 1.2 ms/token + 0.49 s per million (causal) pairs +
+    1.09 s per million keys read (16 decodes at context 1024: 25 ms of attention)."""
+    return 0.054 + 0.0012 * tokens + 0.49 * attn.pairs + 1.09 * attn.reads
+
+
+def _random_step(rng: random.Random) -> tuple[int, AttentionWork, int]:
+    """tokens, attention work and prefill tokens of a random mixed iteration."""
+    decodes = rng.randint(1, 32)
+    chunk = rng.choice([0, 0, 16, 64, 256, 1024])
+    start = rng.randint(0, 2000)
+    attn = sum(attention_work(1, rng.randint(10, 2000)) for _ in range(decodes))
+    attn += attention_work(chunk, start) if chunk else 0
+    return decodes + chunk, attn, chunk
+
+
+def test_attention_work_counts_pairs_and_keys_read_and_adds_up():
+    assert attention_work(1, 99) == AttentionWork(pairs=100 / 1e6, reads=100 / 1e6)
+    # causal: 1024 cached keys for each new token, then 1..512 of the chunk's own
+    assert attention_work(512, 1024) == AttentionWork((512 * 1024 + 512 * 513 // 2) / 1e6,
+                                                      1536 / 1e6)
+    work = 0.0                                   # how the scheduler sums a batch
+    for n, start in ((1, 9), (1, 19), (30, 0)):
+        work += attention_work(n, start)
+    assert (work.pairs, work.reads) == pytest.approx(((10 + 20 + 465) / 1e6, 60 / 1e6))
+    assert sum(attention_work(1, 9) for _ in range(3)) == attention_work(1, 9) * 3
+    with pytest.raises(TypeError):
+        attention_work(1, 9) + 1.0               # not a number: no silent mixing of units
 
 
 def test_fit_recovers_the_coefficients_of_a_noisy_linear_step_time():
     rng = random.Random(0)
     m = StepCostModel()
     for _ in range(200):
-        decodes = rng.randint(1, 32)
-        chunk = rng.choice([0, 0, 16, 64, 256, 1024])
-        start = rng.randint(0, 2000)
-        attn = sum(attention_work(1, rng.randint(10, 500)) for _ in range(decodes))
-        attn += attention_work(chunk, start)
-        tokens = decodes + chunk
-        m.observe(tokens, attn, synthetic(tokens, attn) * rng.uniform(0.97, 1.03))
-    c0, c1, c2 = m.coef
+        tokens, attn, chunk = _random_step(rng)
+        m.observe(tokens, attn, synthetic(tokens, attn, read_cost=0.3) * rng.uniform(0.97, 1.03),
+                  prefill_tokens=chunk)
+    c0, c1, c2, c3 = m.coef
     assert c0 == pytest.approx(0.010, rel=0.2)
     assert c1 == pytest.approx(0.0005, rel=0.1)
     assert c2 == pytest.approx(0.05, rel=0.3)
+    assert c3 == pytest.approx(0.3, rel=0.3)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_small_decode_batches_and_small_deep_chunks_are_priced(seed):
+    """A decode batch is memory-bound (one pair per key read), a chunk deep in a prompt
+    compute-bound (many pairs per key read). With pairs alone the fit folds the decodes'
+    reads into the per-step constant: right for the average batch, ~1.5x too high for 1-4
+    decodes at short contexts (the SLO target, a multiple of it, then allows 1.5x the ITL),
+    ~1.6x too low for 64 decodes at 2000 (prefill starves) and ~1.25x too high for a
+    16-token chunk at 2000. With keys read as their own feature, every shape is priced."""
+    rng = random.Random(seed)
+    m = StepCostModel()
+    for _ in range(300):
+        tokens, attn, chunk = _random_step(rng)
+        m.observe(tokens, attn, measured(tokens, attn) * rng.uniform(0.98, 1.02),
+                  prefill_tokens=chunk)
+    for decodes, context, chunk, start in ((16, 1024, 0, 0), (4, 256, 0, 0), (1, 100, 0, 0),
+                                           (64, 2000, 0, 0), (16, 1024, 512, 1024),
+                                           (0, 0, 16, 2000), (4, 256, 64, 0)):
+        attn = sum(attention_work(1, context - 1) for _ in range(decodes))
+        attn += attention_work(chunk, start) if chunk else 0
+        assert m.predict(decodes + chunk, attn) == pytest.approx(
+            measured(decodes + chunk, attn), rel=0.05), (decodes, context, chunk, start)
+    # The SLO chunk for 4 decodes at 256 and a target of twice their step keeps it.
+    decodes = sum(attention_work(1, 255) for _ in range(4))
+    target = 2 * measured(4, decodes)
+    budget = m.max_prefill_tokens(target, 4, decodes, prefill_start=0, lo=16, hi=2048)
+    assert measured(4 + budget, decodes + attention_work(budget, 0)) == pytest.approx(
+        target, rel=0.05)
+
+
+def test_bare_numbers_still_count_as_pairs():
+    m = StepCostModel()
+    for t in range(1, 300, 7):
+        a = t * t / 1e6
+        m.observe(t, a, synthetic(t, a), prefill_tokens=t)
+    assert m.coef[3] == 0.0
+    assert m.predict(100, 0.01) == pytest.approx(synthetic(100, 0.01), rel=0.02)
 
 
 def test_not_ready_until_enough_samples_and_never_negative():
@@ -115,6 +184,6 @@ def test_a_long_decode_only_stretch_does_not_erase_what_prefill_costs():
         m.observe(t, 0.0, synthetic(t, 0.0), prefill_tokens=t - 16)
     for i in range(500):                        # then only 16 decodes, context creeping up
         attn = attention_work(1, 100 + i) * 16
-        m.observe(16, attn, synthetic(16, attn) * rng.uniform(0.98, 1.02))
+        m.observe(16, attn, synthetic(16, attn, 0.3) * rng.uniform(0.98, 1.02))
     # It still knows a 500-token chunk costs about 0.25 s on top of the decodes.
     assert m.predict(516, 0.0) == pytest.approx(synthetic(516, 0.0), rel=0.15)

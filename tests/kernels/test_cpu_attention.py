@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -55,3 +57,37 @@ def test_padded_table_entries_are_never_read():
     out = paged_decode_cpu(q, kc, vc, tables, lens, 20, 0.125)
     ref = decode_attention(q, kc, vc, torch.tensor([[3, 0], [5, 1]]), lens, 20, 0.125)
     assert torch.allclose(out, ref, atol=1e-5)
+
+
+def _with_threads(n: int, fn):
+    saved = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(saved)
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two cores")
+def test_kernel_spreads_sequences_over_torch_threads():
+    """Built without OpenMP, at::parallel_for is a plain loop: the kernel then runs on one
+    core whatever torch's thread count (the decode half of every step at half speed)."""
+    module = load_cpu_decode_kernel()
+    assert _with_threads(2, lambda: module.parallel_threads(64)) == 2
+    assert _with_threads(1, lambda: module.parallel_threads(64)) == 1
+
+
+def test_output_does_not_depend_on_thread_count_or_prefetch():
+    """Each sequence is computed whole by one thread, in the same order: bit-identical.
+    Long contexts (many blocks ahead to prefetch) and short ones (none) alike."""
+    g = torch.Generator().manual_seed(7)
+    kc = torch.randn(200, 16, 3, 64, generator=g)
+    vc = torch.randn(200, 16, 3, 64, generator=g)
+    lens = torch.tensor([1, 15, 16, 17, 33, 700, 1500, 64])
+    tables = torch.stack([torch.randperm(200, generator=g)[:94] for _ in range(len(lens))])
+    q = torch.randn(len(lens), 9, 64, generator=g)
+    run = lambda: paged_decode_cpu(q, kc, vc, tables, lens, 1500, 0.125)  # noqa: E731
+    one, two = _with_threads(1, run), _with_threads(2, run)
+    assert torch.equal(one, two)
+    ref = decode_attention(q, kc, vc, tables, lens, 1500, 0.125)
+    assert (one - ref).abs().max().item() < 1e-5
