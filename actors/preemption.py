@@ -77,6 +77,7 @@ class Preemptor:
                 mode = "recompute"
                 req.num_computed_tokens = 0
             req.num_committed_blocks = 0
+            req.num_skipped = 0
             req.num_preemptions += 1
             self.num_preemptions += 1
             view.release(rid)

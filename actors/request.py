@@ -84,6 +84,8 @@ class Request:
         # Whether the runner holds this request's sampling state (set when a batch carries
         # its NewSequence, cleared when it is preempted or finished).
         self.on_runner = False
+        # Iterations in a row it was running as a decode and left out (invariant 3).
+        self.num_skipped = 0
         self.num_preemptions = 0
         # Scheduling: lower priority runs first; tenant is the fair-share key; arrival_seq
         # breaks ties in arrival order.

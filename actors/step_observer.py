@@ -31,7 +31,6 @@ class StepObserver:
         self.cost = cost
         self.fair = fair
         self.max_decode_skip = 0          # most consecutive iterations a running decode missed
-        self._skips: dict[str, int] = {}  # running decode -> iterations missed in a row
         self.num_slo_evaluated = 0
         self.num_slo_good = 0
         # (forward s, host s, exposed host s, kv round trip s, batch size) per step
@@ -43,20 +42,16 @@ class StepObserver:
         for req in running:
             if not req.is_decode:
                 continue
-            rid = req.request_id
-            if rid in ran:
-                self._skips[rid] = 0
+            if req.request_id in ran:
+                req.num_skipped = 0
                 continue
-            n = self._skips.get(rid, 0) + 1
-            self._skips[rid] = n
+            req.num_skipped += 1
+            n = req.num_skipped
             if n > self.max_decode_skip:
                 self.max_decode_skip = n
                 if n > self.config.max_decode_skip:  # a broken promise: say so loudly
-                    log.error("decode starved", request_id=rid, skipped=n,
+                    log.error("decode starved", request_id=req.request_id, skipped=n,
                               bound=self.config.max_decode_skip)
-
-    def forget(self, request_id: str) -> None:
-        self._skips.pop(request_id, None)
 
     def observe_step(self, d: Decision, batch: ExecuteBatch, forward_seconds: float) -> None:
         """Feed the cost model the forward's time and charge each tenant its tokens."""
@@ -86,7 +81,6 @@ class StepObserver:
 
     def observe_finished(self, req: Request, reason: FinishReason) -> None:
         """Goodput: a request that finished normally within the TTFT and ITL objectives."""
-        self.forget(req.request_id)
         if reason not in (FinishReason.STOP, FinishReason.LENGTH):
             return
         cfg = self.config

@@ -14,6 +14,7 @@ from tokenloom.kernels.attention import paged_attention, with_chunk_masks
 from tokenloom.kernels.forward_context import AttentionMetadata
 from tokenloom.kernels.kv_store import KVCache, store_kv
 from tokenloom.kernels.layers import RMSNorm, RotaryEmbedding, apply_rope, silu_and_mul
+from tokenloom.kernels import cpu_linear
 from tokenloom.kernels.model_spec import ModelSpec
 
 
@@ -152,15 +153,36 @@ class LlamaForCausalLM(nn.Module):
                 if w.device.type == "cpu" and w.dtype == torch.float32 and w.is_contiguous():
                     with torch.inference_mode(False), torch.no_grad():
                         linear.weight = nn.Parameter(w.t().contiguous().t(), requires_grad=False)
+        self._use_onednn_if_faster()
+
+    def _use_onednn_if_faster(self) -> None:
+        """fp32 on CPU: every projection and the head through oneDNN with prepacked weights
+        when that measures faster on this machine than the layout above (cpu_linear.py)."""
+        first = self.layers[0]
+        linears = [first.self_attn.qkv_proj, first.self_attn.o_proj, first.mlp.gate_up_proj,
+                   first.mlp.down_proj]
+        w = linears[0].weight
+        if w.device.type != "cpu" or w.dtype != torch.float32 or not cpu_linear.choose(linears):
+            return
+        self._count_layer_params()   # before the weights leave the parameters
+        for layer in self.layers:
+            layer.self_attn.qkv_proj = cpu_linear.PackedLinear(layer.self_attn.qkv_proj)
+            layer.self_attn.o_proj = cpu_linear.PackedLinear(layer.self_attn.o_proj)
+            layer.mlp.gate_up_proj = cpu_linear.PackedLinear(layer.mlp.gate_up_proj)
+            layer.mlp.down_proj = cpu_linear.PackedLinear(layer.mlp.down_proj)
+        self.lm_head = cpu_linear.PackedLinear(self.lm_head)
+
+    def _count_layer_params(self) -> None:
+        params = list(self.layers[0].parameters())
+        nbytes = sum(p.numel() * p.element_size() for p in params)
+        # Layers too large to ever run on one thread count as infinite work.
+        self._layer_params = (sum(p.numel() for p in params)
+                              if nbytes < ONE_THREAD_LAYER_BYTES else ONE_THREAD_LAYER_WORK)
 
     def _layer_work(self, num_tokens: int, meta: AttentionMetadata) -> int:
         """Multiply-adds of one decoder layer for this batch (projections and attention)."""
         if self._layer_params is None:
-            params = list(self.layers[0].parameters())
-            nbytes = sum(p.numel() * p.element_size() for p in params)
-            # Layers too large to ever run on one thread count as infinite work.
-            self._layer_params = (sum(p.numel() for p in params)
-                                  if nbytes < ONE_THREAD_LAYER_BYTES else ONE_THREAD_LAYER_WORK)
+            self._count_layer_params()
         keys = meta.num_decodes * meta.decode_max_context + sum(
             s.query_len * s.context_len for s in meta.prefills)
         return num_tokens * self._layer_params + 2 * keys * self.spec.q_size
