@@ -51,4 +51,9 @@ def test_run_ahead_matches_the_serial_loop(model_dir, tmp_path):
     ahead = _run(model_dir, tmp_path, overlap=True, run_ahead=True)
     for i, (s, a) in enumerate(zip(serial, ahead)):
         assert a[0] == s[0], f"request {i} ({PARAMS[i]}) diverged with run-ahead"
-    assert ahead[3][1] == serial[3][1]  # logprobs too
+    # Logprobs too: the same tokens and alternatives; values equal up to the rounding that
+    # differs with batch composition (which steps ran together).
+    for a, b in zip(ahead[3][1], serial[3][1]):
+        assert a.token_id == b.token_id and [t for t, _ in a.top] == [t for t, _ in b.top]
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-4)
