@@ -40,7 +40,6 @@ import json
 import os
 import random
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -53,8 +52,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import interference  # noqa: E402  (benchmarks/interference.py)
-from serve import (_Stream, build_tiny_model, model_name, print_table,  # noqa: E402
-                   resolve_dir, run_async, run_load, start_server, summarise)
+from serve import (_Stream, build_tiny_model, free_port, model_name, print_table,  # noqa: E402
+                   resolve_dir, run_async, run_load, start_server, summarise, wait_for_200)
 
 PEERS = Path.home() / ".cache" / "tokenloom-peers"
 VOCAB_LO, VOCAB_HI = 1000, 20000   # ordinary tokens of the default vocabulary, no special ones
@@ -80,9 +79,7 @@ def stop(proc: subprocess.Popen) -> None:
 def start_llama(binary: Path, gguf: Path, slots: int, ctx: int, threads: int, log_path: Path):
     """llama-server with `slots` parallel slots sharing one `ctx`-token KV cache; waits for
     /health 200 (503 while the model loads)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
            "-t", str(threads), "-np", str(slots), "-c", str(ctx), "--kv-unified",
            "--cont-batching", "--no-webui"]
@@ -90,19 +87,11 @@ def start_llama(binary: Path, gguf: Path, slots: int, ctx: int, threads: int, lo
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     log.close()
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited with status {proc.returncode}; see {log_path}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=1) as r:
-                if r.status == 200:
-                    return proc, url, cmd
-        except OSError:
-            pass
-        time.sleep(0.2)
-    stop(proc)
-    raise RuntimeError(f"llama-server did not become healthy; see {log_path}")
+    problem = wait_for_200(proc, url + "/health", 300)
+    if problem is not None:
+        stop(proc)
+        raise RuntimeError(f"llama-server {problem}; see {log_path}")
+    return proc, url, cmd
 
 
 class PeerStream(_Stream):

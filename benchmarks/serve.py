@@ -54,29 +54,42 @@ def run_async(coro):
 
 
 # -- the server ----------------------------------------------------------------------------
-def start_server(args, model: str) -> tuple[subprocess.Popen, str]:
-    """`tokenloom serve` on a free port, with request logging off (it would cost CPU)."""
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+        return sock.getsockname()[1]
+
+
+def wait_for_200(proc: subprocess.Popen, url: str, timeout: float) -> str | None:
+    """Poll `url` until it answers 200: None, or why it never did (the server exited, or
+    `timeout` seconds passed)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return f"exited with status {proc.returncode}"
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return None
+        except OSError:
+            pass
+        time.sleep(0.2)
+    return f"did not answer 200 within {timeout:.0f} s"
+
+
+def start_server(args, model: str) -> tuple[subprocess.Popen, str]:
+    """`tokenloom serve` on a free port, with request logging off (it would cost CPU)."""
+    port = free_port()
     exe = str(Path(sys.executable).with_name("tokenloom"))
     cmd = [exe, "serve", "--host", "127.0.0.1", "--port", str(port), "--model", model,
            "--set", "server.log_level=warning", *sum((["--set", s] for s in args.set), [])]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with status {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/ready", timeout=1) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("the server did not become ready")
+    problem = wait_for_200(proc, url + "/ready", 600)
+    if problem is not None:
+        proc.kill()
+        raise SystemExit(f"the server {problem}")
+    return proc, url
 
 
 def build_tiny_model(path: Path, default_dir: Path) -> None:
