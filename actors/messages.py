@@ -211,6 +211,12 @@ class StepOutput(_Msg):
     idle_seconds: float = 0.0
 
 
+class ForgetRequests(_Msg):
+    """scheduler -> runner, when the engine goes idle: these requests finished since the
+    last batch (whose finished_ids would have carried them); drop their sampling state."""
+    request_ids: list[str]
+
+
 class Shutdown(_Msg):
     pass
 

@@ -85,6 +85,12 @@ class ModelRunner:
                           output_token_ids=outputs, eos_token_ids=self.eos_token_ids)
         self._seqs[request_id] = _SeqState(row=row, output_token_ids=outputs)
 
+    def forget(self, request_ids) -> None:
+        """These requests have finished: drop their sampling state."""
+        for rid in request_ids:
+            self._seqs.pop(rid, None)
+            self._failed.discard(rid)
+
     def forget_failed(self, batch: ExecuteBatch) -> None:
         """The step raised: drop its requests' state (the scheduler fails them) and skip
         them in batches that were planned before the scheduler heard of it."""
@@ -139,9 +145,7 @@ class ModelRunner:
         are queued, nothing waits for them). `prev`: the previous step when it has been
         launched but not finished; its tokens feed this step's placeholders on the device."""
         t0 = time.perf_counter()
-        for rid in batch.finished_ids:
-            self._seqs.pop(rid, None)
-            self._failed.discard(rid)
+        self.forget(batch.finished_ids)
         for s in batch.sequences:
             if s.new is not None:
                 self._register(s.request_id, s.new)

@@ -20,8 +20,8 @@ import traceback
 from typing import Any
 
 from tokenloom.actors.base import Actor, resolve
-from tokenloom.actors.messages import (ExecuteBatch, GetGraphStats, GetRunnerState, RunnerState,
-                                       Shutdown, StepOutput)
+from tokenloom.actors.messages import (ExecuteBatch, ForgetRequests, GetGraphStats,
+                                       GetRunnerState, RunnerState, Shutdown, StepOutput)
 from tokenloom.actors.model_runner import ModelRunner
 
 
@@ -105,6 +105,8 @@ class RunnerActor(Actor):
                             self._finish(pending)
                             pending = None
                         last_end = time.perf_counter()
+                    case ForgetRequests(request_ids=ids):
+                        self.runner.forget(ids)   # behind every batch sent before it
                     case GetRunnerState(reply=reply):
                         self._post(resolve, reply, RunnerState(
                             num_tracked=self.runner.num_tracked,

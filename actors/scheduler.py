@@ -39,8 +39,9 @@ from tokenloom.actors.cost_model import StepCostModel
 from tokenloom.actors.fairness import FairShare
 from tokenloom.actors.kv_view import KVView
 from tokenloom.actors.messages import (ERROR_INTERNAL, ERROR_INVALID, AbortRequest, AddRequest,
-                                       ExecuteBatch, GetSchedulerStats, GetTrace, IsIdle,
-                                       KVAdmission, KVCommit, KVGrant, KVUpdate, RequestOutput,
+                                       ExecuteBatch, ForgetRequests, GetSchedulerStats, GetTrace,
+                                       IsIdle, KVAdmission, KVCommit, KVGrant, KVUpdate,
+                                       RequestOutput,
                                        SampledToken, SchedulerStats, Shutdown, StepOutput)
 from tokenloom.actors.output_processor import OutputProcessor
 from tokenloom.actors.policy import AdmissionParams, Decision, PolicyLimits, schedule
@@ -186,6 +187,9 @@ class SchedulerActor(Actor):
             if self.view.has_pending_frees or self._pending_commits:
                 await self._kv_update(None)  # return blocks promptly even when idle
             if not self.waiting and not self.running:  # (a request may have come meanwhile)
+                if self._runner_finished:  # no next batch to carry them: tell the runner now
+                    self.runner.send(ForgetRequests(request_ids=self._runner_finished))
+                    self._runner_finished = []
                 self._busy = False
                 self._handle(await self.inbox.get())
                 self.last_step_time = time.monotonic()  # the stall clock starts with work

@@ -53,8 +53,9 @@ from structlog.testing import capture_logs
 from tokenloom.actors.kv_actor import KVManagerActor
 from tokenloom.actors.kv_manager import KVCacheManager
 from tokenloom.actors.messages import (PLACEHOLDER, AbortRequest, AddRequest, CheckIntegrity,
-                                       ExecuteBatch, GetKVStats, IsIdle, KVGrant, KVStats,
-                                       RequestOutput, SampledToken, Shutdown, StepOutput)
+                                       ExecuteBatch, ForgetRequests, GetKVStats, IsIdle,
+                                       KVGrant, KVStats, RequestOutput, SampledToken, Shutdown,
+                                       StepOutput)
 from tokenloom.actors.policy import PolicyLimits, blocks_for
 from tokenloom.actors.prefix_tracker import PrefixTracker
 from tokenloom.actors.sampling_params import SamplingParams
@@ -221,7 +222,12 @@ class FakeRunner:
         self.num_copies = 0
 
     # -- the runner actor's interface ----------------------------------------------------
-    def send(self, batch: ExecuteBatch) -> None:
+    def send(self, batch) -> None:
+        if isinstance(batch, ForgetRequests):   # the engine went idle: applied in order
+            finished = self.h.finished_at_last_send = frozenset(self.h.finished)
+            self.queue.append((batch, finished, []))
+            self._tick(self.h.setup.lag)
+            return
         # Every request finished so far must be gone from the runner once this batch's
         # finished_ids are applied.
         finished = self.h.finished_at_last_send = frozenset(self.h.finished)
@@ -246,6 +252,11 @@ class FakeRunner:
         batch, finished_before, dropped = self.queue.popleft()   # in the order sent
         if self.h.failure is not None:
             return   # stopped at the first failure
+        if isinstance(batch, ForgetRequests):
+            for rid in batch.request_ids:
+                _check(rid in self.seqs, f"ForgetRequests names {rid}, unknown here")
+                del self.seqs[rid]
+            return
         try:
             out = self._execute(batch, finished_before, dropped)
         except BaseException as e:  # noqa: BLE001 - reported by the harness
@@ -652,8 +663,8 @@ class EngineHarness:
         assert self.integrity is None, self.integrity
         assert self.kv_stats is not None and self.kv_stats.used == 0, self.kv_stats
         assert self.kv_stats.free == self.setup.limits.num_blocks, self.kv_stats
-        # Runner state: only requests that finished after the last batch was sent may
-        # still be there (their finished_ids ride on the next batch).
+        # Runner state: every finished request is gone (named by a batch's finished_ids, or
+        # by the ForgetRequests the scheduler sends when it goes idle).
         leaked = self.runner.seqs.keys() & self.finished_at_last_send - self.tolerated_leaks()
         assert not leaked, f"the runner still holds finished requests {sorted(leaked)}"
         assert self.runner.max_queued <= (2 if self.setup.config.overlap else 1)
