@@ -8,7 +8,8 @@
     tokenloom admin trace ID
     tokenloom admin log-level LEVEL
 Common options: --socket PATH (default: admin.socket_path from --config / the environment /
-the defaults, i.e. /run/tokenloom/admin.sock), --json (print the reply as JSON),
+the defaults, i.e. /run/tokenloom/admin.sock, or where a daemon run by hand falls back to:
+$XDG_RUNTIME_DIR/tokenloom/admin.sock, else <tmp>/tokenloom-<uid>/admin.sock), --json (print the reply as JSON),
 --timeout-connect S.
 
 Exit status: 0 the command succeeded; 1 the daemon refused or failed it (the reply's error
@@ -74,7 +75,8 @@ def socket_path(args) -> str:
     if args.socket:
         return args.socket
     from tokenloom.config.load import load_config
-    return load_config(args.config).admin.socket_path
+    from tokenloom.daemon.admin_paths import find_socket
+    return find_socket(load_config(args.config).admin.socket_path)
 
 
 def send(path: str, command: P.Command, timeout: float | None = 30.0) -> P.Reply:

@@ -26,6 +26,7 @@ import structlog
 
 from tokenloom.actors.messages import FlushPrefixCache
 from tokenloom.config.schema import DEFAULT_ADMIN_SOCKET, AdminConfig
+from tokenloom.daemon import admin_paths
 from tokenloom.daemon import admin_protocol as P
 from tokenloom.daemon import logs
 
@@ -71,27 +72,43 @@ class AdminServer:
 
     # -- lifetime ------------------------------------------------------------------------
     async def start(self) -> bool:
-        """Bind the socket; False (with a warning) when the default path is unusable, e.g.
-        an unprivileged run without /run/tokenloom. Any other failure raises."""
-        try:
-            _remove_stale(self.path)
-            old_umask = os.umask(0o117)  # the socket is born 0660: no window with wider access
+        """Bind the socket. At the default path, when /run/tokenloom is missing or not
+        writable (an unprivileged `make serve`), fall back to the per-user directory of
+        `admin_paths`; False (with a warning) when that fails too. A configured path that
+        cannot be bound raises."""
+        paths = admin_paths.candidates(self.cfg.socket_path)
+        errors = []
+        for i, path in enumerate(paths):
             try:
-                self._server = await asyncio.start_unix_server(
-                    self._client, path=self.path, limit=self.cfg.max_line_bytes)
-            finally:
-                os.umask(old_umask)
-            os.chmod(self.path, 0o660)
-        except OSError as e:
-            if self.path != DEFAULT_ADMIN_SOCKET:
-                raise OSError(e.errno, f"cannot bind the admin socket admin.socket_path="
-                                       f"{self.path}: {e.strerror or e}") from e
-            log.warning("admin socket disabled: cannot bind the default path (create the "
-                        "directory, run under systemd, or set admin.socket_path)",
-                        path=self.path, error=str(e))
-            return False
-        log.info("admin socket listening", path=self.path)
-        return True
+                if i > 0:
+                    admin_paths.ensure_private_dir(path)
+                await self._bind(path)
+            except OSError as e:
+                errors.append(f"{path}: {e.strerror or e}")
+                continue
+            self.path = path
+            if i > 0:
+                log.warning("admin socket at the per-user fallback path: cannot bind the "
+                            "default path", path=path, default=paths[0], error=errors[0])
+            else:
+                log.info("admin socket listening", path=path)
+            return True
+        if self.cfg.socket_path != DEFAULT_ADMIN_SOCKET:
+            raise OSError(f"cannot bind the admin socket admin.socket_path="
+                          f"{self.cfg.socket_path}: {errors[0]}")
+        log.warning("admin socket disabled: cannot bind the default path or the per-user "
+                    "fallback (run under systemd, or set admin.socket_path)", errors=errors)
+        return False
+
+    async def _bind(self, path: str) -> None:
+        _remove_stale(path)
+        old_umask = os.umask(0o117)  # the socket is born 0660: no window with wider access
+        try:
+            self._server = await asyncio.start_unix_server(
+                self._client, path=path, limit=self.cfg.max_line_bytes)
+        finally:
+            os.umask(old_umask)
+        os.chmod(path, 0o660)
 
     async def close(self) -> None:
         if self._server is None:

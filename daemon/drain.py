@@ -39,6 +39,7 @@ class DrainController:
         self.exiting = False
         self._task: asyncio.Task | None = None
         self._done = asyncio.Event()
+        self.num_waiting = 0                # callers inside wait() (tests wait on this)
 
     def begin(self, timeout: float | None, exiting: bool = False,
               reason: str = "admin") -> DrainProgress:
@@ -75,7 +76,11 @@ class DrainController:
         return True
 
     async def wait(self) -> DrainProgress:
-        await self._done.wait()
+        self.num_waiting += 1
+        try:
+            await self._done.wait()
+        finally:
+            self.num_waiting -= 1
         return self.progress()
 
     def progress(self) -> DrainProgress:

@@ -103,6 +103,14 @@ async def asend(server, cmd, path=None):
     return await asyncio.to_thread(send, server, cmd, path)
 
 
+async def until(predicate, timeout: float = 30.0) -> None:
+    """Poll `predicate` with a deadline (no fixed sleeps: a loaded 2-core box is slow)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached within the deadline"
+        await asyncio.sleep(0.01)
+
+
 def raw_exchange(path: str, payload: bytes, timeout: float = 10.0) -> list[dict]:
     """Send raw bytes (or nothing), then read reply lines until the daemon closes or stays
     quiet for `timeout` seconds."""
@@ -291,7 +299,7 @@ async def test_drain_waits_for_in_flight_requests(server, model_name):
         reply = await asend(server, P.Drain())
         assert reply.progress.in_flight == 1 and not reply.progress.drained
         waiter = asyncio.ensure_future(asend(server, P.Drain(wait=True)))
-        await asyncio.sleep(0.3)
+        await until(lambda: server.state.drain.num_waiting == 1)  # the waiter is inside wait()
         assert not waiter.done()
         server.gate.open()
         events = await read_events(resp)
@@ -324,7 +332,7 @@ async def test_resume_wakes_a_waiting_drain(server, model_name):
         resp, rid = await start_stream(server, session, model_name, max_tokens=20)
         server.gate.close()
         waiter = asyncio.ensure_future(asend(server, P.Drain(wait=True)))
-        await asyncio.sleep(0.3)
+        await until(lambda: server.state.drain.num_waiting == 1)
         assert (await asend(server, P.Resume())).was_draining
         done = await waiter
         server.gate.open()
@@ -413,7 +421,7 @@ def test_cli_exit_status_reflects_failure(server, tmp_path):
 
 # -- health with a wedged engine ------------------------------------------------------------
 async def test_health_fails_and_watchdog_stops_when_the_engine_wedges(server, model_name,
-                                                                      tmp_path):
+                                                                      tmp_path, monkeypatch):
     """1. watchdog pings flow (the lifecycle's loop, 0.05 s, to a real datagram socket);
     2. a stream runs and the runner wedges (the gate); 3. within health_stall_seconds (0.5 s)
     /health turns 503 and the pings stop, while the event loop still answers; 4. the runner
@@ -421,8 +429,20 @@ async def test_health_fails_and_watchdog_stops_when_the_engine_wedges(server, mo
     from tokenloom.daemon.lifecycle import watchdog_loop
     from tokenloom.daemon.sdnotify import Notifier
 
+    from tokenloom.daemon import app as app_module
+
     listener = NotifyListener(str(tmp_path / "notify.sock"))
     notifier = Notifier(listener.address, watchdog_seconds=0.05)
+    ticks = []   # the watchdog loop's health checks that found a problem (after /health 503)
+    check = app_module.engine_problem
+
+    def counting(state):
+        problem = check(state)
+        if problem is not None:
+            ticks.append(problem)
+        return problem
+
+    monkeypatch.setattr(app_module, "engine_problem", counting)
     task = asyncio.run_coroutine_threadsafe(watchdog_loop(server.state, notifier), server.loop)
     try:
         assert await asyncio.to_thread(wait_for, lambda: listener.count("WATCHDOG=1") >= 2)
@@ -436,8 +456,12 @@ async def test_health_fails_and_watchdog_stops_when_the_engine_wedges(server, mo
                 await asyncio.sleep(0.05)
             status, _, body = await _status(server, "/health")
             assert status == 503 and b"no step" in body
+            # Ticks are counted instead of sleeping: ten checks that withheld their ping.
+            seen = len(ticks)
+            await until(lambda: len(ticks) >= seen + 2)
             listener.clear()
-            await asyncio.sleep(0.5)  # ten ping intervals
+            seen = len(ticks)
+            await until(lambda: len(ticks) >= seen + 10)
             assert listener.count("WATCHDOG=1") == 0
             server.gate.open()
             assert await asyncio.to_thread(wait_for, lambda: listener.count("WATCHDOG=1") >= 2)
@@ -450,3 +474,59 @@ async def test_health_fails_and_watchdog_stops_when_the_engine_wedges(server, mo
         task.cancel()
         listener.close()
 
+
+
+# -- the per-user fallback path (issue 17: `make serve` on a laptop) --------------------------
+def _fallback_admin(server, monkeypatch, tmp_path):
+    """An AdminServer at the default socket_path whose primary directory cannot be used."""
+    from tokenloom.daemon import admin_paths
+
+    monkeypatch.setattr(admin_paths, "PRIMARY", str(tmp_path / "no-such-dir" / "admin.sock"))
+    admin = AdminServer(server.state, AdminConfig())
+    ok = server.call(admin.start())
+    server.extra = admin
+    return ok, admin
+
+
+def test_default_path_falls_back_to_xdg_runtime_dir(server, extra, monkeypatch, tmp_path):
+    """1. /run/tokenloom is unusable (here: a missing directory); 2. the socket binds at
+    $XDG_RUNTIME_DIR/tokenloom/admin.sock in a 0700 directory; 3. `tokenloom admin stats`
+    without --socket finds it there."""
+    runtime = tmp_path / "xdg"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    ok, admin = _fallback_admin(server, monkeypatch, tmp_path)
+    assert ok and admin.path == str(runtime / "tokenloom" / "admin.sock")
+    assert os.stat(runtime / "tokenloom").st_mode & 0o777 == 0o700
+    p = subprocess.run([TOKENLOOM, "admin", "--json", "stats"], capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "XDG_RUNTIME_DIR": str(runtime)})
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["reply"] == "stats"
+
+
+def test_default_path_falls_back_to_a_per_user_tmp_dir(server, extra, monkeypatch, tmp_path):
+    import tempfile
+
+    from tokenloom.daemon import admin_paths
+
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    ok, admin = _fallback_admin(server, monkeypatch, tmp_path)
+    expected = tmp_path / f"tokenloom-{os.getuid()}" / "admin.sock"
+    assert ok and admin.path == str(expected)
+    assert admin_paths.find_socket(AdminConfig().socket_path) == str(expected)
+    assert isinstance(send(server, P.Stats(), admin.path), P.StatsReply)
+
+
+def test_a_planted_fallback_dir_is_refused(server, extra, monkeypatch, tmp_path):
+    """A fallback directory that is not private (someone else's, or world-writable) is not
+    used: the daemon runs without the socket and says why."""
+    runtime = tmp_path / "xdg"
+    (runtime / "tokenloom").mkdir(parents=True)
+    os.chmod(runtime / "tokenloom", 0o777)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    with capture_logs() as lines:
+        ok, _ = _fallback_admin(server, monkeypatch, tmp_path)
+    assert not ok
+    (warning,) = [x for x in lines if x["event"].startswith("admin socket disabled")]
+    assert any("mode 0700" in e for e in warning["errors"])
