@@ -92,6 +92,7 @@ class Engine:
         self.info = info
         self.tokenizer = tokenizer
         self.streams = StreamRegistry()
+        self.streams.on_delivery_failure = self.abort   # a broken stream ends its request
         sc = config.scheduler
         limits = PolicyLimits(max_num_seqs=sc.max_num_seqs,
                               max_num_batched_tokens=sc.max_num_batched_tokens,

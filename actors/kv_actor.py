@@ -35,7 +35,7 @@ class KVManagerActor(Actor):
             if made is not None:  # None: no free block for the copy; the child waits
                 forked[child] = m.block_table(child)
                 copies.extend(made)
-        new_blocks = m.allocate(update.grants) if update.grants else {}
+        new_blocks, failed = self._allocate(update.grants)
         admitted = {}
         swap_in = []
         if new_blocks is not None:
@@ -57,7 +57,30 @@ class KVManagerActor(Actor):
                        exclusive={rid: m.num_exclusive(rid) for rid in update.report},
                        tables={rid: m.block_table(rid) for rid in update.tables_for
                                if m.has_request(rid)},
-                       forked=forked, copies=copies, swap_out=swap_out, swap_in=swap_in)
+                       forked=forked, copies=copies, swap_out=swap_out, swap_in=swap_in,
+                       failed=failed)
+
+    def _allocate(self, grants) -> tuple[dict[str, list[int]] | None, dict[str, str]]:
+        """Every grant at once (atomic: all or nothing). If that raises (a fault, not a lack
+        of room, which is a refusal), retry one grant at a time so that the failure ends
+        only the requests it touches: those come back in `failed` with the error."""
+        if not grants:
+            return {}, {}
+        try:
+            return self.manager.allocate(grants), {}
+        except Exception as e:  # noqa: BLE001
+            self.log.error("KV allocation failed; retrying grant by grant", error=repr(e))
+        new_blocks, failed = {}, {}
+        for grant in grants:
+            try:
+                got = self.manager.allocate([grant])
+            except Exception as e:  # noqa: BLE001
+                failed[grant[0]] = f"KV block allocation failed: {e!r}"
+                continue
+            if got is None:  # cannot be, as all of them fitted together; refuse as usual
+                return None, failed
+            new_blocks.update(got)
+        return new_blocks, failed
 
     def stats(self) -> KVStats:
         m = self.manager

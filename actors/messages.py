@@ -159,6 +159,7 @@ class KVGrant(_Msg):
     copies: list[tuple[int, int]] = []       # (src, dst) blocks the runner must copy first
     swap_out: list[tuple[int, int]] = []     # (device block, host slot)
     swap_in: list[tuple[int, int]] = []      # (host slot, device block)
+    failed: dict[str, str] = {}              # grants that could not be allocated: the error
 
 
 # -- scheduler <-> runner ----------------------------------------------------------------

@@ -226,6 +226,10 @@ class SchedulerActor(Actor):
         self._admit(d)
         t_kv = time.perf_counter()
         grant = await self._kv_update(d, swap_outs=swap_outs, swap_ins=swap_ins)
+        for rid, why in grant.failed.items():  # allocation failed for these alone
+            if (req := self.requests.get(rid)) is not None:
+                self._finish(req, S.FINISHED, FinishReason.ERROR, error=why,
+                             error_kind=ERROR_INTERNAL)
         kv_seconds = time.perf_counter() - t_kv
         apply_prefix_hits(d, grant, self.limits.block_size)
         note_plans(d, time.monotonic())
@@ -382,7 +386,13 @@ class SchedulerActor(Actor):
         if req.trace is not None:
             req.trace.token(now)
         lps = [s.logprob] if s.logprob is not None else None
-        text, stopped = self.outputs.text(req, (s.token_id,))
+        try:
+            text, stopped = self.outputs.text(req, (s.token_id,))
+        except Exception as e:  # noqa: BLE001 - a detokenizer failure ends only its request
+            self.log.error("detokenization failed", request_id=req.request_id, error=repr(e))
+            self._finish(req, S.FINISHED, FinishReason.ERROR, new_tokens=[s.token_id],
+                         error=f"detokenization failed: {e!r}", error_kind=ERROR_INTERNAL)
+            return
         reason = FinishReason.STOP if stopped else req.check_stop()
         if reason is not None:
             self._finish(req, S.FINISHED, reason, new_tokens=[s.token_id], new_logprobs=lps,

@@ -7,14 +7,13 @@ HTTP handler) consumes them. Outputs for a stream nobody holds any more are drop
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from typing import Callable
 
-from tokenloom.actors.messages import RequestOutput
+from tokenloom.actors.messages import ERROR_INTERNAL, RequestOutput
 
 
 class StreamRegistry:
-    def __init__(self) -> None:
-        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
-
     def open(self, request_id: str,
              queue: asyncio.Queue[RequestOutput] | None = None) -> asyncio.Queue[RequestOutput]:
         """Deliver request_id's outputs to `queue` (a new one if None; several requests may
@@ -28,12 +27,37 @@ class StreamRegistry:
     def close(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
 
+    def __init__(self) -> None:
+        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        # Called with the request id when delivering to its stream failed (the engine
+        # aborts it); None: nobody to tell.
+        self.on_delivery_failure: Callable[[str], None] | None = None
+
     def emit(self, out: RequestOutput) -> None:
+        """Deliver `out` to its stream. A delivery that raises ends only that stream: it is
+        closed with an error output (best effort), its request is reported through
+        `on_delivery_failure`, and the caller (the scheduler's loop) never sees the error."""
         q = self._queues.get(out.request_id)
         if q is not None:
-            q.put_nowait(out)
+            try:
+                self._deliver(q, out)
+            except Exception as e:  # noqa: BLE001 - one stream's failure is its own
+                self._queues.pop(out.request_id, None)
+                error = RequestOutput(request_id=out.request_id, new_token_ids=[],
+                                      finished=True, finish_reason="error",
+                                      error=f"delivering the request's output failed: {e!r}",
+                                      error_kind=ERROR_INTERNAL)
+                with contextlib.suppress(Exception):
+                    q.put_nowait(error)
+                if not out.finished and self.on_delivery_failure is not None:
+                    self.on_delivery_failure(out.request_id)
+                return
         if out.finished:
             self._queues.pop(out.request_id, None)
+
+    @staticmethod
+    def _deliver(queue: asyncio.Queue[RequestOutput], out: RequestOutput) -> None:
+        queue.put_nowait(out)
 
     def fail(self, request_id: str, error: str, error_kind: str,
              finish_reason: str = "error") -> bool:
