@@ -267,6 +267,20 @@ class ServerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     # /health fails (503) and systemd watchdog pings stop once the engine has gone this
     # many seconds without completing a step while work is queued (a wedged runner).
     health_stall_seconds: Annotated[float, msgspec.Meta(ge=0.1, le=3600.0)] = 30.0
+    # Slow and abusive clients (issue 17): what one request may ask for is bounded by
+    # config, not by memory. max_tokens 0 = the context window.
+    max_tokens: Annotated[int, msgspec.Meta(ge=0, le=10_000_000)] = 0
+    max_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] = 20
+    # Connections beyond this get a 503 and are closed before anything is read.
+    max_connections: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 1024
+    # A request's headers, and its body, must arrive within these (slow-loris clients).
+    header_timeout_seconds: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)] = 10.0
+    body_timeout_seconds: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)] = 30.0
+    # A streaming client whose socket takes no data for this long is disconnected and its
+    # requests aborted, so a slow reader holds no engine slot past it (and the data queued
+    # for it stays bounded by the kernel's and the transport's buffers).
+    write_timeout_seconds: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)] = 30.0
+    keepalive_timeout_seconds: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)] = 75.0
 
 
 class GraphsConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):

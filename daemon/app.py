@@ -19,6 +19,7 @@ from tokenloom.daemon.drain import DrainController
 from tokenloom.daemon.errors import APIError
 from tokenloom.daemon.metrics import CONTENT_TYPE, Metrics
 from tokenloom.daemon.protocol import Limits
+from tokenloom.daemon.responses import ReadyResponse
 from tokenloom.daemon.sdnotify import Notifier
 from tokenloom.daemon.state import STATE, ServerState
 
@@ -100,7 +101,20 @@ async def ready(request: web.Request) -> web.Response:
         raise APIError(503, "draining")
     if not state.ready:
         raise APIError(503, "loading")
-    return web.json_response({"status": "ready"})
+    return openai_api.struct_response(ReadyResponse(status="ready"))
+
+
+async def openapi_json(request: web.Request) -> web.Response:
+    """The OpenAPI 3.1 document, with this server's bounds (daemon/openapi.py)."""
+    from tokenloom.daemon.openapi import document
+
+    state = request.app[STATE]
+    limits = state.limits
+    cap = limits.max_model_len if limits is not None else None
+    if state.config.server.max_tokens:
+        cap = min(cap or state.config.server.max_tokens, state.config.server.max_tokens)
+    return web.json_response(document(limits, max_tokens=cap,
+                                      max_logprobs=state.config.server.max_logprobs))
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -143,7 +157,9 @@ async def _start_engine(state: ServerState):
     state.model_name = served_model_name(state.config, engine)
     state.limits = Limits(max_n=state.config.server.max_n, served_name=state.model_name,
                           model_names=frozenset({state.model_name, state.config.model.model}),
-                          max_model_len=engine.info.max_model_len)
+                          max_model_len=engine.info.max_model_len,
+                          max_tokens=state.config.server.max_tokens,
+                          max_logprobs=state.config.server.max_logprobs)
     state.metrics = Metrics(state.model_name)
     state.token_text = openai_api.token_text_cache(engine.tokenizer)
     startup_log.info("warming up")
@@ -211,6 +227,7 @@ def create_app(config: EngineConfig, engine=None, notifier: Notifier | None = No
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi_json)
     return app
 
 
@@ -220,10 +237,17 @@ async def start(app: web.Application, host: str, port: int) -> tuple[web.AppRunn
     handler_cancellation: a client that disconnects cancels its handler, which aborts its
     engine requests (streaming or not) so their KV blocks are freed within one iteration.
     """
+    from tokenloom.daemon.connections import ConnectionStats, GuardedTCPSite
+
+    server = app[STATE].config.server
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=5.0)
+                           shutdown_timeout=5.0,
+                           keepalive_timeout=server.keepalive_timeout_seconds)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    stats = ConnectionStats(max_connections=server.max_connections,
+                            header_timeout=server.header_timeout_seconds)
+    app[STATE].connections = stats
+    site = GuardedTCPSite(runner, host, port, stats)
     await site.start()
     bound = site._server.sockets[0].getsockname()[1] if port == 0 else port
     return runner, bound

@@ -5,6 +5,8 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
+from tokenloom.daemon.responses import ErrorDetail, ErrorResponse
+
 # Status -> the error `type` OpenAI's API reports for it (4xx not listed: invalid_request_error).
 _TYPES = {429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 _CODES = {413: "request_too_large", 415: "unsupported_media_type", 429: "server_overloaded",
@@ -26,9 +28,9 @@ class APIError(Exception):
                                        else "server_error")
         self.headers = headers or {}
 
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorDetail(message=self.message, type=self.type,
+                                               param=self.param, code=self.code))
 
     def response(self) -> web.Response:
         return web.Response(status=self.status, body=msgspec.json.encode(self.body()),

@@ -10,14 +10,17 @@ chunk before `[DONE]`, then carries
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from functools import lru_cache
 
+import msgspec
 import structlog
 from aiohttp import web
 
 from tokenloom.daemon import protocol, sse
+from tokenloom.daemon import responses as R
 from tokenloom.daemon.errors import APIError
 from tokenloom.daemon.generation import Delta, Generation
 from tokenloom.daemon.state import STATE, ServerState
@@ -37,7 +40,11 @@ async def read_body(request: web.Request, state: ServerState) -> bytes:
         raise APIError(413, f"the request body ({request.content_length} bytes) is larger than "
                             f"the limit of {limit} bytes")
     try:
-        body = await request.read()
+        body = await asyncio.wait_for(request.read(), state.config.server.body_timeout_seconds)
+    except TimeoutError:
+        raise APIError(408, f"the request body was not received within "
+                            f"{state.config.server.body_timeout_seconds:g} s "
+                            f"(server.body_timeout_seconds)") from None
     except web.HTTPRequestEntityTooLarge:
         raise APIError(413, f"the request body is larger than the limit of {limit} bytes") from None
     try:
@@ -114,12 +121,50 @@ async def _serve(request: web.Request, state: ServerState, parsed: protocol.Pars
             log.info("request aborted", reason="the client went away")
 
 
+class _Writer:
+    """Writes a stream's frames; a client whose socket takes no data for
+    server.write_timeout_seconds is cut off (ConnectionResetError: the handler's cleanup
+    aborts its engine requests). The fast path is a plain write: only when the transport
+    already holds unsent data can a write wait, and only then is it given a deadline."""
+
+    def __init__(self, request: web.Request, resp: web.StreamResponse, timeout: float):
+        self.transport = request.transport
+        self.resp = resp
+        self.timeout = timeout
+
+    async def write(self, data: bytes) -> None:
+        t = self.transport
+        if t is None or not t.get_write_buffer_size():
+            await self.resp.write(data)
+            return
+        try:
+            await asyncio.wait_for(self.resp.write(data), self.timeout)
+        except TimeoutError:
+            log.warning("slow client cut off: no data taken", seconds=self.timeout,
+                        buffered_bytes=t.get_write_buffer_size())
+            t.abort()
+            raise ConnectionResetError("the client took no data within "
+                                       "server.write_timeout_seconds") from None
+
+    async def eof(self) -> None:
+        if self.transport is not None and self.transport.get_write_buffer_size():
+            try:
+                await asyncio.wait_for(self.resp.write_eof(), self.timeout)
+            except TimeoutError:
+                self.transport.abort()
+                raise ConnectionResetError("the client took no data within "
+                                           "server.write_timeout_seconds") from None
+            return
+        await self.resp.write_eof()
+
+
 async def _stream(request: web.Request, gen: Generation, fmt: "_Formatter",
                   parsed: protocol.ParsedRequest) -> web.StreamResponse:
     resp = await sse.open_stream(request, {"X-Request-Id": gen.request_id})
+    out = _Writer(request, resp, request.app[STATE].config.server.write_timeout_seconds)
     try:
         for first in fmt.first_chunks(gen):
-            await resp.write(sse.frame(first))
+            await out.write(sse.frame(first))
         remaining = len(gen.choices)
         async for delta in gen.deltas():
             if delta.finish_reason is not None:
@@ -127,15 +172,15 @@ async def _stream(request: web.Request, gen: Generation, fmt: "_Formatter",
             elif not delta.text and parsed.logprobs is None:
                 continue  # tokens whose text is held back (half a character, a stop prefix)
             last = remaining == 0 and not parsed.include_usage
-            await resp.write(fmt.chunk_frame(delta, gen if last else None))
+            await out.write(fmt.chunk_frame(delta, gen if last else None))
         if parsed.include_usage:
-            await resp.write(sse.frame(fmt.usage_chunk(gen)))
+            await out.write(sse.frame(fmt.usage_chunk(gen)))
     except APIError as e:
         # The status line is gone already: report the error as the stream's last event.
         log.warning("stream failed", error=e.message)
-        await resp.write(sse.frame(e.body()))
-    await resp.write(sse.DONE)
-    await resp.write_eof()
+        await out.write(sse.frame(e.body()))
+    await out.write(sse.DONE)
+    await out.eof()
     return resp
 
 
@@ -303,11 +348,11 @@ async def request_trace(request: web.Request) -> web.Response:
 
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    data = [{"id": state.model_name, "object": "model", "created": state.started,
-             "owned_by": "tokenloom", "root": str(state.engine.info.model_dir) if state.engine
-             else None, "parent": None,
-             "max_model_len": state.engine.info.max_model_len if state.engine else None}]
-    return web.json_response({"object": "list", "data": data})
+    engine = state.engine
+    model = R.Model(id=state.model_name, object="model", created=state.started,
+                    owned_by="tokenloom", root=str(engine.info.model_dir) if engine else None,
+                    parent=None, max_model_len=engine.info.max_model_len if engine else None)
+    return struct_response(R.ModelList(object="list", data=[model]))
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -329,8 +374,8 @@ async def tokenize(request: web.Request) -> web.Response:
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from e
     else:
         ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-    return web.json_response({"tokens": ids, "count": len(ids),
-                              "max_model_len": state.engine.info.max_model_len})
+    return struct_response(R.TokenizeResponse(tokens=ids, count=len(ids),
+                                              max_model_len=state.engine.info.max_model_len))
 
 
 async def detokenize(request: web.Request) -> web.Response:
@@ -342,7 +387,13 @@ async def detokenize(request: web.Request) -> web.Response:
     if bad:
         raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})",
                        param="tokens")
-    return web.json_response({"prompt": state.engine.tokenizer.decode(req.tokens)})
+    return struct_response(R.DetokenizeResponse(prompt=state.engine.tokenizer.decode(req.tokens)))
+
+
+def struct_response(body, status: int = 200) -> web.Response:
+    """A JSON response from a responses.py Struct."""
+    return web.Response(status=status, body=msgspec.json.encode(body),
+                        content_type="application/json")
 
 
 def token_text_cache(tokenizer, size: int = 65536):

@@ -103,6 +103,8 @@ class Limits:
     served_name: str
     model_names: frozenset[str]             # the served name and the aliases accepted
     max_model_len: int
+    max_tokens: int = 0                     # server.max_tokens: most per choice (0: no cap)
+    max_logprobs: int = MAX_LOGPROBS        # server.max_logprobs
 
 
 @dataclasses.dataclass
@@ -172,14 +174,18 @@ def _sampling_params(req: _Sampling, limits: Limits, max_tokens: int | None,
 
     if max_tokens is not None:
         need(max_tokens >= 1, max_tokens_field, f"must be at least 1, got {max_tokens}")
+        need(not limits.max_tokens or max_tokens <= limits.max_tokens, max_tokens_field,
+             f"must be at most {limits.max_tokens} (server.max_tokens), got {max_tokens}")
+    elif limits.max_tokens:
+        default_max_tokens = min(default_max_tokens, limits.max_tokens)
     if req.temperature is not None:
         need(req.temperature >= 0, "temperature", f"must be >= 0, got {req.temperature}")
     if req.top_p is not None:
         need(0 < req.top_p <= 1, "top_p", f"must be in (0, 1], got {req.top_p}")
     need(1 <= req.n <= limits.max_n, "n", f"must be in [1, {limits.max_n}], got {req.n}")
     if logprobs is not None:
-        need(0 <= logprobs <= MAX_LOGPROBS, logprobs_field,
-             f"must be in [0, {MAX_LOGPROBS}], got {logprobs}")
+        need(0 <= logprobs <= limits.max_logprobs, logprobs_field,
+             f"must be in [0, {limits.max_logprobs}], got {logprobs}")
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported", param="logit_bias")
     if req.cache_salt is not None:

@@ -31,6 +31,7 @@ class ServerState:
     drain: object | None = None             # tokenloom.daemon.drain.DrainController (create_app)
     notifier: Notifier = dataclasses.field(default_factory=Notifier)  # sd_notify (or no-op)
     started: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    connections: object | None = None       # daemon.connections.ConnectionStats once serving
 
 
 STATE = web.AppKey("tokenloom_state", ServerState)

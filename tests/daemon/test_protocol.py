@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import msgspec
+
 import pytest
 
 from tokenloom.daemon.errors import APIError
@@ -85,7 +87,7 @@ def test_completion_refusals_name_the_field(fields, status, param):
     with pytest.raises(APIError) as info:
         parse_completion(body(**fields), LIMITS)
     assert (info.value.status, info.value.param) == (status, param)
-    assert set(info.value.body()["error"]) == {"message", "type", "param", "code"}
+    assert set(msgspec.to_builtins(info.value.body())["error"]) == {"message", "type", "param", "code"}
 
 
 @pytest.mark.parametrize("fields, param", [
