@@ -2,7 +2,9 @@
 
 Pure apart from building tensors: no model, no asyncio. The flat token layout is decodes
 first (one token each), then each prefill chunk; `logits_indices` picks the rows that
-complete their sequence's known tokens and therefore get a sampled token.
+complete their sequence's known tokens and therefore get a sampled token. A speculative
+decode (its last token plus k drafts) is laid out as a chunk of k + 1 tokens and samples
+at each of them.
 
 Built with numpy in bulk (one array per field, not one tensor per sequence): at 64 decodes
 a step this is ~0.1 ms instead of ~1 ms of per-row Python and tiny tensor constructions.
@@ -30,7 +32,8 @@ class BatchInputs:
     positions: torch.Tensor        # [T] int64
     meta: AttentionMetadata
     logits_indices: torch.Tensor   # [S] int64, rows of the flat batch to sample from
-    sample_ids: list[str]          # request id of each sampled row, in order
+    sample_ids: list[str]          # request id of each sampled row, in order (a speculative
+                                   # sequence's id once per verified position)
     num_tokens: int
 
 
@@ -92,8 +95,10 @@ def build_batch_inputs(batch: ExecuteBatch, block_size: int, device: torch.devic
                                        block_table=_tensor(table, device)))
         t += n
         if s.sample:
-            logits_indices.append(t - 1)
-            sample_ids.append(s.request_id)
+            # A verification samples at the last known token and at each draft.
+            for row in range(t - 1 - s.num_draft, t):
+                logits_indices.append(row)
+                sample_ids.append(s.request_id)
 
     one = len(ids_parts) == 1
     meta = AttentionMetadata(

@@ -27,12 +27,15 @@ from tokenloom.actors.model_runner import ModelRunner
 from tokenloom.actors.block_hash import model_fingerprint
 from tokenloom.actors.policy import PolicyLimits
 from tokenloom.actors.prefix_tracker import PrefixTracker
+from tokenloom.actors.proposers import NgramProposer
 from tokenloom.actors.router import RouterActor
 from tokenloom.actors.runner import RunnerActor
 from tokenloom.actors.scheduler import SchedulerActor
+from tokenloom.actors.spec_decode import SpecController
 from tokenloom.actors.streams import StreamRegistry
 from tokenloom.actors.tokenizer import TokenizerActor
-from tokenloom.config.schema import ConfigError, EngineConfig, resolve_cache_dir
+from tokenloom.config.schema import (ConfigError, EngineConfig, SpeculativeConfig,
+                                     resolve_cache_dir)
 from tokenloom.actors.swap import SwapSpace
 from tokenloom.kernels.kv_store import HostKVPool, KVCache
 from tokenloom.kernels.device import pick_device, pick_dtype, select_decode_backend
@@ -84,6 +87,24 @@ def size_kv_pool(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype,
     return num_blocks, per_token
 
 
+def build_speculation(cfg: SpeculativeConfig, model, kv: KVCache, info: RuntimeInfo):
+    """(SpecController, proposer, KV lookahead slots) for `[speculative]`, or Nones."""
+    if cfg.method == "off":
+        return None, None, 0
+    controller = SpecController(cfg.method, cfg.num_speculative_tokens, mode=cfg.mode,
+                                reprobe_steps=cfg.reprobe_steps, min_gain=cfg.min_gain)
+    if cfg.method == "ngram":
+        proposer, lookahead = NgramProposer(cfg.ngram_min, cfg.ngram_max), 0
+    else:
+        from tokenloom.actors.draft_model import DraftModelProposer
+        proposer = DraftModelProposer.load(cfg.draft_model, info, kv)
+        lookahead = cfg.num_speculative_tokens
+    startup_log.info(f"speculative decoding: {cfg.method}, k={cfg.num_speculative_tokens}, "
+                     f"mode {cfg.mode}", method=cfg.method, k=cfg.num_speculative_tokens,
+                     mode=cfg.mode)
+    return controller, proposer, lookahead
+
+
 class Engine:
     """Owns the actors. Build with `Engine.build(config)`, then `await engine.run()`."""
 
@@ -120,10 +141,12 @@ class Engine:
                              f"({slots * block_bytes / 2**20:.0f} MiB), "
                              f"preemption mode {sc.preemption_mode}",
                              swap_blocks=slots, preemption_mode=sc.preemption_mode)
+        spec_ctl, proposer, lookahead = build_speculation(config.speculative, model, kv, info)
         self.scheduler = SchedulerActor(limits, eos, info.max_model_len, self._emit_scheduled,
                                         PrefixTracker(fingerprint, info.block_size, caching),
                                         config=sc, swap=swap, block_bytes=block_bytes,
-                                        outputs=OutputProcessor(tokenizer))
+                                        outputs=OutputProcessor(tokenizer), spec=spec_ctl,
+                                        spec_lookahead=lookahead)
         self.kv_manager = KVManagerActor(KVCacheManager(info.num_blocks, info.block_size,
                                                         enable_prefix_caching=caching))
         from tokenloom.graphs.setup import build_decode_graphs
@@ -131,7 +154,7 @@ class Engine:
             config.graphs, model, kv, max_num_seqs=sc.max_num_seqs,
             max_model_len=info.max_model_len, device=info.device)
         self.runner = RunnerActor(ModelRunner(model, kv, info.device, eos, graphs, dispatcher,
-                                              host_pool=host_pool))
+                                              host_pool=host_pool, proposer=proposer))
         # Wiring: tokenizer -> router -> scheduler <-> {KV manager, runner}.
         self.tokenizer_actor.next_inbox = self.router.inbox
         self.router.next_inbox = self.scheduler.inbox

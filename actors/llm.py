@@ -25,17 +25,17 @@ import structlog
 
 from tokenloom.actors.engine import Engine
 from tokenloom.actors.messages import (CheckIntegrity, FlushPrefixCache, GenerateRequest,
-                                       GetKVStats, GetSchedulerStats, IsIdle, KVStats,
+                                       GetKVStats, GetSchedulerStats, GetTrace, IsIdle, KVStats,
                                        RequestOutput, SchedulerStats, SubscribeKVEvents,
                                        TokenLogprob)
 from tokenloom.actors.output_processor import fan_out
 from tokenloom.actors.prefix_cache import FlushResult
 from tokenloom.actors.sampling_params import SamplingParams
 from tokenloom.config.load import load_config
-from tokenloom.config.schema import ConfigError, EngineConfig, field_types, CacheConfig, ModelConfig, SchedulerConfig, GraphsConfig
+from tokenloom.config.schema import ConfigError, EngineConfig, field_types, CacheConfig, ModelConfig, SchedulerConfig, GraphsConfig, SpeculativeConfig
 
 _SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-             "graphs": GraphsConfig}
+             "graphs": GraphsConfig, "speculative": SpeculativeConfig}
 STARTUP_LOGGER = "tokenloom.startup"
 # Per thread of control, so that a quiet LLM built beside a chatty one stays quiet.
 _show_startup: contextvars.ContextVar[bool] = contextvars.ContextVar("tokenloom_show_startup",
@@ -185,6 +185,11 @@ class LLM:
     def ask(self, actor, query) -> Any:
         """Send a typed query (messages.py, "control") to one of the engine's actors."""
         return self._wait(self.engine.ask(actor, query))
+
+    def trace(self, request_id: str) -> list[dict]:
+        """The trace of a recent request (one per choice when n > 1), as served by
+        `GET /v1/requests/{id}/trace`; [] once it has left the trace history."""
+        return self.ask(self.engine.scheduler, GetTrace(request_id=request_id))
 
     def check_integrity(self) -> None:
         """KV pool integrity (free + used == total, no block owned twice) — raises if broken."""

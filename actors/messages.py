@@ -182,6 +182,11 @@ class ScheduledSequence(_Msg):
     block_table: list[int]     # blocks covering positions [0, start_pos + len(token_ids))
     sample: bool               # this step completes the sequence's known tokens: sample one
     new: NewSequence | None = None
+    # Speculative decoding: the last `num_draft` of token_ids are proposals to verify (the
+    # step samples 1..num_draft + 1 tokens); `propose`: after sampling, propose this many
+    # tokens for the next step (SpecResult.proposals).
+    num_draft: int = 0
+    propose: int = 0
 
 
 class ExecuteBatch(_Msg):
@@ -201,6 +206,16 @@ class SampledToken(_Msg):
     logprob: TokenLogprob | None = None
 
 
+class SpecResult(_Msg):
+    """A sequence's speculation in one step: how many of its `num_draft` proposals the
+    target accepted (its SampledTokens are those, then one more), and the proposals for
+    its next step."""
+    request_id: str
+    num_draft: int = 0
+    num_accepted: int = 0
+    proposals: list[int] = []
+
+
 class StepOutput(_Msg):
     step: int
     sampled: list[SampledToken]
@@ -210,6 +225,8 @@ class StepOutput(_Msg):
     # How long the compute thread waited for this batch after finishing the previous one
     # (host work the device was exposed to; with overlapped steps, near 0).
     idle_seconds: float = 0.0
+    spec: list[SpecResult] = []          # speculative sequences' verification and proposals
+    draft_seconds: float = 0.0           # time the draft model took (method "draft")
 
 
 class ForgetRequests(_Msg):
@@ -285,6 +302,19 @@ class StepTimings(_Msg, frozen=True):
     batch_size: float = 0.0
 
 
+class SpecStats(_Msg):
+    """Speculative decoding since start-up (vLLM's spec_decode counters): verification
+    steps (one per speculating sequence per step), draft tokens verified and accepted,
+    accepted count per draft position, and steps where the kill switch stopped the batch."""
+    method: str
+    num_speculative_tokens: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = []
+    steps_killed: int = 0
+
+
 class SchedulerStats(_Msg):
     waiting: int
     running: int
@@ -303,6 +333,7 @@ class SchedulerStats(_Msg):
     num_slo_evaluated: int
     num_slo_good: int
     timings: StepTimings = StepTimings()
+    spec: SpecStats | None = None
 
 
 class KVStats(_Msg):

@@ -20,12 +20,13 @@ from tokenloom.actors.batch_inputs import build_batch_inputs
 from tokenloom.graphs.capture import DecodeGraphs
 from tokenloom.graphs.dispatch import GRAPH, Dispatcher
 from tokenloom.actors.messages import (PLACEHOLDER, ExecuteBatch, NewSequence, SampledToken,
-                                       StepOutput, TokenLogprob)
+                                       SpecResult, StepOutput, TokenLogprob)
 from tokenloom.kernels.kv_store import HostKVPool, KVCache
 from tokenloom.kernels.llama import LlamaForCausalLM
 from tokenloom.kernels.sampling import Sample, SamplingRow, make_generator, sample
 from tokenloom.kernels.sampling import reads_host_history
 from tokenloom.kernels.sampling import sample_ids as sample_ids_on_device
+from tokenloom.kernels.spec_verify import Proposal, expand_rows, verify
 
 
 @dataclasses.dataclass
@@ -39,6 +40,8 @@ class LaunchedStep:
     token_ids: torch.Tensor | None = None   # [S] on the device (no logprobs wanted)
     samples: list | None = None             # host Samples (logprobs wanted: synced at once)
     event: object | None = None             # CUDA event recorded after sampling
+    # Speculative steps: each sampled request's emitted tokens (accepted drafts, then one).
+    emitted: dict[str, list[Sample]] | None = None
     idle_seconds: float = 0.0               # how long the runner waited for this batch
 
     def done(self) -> bool:
@@ -49,18 +52,24 @@ class LaunchedStep:
 class _SeqState:
     row: SamplingRow
     output_token_ids: list[int]
+    # The distributions the draft model drew its last proposals from ([k, vocab]), kept
+    # for their verification; None for deterministic proposals (prompt lookup).
+    draft_probs: torch.Tensor | None = None
 
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv: KVCache, device: torch.device,
                  eos_token_ids: tuple[int, ...], graphs: DecodeGraphs | None = None,
-                 dispatcher: Dispatcher | None = None, host_pool: HostKVPool | None = None):
+                 dispatcher: Dispatcher | None = None, host_pool: HostKVPool | None = None,
+                 proposer=None):
         self.model = model
         self.kv = kv
         self.host_pool = host_pool  # swap preemption's host memory (None: swap is off)
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.graphs = graphs
+        # Speculative decoding's proposer (actors/proposers.py), None when it is off.
+        self.proposer = proposer
         self.dispatcher = dispatcher or Dispatcher(None, "eager only")
         assert graphs is not None or self.dispatcher.table is None, "a graph table needs graphs"
         self._seqs: dict[str, _SeqState] = {}
@@ -127,6 +136,8 @@ class ModelRunner:
         """Whether `batch` may be launched before the previous step's tokens reach the
         host: only when none of its sampled rows reads its output history on the host."""
         for s in batch.sequences:
+            if s.num_draft or s.propose:   # verification and proposals read host history
+                return False
             if not s.sample:
                 continue
             state = self._seqs.get(s.request_id)
@@ -171,7 +182,10 @@ class ModelRunner:
                          prev.token_ids[torch.tensor(patch[1], dtype=torch.int64,
                                                      device=self.device)])
         logits, sample_ids = self._forward(batch, patch_src)          # [S, vocab]
-        if sample_ids:
+        if sample_ids and any(s.num_draft for s in batch.sequences):
+            launched.sample_ids = list(dict.fromkeys(sample_ids))     # each request once
+            launched.emitted = self._sample_speculative(batch, logits, sample_ids)
+        elif sample_ids:
             rows = [self._seqs[rid].row for rid in sample_ids]
             launched.sample_ids = sample_ids
             launched.row_of = {rid: i for i, rid in enumerate(sample_ids)}
@@ -188,23 +202,89 @@ class ModelRunner:
         """Bring the step's tokens to the host (on CUDA, waits for its kernels) and record
         them in each request's sampling state."""
         batch = launched.batch
-        samples = launched.samples
-        if samples is None and launched.token_ids is not None:
-            samples = [Sample(t, None, None) for t in launched.token_ids.tolist()]
+        emitted = launched.emitted
+        if emitted is None:
+            samples = launched.samples
+            if samples is None and launched.token_ids is not None:
+                samples = [Sample(t, None, None) for t in launched.token_ids.tolist()]
+            emitted = {rid: [tok] for rid, tok in zip(launched.sample_ids, samples or ())}
         sampled: list[SampledToken] = []
-        for rid, tok in zip(launched.sample_ids, samples or ()):
+        for rid in launched.sample_ids:
             state = self._seqs.get(rid)
             if state is None or rid in self._failed:
                 continue  # its request ended (or failed) while this step was on the device
-            state.output_token_ids.append(tok.token_id)
-            lp = None
-            if tok.logprob is not None:
-                lp = TokenLogprob(token_id=tok.token_id, logprob=tok.logprob,
-                                  top=tok.top_logprobs)
-            sampled.append(SampledToken(request_id=rid, token_id=tok.token_id, logprob=lp))
+            for tok in emitted.get(rid, ()):
+                state.output_token_ids.append(tok.token_id)
+                lp = None
+                if tok.logprob is not None:
+                    lp = TokenLogprob(token_id=tok.token_id, logprob=tok.logprob,
+                                      top=tok.top_logprobs)
+                sampled.append(SampledToken(request_id=rid, token_id=tok.token_id, logprob=lp))
+        spec, draft_seconds = self._speculation(batch, launched.emitted)
         return StepOutput(step=batch.step, sampled=sampled,
                           compute_seconds=time.perf_counter() - launched.t0,
-                          swap_seconds=launched.swap_seconds)
+                          swap_seconds=launched.swap_seconds, spec=spec,
+                          draft_seconds=draft_seconds)
+
+    def _sample_speculative(self, batch: ExecuteBatch, logits: torch.Tensor,
+                            sample_ids: list[str]) -> dict[str, list[Sample]]:
+        """A step with drafts to verify: plain rows sample as usual; each speculative
+        sequence's k + 1 rows go through the rejection rule (kernels/spec_verify.py)."""
+        drafts = {s.request_id: s.token_ids[len(s.token_ids) - s.num_draft:]
+                  for s in batch.sequences if s.num_draft}
+        plain_rows, plain_ids, proposals, spec_rows, spec_ids = [], [], [], [], []
+        i = 0
+        while i < len(sample_ids):
+            rid = sample_ids[i]
+            state = self._seqs[rid]
+            d = drafts.get(rid)
+            if d is None:
+                plain_rows.append(i)
+                plain_ids.append(rid)
+                i += 1
+                continue
+            probs = state.draft_probs
+            state.draft_probs = None
+            if probs is not None:
+                probs = probs[: len(d)]
+            proposals.append(Proposal(expand_rows(state.row, d), d, probs))
+            spec_rows.extend(range(i, i + len(d) + 1))
+            spec_ids.append(rid)
+            i += len(d) + 1
+        out: dict[str, list[Sample]] = {}
+        if plain_rows:
+            index = torch.tensor(plain_rows, dtype=torch.int64, device=logits.device)
+            for rid, tok in zip(plain_ids, sample(logits[index],
+                                                  [self._seqs[r].row for r in plain_ids])):
+                out[rid] = [tok]
+        index = torch.tensor(spec_rows, dtype=torch.int64, device=logits.device)
+        for rid, toks in zip(spec_ids, verify(logits[index], proposals)):
+            out[rid] = toks
+        return out
+
+    def _speculation(self, batch: ExecuteBatch,
+                     emitted: dict[str, list[Sample]] | None) -> tuple[list[SpecResult], float]:
+        """Each speculative sequence's acceptance, and the proposals asked for (after the
+        step's tokens are in the history they extend)."""
+        results: dict[str, SpecResult] = {}
+        for s in batch.sequences:
+            if s.num_draft and emitted is not None and s.request_id in emitted:
+                results[s.request_id] = SpecResult(
+                    request_id=s.request_id, num_draft=s.num_draft,
+                    num_accepted=len(emitted[s.request_id]) - 1)
+        wanted = [s for s in batch.sequences if s.propose and s.sample
+                  and s.request_id in self._seqs and s.request_id not in self._failed]
+        draft_seconds = 0.0
+        if wanted and self.proposer is not None:
+            t0 = time.perf_counter()
+            states = [self._seqs[s.request_id] for s in wanted]
+            for s, state, (tokens, probs) in zip(wanted, states,
+                                                 self.proposer.propose(wanted, states)):
+                state.draft_probs = probs
+                r = results.setdefault(s.request_id, SpecResult(request_id=s.request_id))
+                r.proposals = tokens
+            draft_seconds = time.perf_counter() - t0
+        return list(results.values()), draft_seconds
 
     def _reference_decode(self) -> bool:
         # Only the torch reference decode reads a precomputed mask; kernels do without.

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 from tokenloom.actors.fairness import victim_key
 from tokenloom.actors.request import Request
@@ -104,14 +104,18 @@ def schedule(running: Sequence[Request], waiting: deque[Request] | Sequence[Requ
              freeable_blocks: Callable[[str], int] | None = None, *,
              prefill_budget: int | None = None,
              admission: AdmissionParams = AdmissionParams(),
-             preempt_mode: Callable[[Request], str] | None = None) -> Decision:
+             preempt_mode: Callable[[Request], str] | None = None,
+             drafts: Mapping[str, int] | None = None, spec_lookahead: int = 0) -> Decision:
     """Decide the next iteration. Does not mutate its arguments.
 
     `held_blocks(id)` is the length of a request's block table; `freeable_blocks(id)` how
     many blocks preempting it would return to the pool (fewer than it holds when prefix
     blocks are shared); by default the same as held_blocks. `prefill_budget` caps the
     tokens of prefill chunks (running and admitted) this iteration; `preempt_mode(victim)`
-    returns "swap" or "recompute" (default: recompute)."""
+    returns "swap" or "recompute" (default: recompute). `drafts[id]`: speculative tokens a
+    decode verifies this step (it computes 1 + that many, fewer when the token budget must
+    leave one token for every later decode); `spec_lookahead`: extra slots granted to
+    decodes of speculating requests, where a draft model writes its proposals' KV."""
     freeable = freeable_blocks or held_blocks
     d = Decision()
     budget = limits.max_num_batched_tokens
@@ -143,10 +147,11 @@ def schedule(running: Sequence[Request], waiting: deque[Request] | Sequence[Requ
         evict(min(eligible, key=lambda r: victim_key(r, order[r.request_id])))
         return True
 
-    def place(req: Request, num_tokens: int) -> bool:
-        """Reserve blocks for req's next num_tokens, preempting others if needed."""
+    def place(req: Request, num_tokens: int, extra: int = 0) -> bool:
+        """Reserve blocks for req's next num_tokens (+ `extra` slots), preempting others
+        if needed."""
         nonlocal free
-        total = req.num_computed_tokens + num_tokens
+        total = req.num_computed_tokens + num_tokens + extra
         while need(req, total) > free:
             if not preempt_one(exclude=req):
                 return False
@@ -164,15 +169,21 @@ def schedule(running: Sequence[Request], waiting: deque[Request] | Sequence[Requ
     # left to schedule; they hold their blocks until that token comes back.
     prefilling = sorted((r for r in running if not r.is_decode and not r.is_awaiting_output),
                         key=by_class)
-    for req in decodes:
+    drafts = drafts or {}
+    for i, req in enumerate(decodes):
         if req.request_id in victims:
             continue
-        if budget < 1 or not place(req, 1):
+        later = len(decodes) - i - 1
+        n = 1 + max(0, min(drafts.get(req.request_id, 0), budget - 1 - later))
+        # (never past what it may still produce: a lone request must always fit the pool)
+        extra = min(spec_lookahead, max(0, remaining_output(req) - n)) \
+            if req.spec is not None and spec_lookahead else 0
+        if budget < 1 or not place(req, n, extra):
             if req.request_id not in victims:
                 evict(req)
             continue
-        budget -= 1
-        d.decodes.append(ScheduledWork(req, 1, resumed=False))
+        budget -= n
+        d.decodes.append(ScheduledWork(req, n, resumed=False))
 
     if prefill_budget is not None:
         budget = min(budget, prefill_budget)

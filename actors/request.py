@@ -96,6 +96,10 @@ class Request:
         # while it waits to be swapped back in; None when its KV is on the device or gone.
         self.swapped_slots: list[int] | None = None
         self.trace = None  # tokenloom.actors.trace.RequestTrace, set by the scheduler
+        # Speculative decoding: its SpecState (None: it never speculates) and the runner's
+        # proposals for the token after its last known one (see actors/spec_decode.py).
+        self.spec = None
+        self.draft_token_ids: list[int] = []
         # Its IncrementalDetokenizer (stop strings included), set by the output processor.
         self.detokenizer = None
         # Prefix cache: chain hashes of full blocks (extended as tokens are computed), the

@@ -17,6 +17,7 @@ from msgspec.structs import force_setattr
 
 MAX_N = 128
 MAX_LOGPROBS = 20
+SPECULATIVE_MODES = ("auto", "on", "off")
 PENALTY_RANGE = (-2.0, 2.0)
 # torch.Generator.manual_seed accepts exactly this range, and msgspec encodes int64/uint64 only.
 SEED_RANGE = (-(2**63), 2**64 - 1)
@@ -47,6 +48,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Speculative decoding for this request: "auto" (the engine's kill switch decides),
+    # "on" (whenever there is a proposal) or "off". No effect when the engine has no
+    # proposer configured (speculative.method = "off").
+    speculative: str = "auto"
 
     def __post_init__(self) -> None:
         _check_int(self, "n", lo=1, hi=MAX_N)
@@ -73,6 +78,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None:
             _check_int(self, "logprobs", lo=0, hi=MAX_LOGPROBS)
+        if self.speculative not in SPECULATIVE_MODES:
+            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, "
+                             f"got {self.speculative!r}")
 
     @classmethod
     def greedy(cls, max_tokens: int = 16, **kwargs: Any) -> SamplingParams:

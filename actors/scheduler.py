@@ -50,6 +50,7 @@ from tokenloom.actors.prefix_tracker import PrefixTracker
 from tokenloom.actors.request import FinishReason, Request, RequestStatus
 from tokenloom.actors.step_batch import (apply_prefix_hits, build_batch, note_plans,
                                          request_timings, start_works)
+from tokenloom.actors.spec_decode import SpecController
 from tokenloom.actors.step_observer import StepObserver
 from tokenloom.actors.swap import SwapSpace
 from tokenloom.actors.trace import RequestTrace, TraceHistory
@@ -63,11 +64,15 @@ class LaunchedStep:
     """A step handed to the runner, until its output has been processed."""
     decision: Decision
     batch: ExecuteBatch
-    starts: list[int]                 # each work's first position (decodes, then prefills)
+    works: list                       # the decision's works in batch order
+    starts: list[int]                 # each work's first position
     epochs: list[int]                 # each work's request's num_preemptions at launch
     host_seconds: float               # planning + KV round trip
     kv_seconds: float
     continues: bool                   # planned while the runner had work (not after idling)
+    # It verifies drafts or asks for proposals: the next step is planned only after its
+    # output (how many tokens each request gained, and the proposals) is known.
+    serial: bool = False
 
 
 class SchedulerActor(Actor):
@@ -76,7 +81,8 @@ class SchedulerActor(Actor):
     def __init__(self, limits: PolicyLimits, eos_token_ids: tuple[int, ...], max_model_len: int,
                  emit: Callable[[RequestOutput], None], prefix: PrefixTracker | None = None,
                  config: SchedulerConfig | None = None, swap: SwapSpace | None = None,
-                 block_bytes: int = 0, outputs: OutputProcessor | None = None):
+                 block_bytes: int = 0, outputs: OutputProcessor | None = None,
+                 spec: SpecController | None = None, spec_lookahead: int = 0):
         super().__init__()
         self.prefix = prefix or PrefixTracker("", limits.block_size, enabled=False)
         self.limits = limits
@@ -89,6 +95,11 @@ class SchedulerActor(Actor):
         self.preemptor = Preemptor(cfg.preemption_mode, swap, block_bytes, self.cost)
         self.observer = StepObserver(cfg, self.cost, self.fair)
         self.outputs = outputs if outputs is not None else OutputProcessor(None)
+        # Speculative decoding (None: off): proposals, the kill switch, acceptance counts.
+        self.spec = spec
+        self.spec_lookahead = spec_lookahead
+        if spec is not None:
+            spec.cost = self.cost
         self.traces = TraceHistory(cfg.trace_history)
         self.view = KVView(limits.num_blocks)
         self.eos_token_ids = eos_token_ids
@@ -155,6 +166,10 @@ class SchedulerActor(Actor):
                       arrival_seq=self._arrivals)
         req.trace = RequestTrace(req.request_id, msg.arrival_time, msg.routed_time,
                                  priority=msg.priority, tenant=msg.tenant)
+        if self.spec is not None:
+            req.spec = self.spec.new_state(msg.sampling_params.speculative)
+            if req.spec is not None:
+                req.trace.speculation = (self.spec.method, req.spec)
         self.traces.add(req.trace)
         self.requests[req.request_id] = req
         self.waiting.append(req)
@@ -197,7 +212,11 @@ class SchedulerActor(Actor):
 
     async def step(self) -> None:
         """Plan and launch the next step; then process the oldest step in flight — with
-        overlap, the previous one, while the new one runs."""
+        overlap, the previous one, while the new one runs. A step that speculates is
+        processed before the next is planned (its requests' token counts are unknown)."""
+        if any(step.serial for step in self.in_flight):
+            while self.in_flight:
+                await self._process(self.in_flight.popleft())
         launched = await self._schedule()
         if launched is not None:
             self.runner.send(launched.batch)
@@ -212,11 +231,13 @@ class SchedulerActor(Actor):
         await self._fork_siblings()
         waiting = self.fair.order(siblings.admissible(self.waiting, self.requests,
                                                       self.prefix.enabled), time.monotonic())
+        drafts = self.spec.plan_step(self.running) if self.spec is not None else None
         d = schedule(self.running, waiting, self.view.num_free_blocks, self.view.held,
                      self.limits, self.view.freeable,
                      prefill_budget=self.chunks.prefill_budget(self.running, waiting),
                      admission=self._admission_params(),
-                     preempt_mode=self.preemptor.mode_fn(self.view))
+                     preempt_mode=self.preemptor.mode_fn(self.view),
+                     drafts=drafts, spec_lookahead=self.spec_lookahead)
         swap_outs = self.preemptor.apply(d, self.view, self.running, self.waiting)
         if d.preempted:
             self._admission_paused = True
@@ -252,11 +273,12 @@ class SchedulerActor(Actor):
         copies, self._pending_copies = self._pending_copies, []
         swap_out, self._pending_swap_out = self._pending_swap_out + grant.swap_out, []
         swap_in, self._pending_swap_in = self._pending_swap_in + grant.swap_in, []
-        batch, starts, epochs = build_batch(d, grant.tables, ExecuteBatch(
+        batch, works, starts, epochs = build_batch(d, grant.tables, ExecuteBatch(
             step=self._step, sequences=[], num_decodes=len(d.decodes), finished_ids=finished,
-            block_copies=copies, swap_out=swap_out, swap_in=swap_in))
-        return LaunchedStep(d, batch, starts, epochs, time.perf_counter() - t0, kv_seconds,
-                            continues)
+            block_copies=copies, swap_out=swap_out, swap_in=swap_in), self.spec)
+        serial = any(s.num_draft or s.propose for s in batch.sequences)
+        return LaunchedStep(d, batch, works, starts, epochs, time.perf_counter() - t0,
+                            kv_seconds, continues, serial)
 
     async def _fork_siblings(self) -> None:
         """n > 1: siblings whose sibling 0 has computed the prompt start from its blocks.
@@ -338,7 +360,7 @@ class SchedulerActor(Actor):
         self.last_step_time = now
         self._busy = True
         d = launched.decision
-        works = d.decodes + d.prefills
+        works = launched.works
         if out.error is not None:
             for w in works:
                 if not w.request.is_finished:
@@ -348,15 +370,42 @@ class SchedulerActor(Actor):
         self.observer.observe_step(d, launched.batch, out.compute_seconds)
         self.preemptor.observe_swap(len(launched.batch.swap_out) + len(launched.batch.swap_in),
                                     out.swap_seconds)
+        spec = {r.request_id: r for r in out.spec}
+        computed = []
         for w, start, epoch in zip(works, launched.starts, launched.epochs):
             req = w.request
             if req.is_finished or req.num_preemptions != epoch:
                 continue  # ended or preempted since: its KV is gone or elsewhere
-            self._computed(req, start + w.num_tokens, now)
+            upto = start + w.num_tokens
+            result = spec.get(req.request_id)
+            if result is not None and result.num_draft:
+                # Rejected drafts' KV is not the request's: roll their positions back (the
+                # blocks stay in its table and are overwritten by the tokens to come).
+                rejected = result.num_draft - result.num_accepted
+                req.num_computed_tokens -= rejected
+                upto -= rejected
+                self.spec.observe(req.spec, result.num_draft, result.num_accepted)
+            computed.append((req, upto))
+            self._trace_prefill(req, upto, now)
         for s in out.sampled:
             req = self.requests.get(s.request_id)
             if req is not None:
                 self._sampled(req, s, now)
+        # After the tokens are appended: an accepted draft's block is hashed with it. A
+        # request that finished just now still commits (the KV manager applies commits
+        # before frees).
+        for req, upto in computed:
+            # (tokens after a stop that ended it mid-verification are not its tokens)
+            commit = self.prefix.commit(req, min(upto, len(req.token_ids)))
+            if commit is not None:
+                self._pending_commits.append(commit)
+        if self.spec is not None:
+            if out.draft_seconds:
+                self.spec.observe_draft_time(out.draft_seconds)
+            for result in out.spec:
+                req = self.requests.get(result.request_id)
+                if req is not None and req.spec is not None:
+                    req.draft_token_ids = result.proposals
         host = launched.host_seconds + time.perf_counter() - t0
         exposed = out.idle_seconds if launched.continues else 0.0
         self.observer.observe_times(out.compute_seconds, host, exposed, launched.kv_seconds,
@@ -367,22 +416,20 @@ class SchedulerActor(Actor):
             self._handle(await self.inbox.get())
         return self._step_outputs.pop(step)
 
-    def _computed(self, req: Request, upto: int, now: float) -> None:
-        """A completed step computed req's tokens before `upto`: offer newly full blocks to
-        the prefix cache; trace its prefill progress."""
+    def _trace_prefill(self, req: Request, upto: int, now: float) -> None:
+        """A completed step computed req's tokens before `upto`: trace prefill progress."""
         trace = req.trace
         if trace is not None and req.status == S.PREFILLING:
             trace.prefill_chunks += 1
             if upto >= req.num_prompt_tokens and not trace.has("prefill_finished"):
                 trace.mark("prefill_finished", now)
-        commit = self.prefix.commit(req, upto)
-        if commit is not None:
-            self._pending_commits.append(commit)
 
     def _sampled(self, req: Request, s: SampledToken, now: float) -> None:
         """A sampled token came back: append it, detokenize it, finish on a stop condition
         (a stop string included) or stream it."""
         req.append_token(s.token_id, now)
+        if req.spec is not None and req.spec.shadow is not None:
+            self.spec.score_shadow(req.spec, s.token_id)
         if req.trace is not None:
             req.trace.token(now)
         lps = [s.logprob] if s.logprob is not None else None
@@ -459,7 +506,7 @@ class SchedulerActor(Actor):
             cost_model=None if self.cost.coef is None else [float(c) for c in self.cost.coef],
             swap_free_slots=None if p.swap is None else p.swap.num_free,
             num_slo_evaluated=o.num_slo_evaluated, num_slo_good=o.num_slo_good,
-            timings=o.timings())
+            timings=o.timings(), spec=self.spec.stats() if self.spec is not None else None)
 
     def stalled_seconds(self, now: float | None = None) -> float:
         """Seconds the loop has gone without completing a step while it has work; 0 when

@@ -64,36 +64,56 @@ def start_works(d: Decision, now: float) -> None:
             w.request.transition(S.DECODING)
 
 
-def build_batch(d: Decision, tables: Mapping[str, list[int]],
-                batch: ExecuteBatch) -> tuple[ExecuteBatch, list[int], list[int]]:
-    """Fill `batch` (decodes first) with the decision's works and the block tables the KV
-    manager reported. Advances each request's computed tokens to the end of its work (the
-    step is as good as done for planning the next one) and counts a placeholder for each
-    token it will sample. Returns the batch, each work's first position and each work's
-    request's preemption count (to recognise requests preempted while the step runs)."""
+def build_batch(d: Decision, tables: Mapping[str, list[int]], batch: ExecuteBatch,
+                spec=None) -> tuple[ExecuteBatch, list, list[int], list[int]]:
+    """Fill `batch` with the decision's works and the block tables the KV manager
+    reported: plain decodes first, then speculative decodes (their last token and drafts,
+    laid out like a chunk), then prefill chunks. Advances each request's computed tokens
+    to the end of its work (the step is as good as done for planning the next one; a
+    speculative work's rejected drafts are rolled back when its output comes) and counts
+    a placeholder for each token it will sample. `spec`: the SpecController, when
+    speculation is on. Returns the batch, the works in batch order, each work's first
+    position and each work's request's preemption count (to recognise requests preempted
+    while the step runs)."""
+    speculative = [w for w in d.decodes if w.num_tokens > 1]
+    plain = [w for w in d.decodes if w.num_tokens == 1]
+    works = plain + speculative + d.prefills
+    batch.num_decodes = len(plain)
+    num_decode_works = len(d.decodes)
     starts, epochs = [], []
-    for w in d.decodes + d.prefills:
+    for i, w in enumerate(works):
         req = w.request
         start, end = req.num_computed_tokens, req.num_computed_tokens + w.num_tokens
-        ids = req.token_ids[start:end]
-        if len(ids) < w.num_tokens:  # the token the step in flight is sampling
-            ids.append(PLACEHOLDER)
+        num_draft = 0
+        is_decode = i < num_decode_works
+        if is_decode and w.num_tokens > 1:
+            num_draft = w.num_tokens - 1
+            ids = req.token_ids[start:start + 1] + req.draft_token_ids[:num_draft]
+            sample = True
+        else:
+            ids = req.token_ids[start:end]
+            if len(ids) < w.num_tokens:  # the token the step in flight is sampling
+                ids.append(PLACEHOLDER)
+            sample = end == req.num_tokens
         assert len(ids) == w.num_tokens, f"{req}: {w.num_tokens} tokens scheduled"
+        propose = 0
+        if spec is not None and sample:
+            propose = spec.started(req, num_draft, is_decode)
         new = None
         if w.resumed or not req.on_runner:
             new = NewSequence(prompt_token_ids=req.token_ids[: req.num_prompt_tokens],
                               output_token_ids=req.output_token_ids,
                               sampling_params=req.sampling_params)
             req.on_runner = True
-        sample = end == req.num_tokens
         batch.sequences.append(ScheduledSequence(
             request_id=req.request_id, token_ids=ids, start_pos=start,
-            block_table=tables[req.request_id], sample=sample, new=new))
+            block_table=tables[req.request_id], sample=sample, new=new,
+            num_draft=num_draft, propose=propose))
         starts.append(start)
         epochs.append(req.num_preemptions)
         req.num_computed_tokens = end
         req.num_placeholders += sample
-    return batch, starts, epochs
+    return batch, works, starts, epochs
 
 
 def request_timings(req: Request) -> RequestTimings:

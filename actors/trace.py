@@ -21,7 +21,7 @@ EVENTS = ("request_received", "routed", "prefix_cache_lookup_done", "admitted",
 class RequestTrace:
     __slots__ = ("request_id", "events", "num_decode_iterations", "_last_token", "max_gap",
                  "sum_gaps", "preemptions", "plan", "finish_reason", "priority", "tenant",
-                 "prefill_chunks")
+                 "prefill_chunks", "speculation")
 
     def __init__(self, request_id: str, received: float, routed: float | None = None,
                  priority: int = 0, tenant: str | None = None):
@@ -39,6 +39,8 @@ class RequestTrace:
         self.finish_reason: str | None = None
         self.priority = priority
         self.tenant = tenant
+        # (method, SpecState) when the request may speculate (see actors/spec_decode.py)
+        self.speculation = None
 
     def mark(self, event: str, t: float | None = None) -> None:
         self.events.append((event, time.monotonic() if t is None else t))
@@ -78,6 +80,8 @@ class RequestTrace:
             "preemptions": list(self.preemptions),
             "kv_plan": self.plan,
             "finish_reason": self.finish_reason,
+            "speculation": (self.speculation[1].as_dict(self.speculation[0])
+                            if self.speculation is not None else None),
         }
 
 

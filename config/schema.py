@@ -31,6 +31,7 @@ __all__ = [
     "ModelConfig",
     "SchedulerConfig",
     "ServerConfig",
+    "SpeculativeConfig",
     "check_field",
     "field_types",
     "resolve_cache_dir",
@@ -312,6 +313,45 @@ class GraphsConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                               key="graphs.capture_sizes")
 
 
+class SpeculativeConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Speculative decoding: a proposer guesses the next tokens, the model verifies them in
+    one forward, and rejection sampling keeps the output distribution exact. Off by default,
+    as in vLLM; each request may still say `speculative: "off"` (or "on")."""
+
+    section: ClassVar[str] = "speculative"
+
+    # "ngram": prompt lookup (the longest recent n-gram seen before proposes what followed
+    # it; no extra model). "draft": a smaller model sharing the tokenizer (`draft_model`).
+    method: Literal["off", "ngram", "draft"] = "off"
+    # Proposed tokens per step (k); the kill switch may use fewer.
+    num_speculative_tokens: Annotated[int, msgspec.Meta(ge=1, le=16)] = 4
+    # "auto": speculate only while the cost model says it pays (accepted tokens per step
+    # against the step's measured extra cost), per request and for the whole batch;
+    # "on": whenever there is a proposal. A request's own `speculative` field overrides.
+    mode: Literal["auto", "on"] = "auto"
+    # n-gram lengths tried, longest first, when matching the end of the sequence.
+    ngram_min: Annotated[int, msgspec.Meta(ge=1, le=64)] = 2
+    ngram_max: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4
+    # Draft model: a local model directory or "default" (must share the tokenizer's vocab).
+    draft_model: str = ""
+    # auto: a request that stopped speculating is re-probed with one speculative step after
+    # this many decode steps (n-gram requests are also scored on proposals not sent).
+    reprobe_steps: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 16
+    # auto: speculate only when the predicted tokens/s gain exceeds this fraction.
+    min_gain: Annotated[float, msgspec.Meta(ge=0.0, le=10.0)] = 0.05
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.ngram_max < self.ngram_min:
+            raise ConfigError(f"speculative.ngram_max must be >= speculative.ngram_min "
+                              f"({self.ngram_min}), got {self.ngram_max}",
+                              key="speculative.ngram_max")
+        if self.method == "draft" and not self.draft_model:
+            raise ConfigError('speculative.draft_model must name a model directory (or '
+                              '"default") when speculative.method is "draft", got ""',
+                              key="speculative.draft_model")
+
+
 DEFAULT_ADMIN_SOCKET = "/run/tokenloom/admin.sock"
 
 
@@ -355,6 +395,7 @@ class EngineConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     server: ServerConfig = ServerConfig()
     graphs: GraphsConfig = GraphsConfig()
     admin: AdminConfig = AdminConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
 
 def resolve_cache_dir(
