@@ -36,6 +36,7 @@ class ConnectionStats:
     open: int = 0
     refused: int = 0              # over the cap
     header_timeouts: int = 0      # closed for slow headers
+    slow_readers_cut: int = 0     # streams cut off by server.write_timeout_seconds
 
 
 class _Guard(asyncio.Protocol):

@@ -106,7 +106,10 @@ async def _serve(request: web.Request, state: ServerState, parsed: protocol.Pars
                 e.headers["Retry-After"] = str(state.config.server.retry_after_seconds)
             raise
         if parsed.stream:
-            resp = await _stream(request, gen, fmt, parsed)
+            try:
+                resp = await _stream(request, gen, fmt, parsed)
+            except ClientTooSlow as e:
+                return e.response   # not finished: the cleanup below aborts its requests
         else:
             choices = await gen.run_to_end()
             body = fmt.full_response(choices, gen)
@@ -121,6 +124,15 @@ async def _serve(request: web.Request, state: ServerState, parsed: protocol.Pars
             log.info("request aborted", reason="the client went away")
 
 
+class ClientTooSlow(Exception):
+    """The stream's client took no data for server.write_timeout_seconds; the connection
+    has been aborted."""
+
+    def __init__(self, response: web.StreamResponse):
+        super().__init__("the client took no data within server.write_timeout_seconds")
+        self.response = response
+
+
 class _Writer:
     """Writes a stream's frames; a client whose socket takes no data for
     server.write_timeout_seconds is cut off (ConnectionResetError: the handler's cleanup
@@ -131,6 +143,16 @@ class _Writer:
         self.transport = request.transport
         self.resp = resp
         self.timeout = timeout
+        self.stats = request.app[STATE].connections
+
+    def _cut(self) -> ClientTooSlow:
+        t = self.transport
+        log.warning("slow client cut off: no data taken", seconds=self.timeout,
+                    buffered_bytes=t.get_write_buffer_size())
+        if self.stats is not None:
+            self.stats.slow_readers_cut += 1
+        t.abort()
+        return ClientTooSlow(self.resp)
 
     async def write(self, data: bytes) -> None:
         t = self.transport
@@ -140,20 +162,14 @@ class _Writer:
         try:
             await asyncio.wait_for(self.resp.write(data), self.timeout)
         except TimeoutError:
-            log.warning("slow client cut off: no data taken", seconds=self.timeout,
-                        buffered_bytes=t.get_write_buffer_size())
-            t.abort()
-            raise ConnectionResetError("the client took no data within "
-                                       "server.write_timeout_seconds") from None
+            raise self._cut() from None
 
     async def eof(self) -> None:
         if self.transport is not None and self.transport.get_write_buffer_size():
             try:
                 await asyncio.wait_for(self.resp.write_eof(), self.timeout)
             except TimeoutError:
-                self.transport.abort()
-                raise ConnectionResetError("the client took no data within "
-                                           "server.write_timeout_seconds") from None
+                raise self._cut() from None
             return
         await self.resp.write_eof()
 
