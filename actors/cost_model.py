@@ -1,6 +1,12 @@
 """A step-time cost model fitted online, and the prefill chunk size it implies. Pure (numpy).
 
-    step_seconds ~= c0 + c1 * tokens + c2 * attention pairs + c3 * keys read
+    step_seconds ~= c0 + c1 * tokens + c2 * attention pairs + c3 * keys read + c4 * rows
+
+`rows` are the positions that get logits and a sampled token: one per decode, one per
+finished prompt, k + 1 per speculative decode verifying k drafts. Each costs an LM-head
+row (vocab x hidden multiply-adds: for a small model with a large vocabulary, more than
+the rest of the token) and its share of sampling, which a prefill token never pays; priced
+per token, speculation's extra rows looked ~2x cheaper than they were measured to be.
 
 `tokens` is every token computed in the iteration (decodes + prefill chunks). Attention
 costs two ways, so it is two features (`attention_work` returns both; they add up over a
@@ -90,7 +96,7 @@ class StepCostModel:
         self._mixed: deque[tuple[float, ...]] = deque(maxlen=half)
         self._pure: deque[tuple[float, ...]] = deque(maxlen=half)
         self._since_fit = 0
-        self.coef: np.ndarray | None = None   # (c0, c1, c2, c3) once fitted
+        self.coef: np.ndarray | None = None   # (c0, c1, c2, c3, c4) once fitted
 
     @property
     def ready(self) -> bool:
@@ -109,13 +115,16 @@ class StepCostModel:
         return len(self._mixed) + len(self._pure)
 
     def observe(self, num_tokens: int, attn_work: AttentionWork | float, seconds: float,
-                prefill_tokens: int = 0) -> None:
+                prefill_tokens: int = 0, rows: int | None = None) -> None:
         """One iteration: its tokens, the sum of its sequences' attention_work (a bare
-        number counts as pairs with no keys read) and its forward's seconds."""
+        number counts as pairs with no keys read), its forward's seconds and its sampled
+        rows (default: one per token that is not a prefill token)."""
         if seconds <= 0 or num_tokens <= 0:
             return
+        if rows is None:
+            rows = num_tokens - prefill_tokens
         (self._mixed if prefill_tokens else self._pure).append(
-            (1.0, float(num_tokens), *_work(attn_work), seconds))
+            (1.0, float(num_tokens), *_work(attn_work), float(rows), seconds))
         self._since_fit += 1
         if self.num_samples >= self.min_samples and (self.coef is None
                                                      or self._since_fit >= self.refit_every):
@@ -128,11 +137,11 @@ class StepCostModel:
         coefficient; negative slopes are dropped."""
         self._since_fit = 0
         data = np.asarray(list(self._mixed) + list(self._pure))
-        x, y = data[:, :4], data[:, 4]
+        x, y = data[:, :5], data[:, 5]
         scale = np.maximum(np.abs(x).mean(axis=0), 1e-12)
         xs = x / scale
-        active = [0, 1, 2, 3]
-        coef = np.zeros(4)
+        active = [0, 1, 2, 3, 4]
+        coef = np.zeros(5)
         ridge = 1e-3 * len(y)
         while active:
             a = xs[:, active]
@@ -150,16 +159,21 @@ class StepCostModel:
         coef = np.maximum(coef, 0.0)
         self.coef = coef
 
-    def predict(self, num_tokens: int, attn_work: AttentionWork | float) -> float:
-        c0, c1, c2, c3 = self.coef if self.coef is not None else (0.0, 0.0, 0.0, 0.0)
+    def predict(self, num_tokens: int, attn_work: AttentionWork | float,
+                rows: int | None = None) -> float:
+        """Seconds of a step; `rows` sampled positions (default: every token, i.e. a step
+        of decodes)."""
+        c0, c1, c2, c3, c4 = self.coef if self.coef is not None else (0.0,) * 5
         pairs, reads = _work(attn_work)
-        return float(c0 + c1 * num_tokens + c2 * pairs + c3 * reads)
+        rows = num_tokens if rows is None else rows
+        return float(c0 + c1 * num_tokens + c2 * pairs + c3 * reads + c4 * rows)
 
     def prefill_seconds(self, num_tokens: int) -> float:
         """Marginal cost of recomputing a `num_tokens` prompt (for preemption choices)."""
         if self.coef is None:
             return float("inf")
-        return self.predict(num_tokens, attention_work(num_tokens, 0)) - float(self.coef[0])
+        return self.predict(num_tokens, attention_work(num_tokens, 0), rows=0) \
+            - float(self.coef[0])
 
     def max_prefill_tokens(self, target_seconds: float, decode_tokens: int,
                            decode_attn: AttentionWork | float, prefill_start: int, lo: int,
@@ -171,8 +185,8 @@ class StepCostModel:
             return hi
 
         def fits(p: int) -> bool:
-            return self.predict(decode_tokens + p, decode_attn
-                                + attention_work(p, prefill_start)) <= target_seconds
+            return self.predict(decode_tokens + p, decode_attn + attention_work(p, prefill_start),
+                                rows=decode_tokens) <= target_seconds
 
         if fits(hi):
             return hi

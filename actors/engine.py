@@ -34,8 +34,7 @@ from tokenloom.actors.scheduler import SchedulerActor
 from tokenloom.actors.spec_decode import SpecController
 from tokenloom.actors.streams import StreamRegistry
 from tokenloom.actors.tokenizer import TokenizerActor
-from tokenloom.config.schema import (ConfigError, EngineConfig, SpeculativeConfig,
-                                     resolve_cache_dir)
+from tokenloom.config.schema import ConfigError, EngineConfig, resolve_cache_dir
 from tokenloom.actors.swap import SwapSpace
 from tokenloom.kernels.kv_store import HostKVPool, KVCache
 from tokenloom.kernels.device import pick_device, pick_dtype, select_decode_backend
@@ -87,8 +86,9 @@ def size_kv_pool(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype,
     return num_blocks, per_token
 
 
-def build_speculation(cfg: SpeculativeConfig, model, kv: KVCache, info: RuntimeInfo):
+def build_speculation(config: EngineConfig, info: RuntimeInfo):
     """(SpecController, proposer, KV lookahead slots) for `[speculative]`, or Nones."""
+    cfg = config.speculative
     if cfg.method == "off":
         return None, None, 0
     controller = SpecController(cfg.method, cfg.num_speculative_tokens, mode=cfg.mode,
@@ -97,7 +97,8 @@ def build_speculation(cfg: SpeculativeConfig, model, kv: KVCache, info: RuntimeI
         proposer, lookahead = NgramProposer(cfg.ngram_min, cfg.ngram_max), 0
     else:
         from tokenloom.actors.draft_model import DraftModelProposer
-        proposer = DraftModelProposer.load(cfg.draft_model, info, kv)
+        proposer = DraftModelProposer.load(cfg.draft_model, resolve_cache_dir(config), info,
+                                           config.model.attention_backend)
         lookahead = cfg.num_speculative_tokens
     startup_log.info(f"speculative decoding: {cfg.method}, k={cfg.num_speculative_tokens}, "
                      f"mode {cfg.mode}", method=cfg.method, k=cfg.num_speculative_tokens,
@@ -141,7 +142,7 @@ class Engine:
                              f"({slots * block_bytes / 2**20:.0f} MiB), "
                              f"preemption mode {sc.preemption_mode}",
                              swap_blocks=slots, preemption_mode=sc.preemption_mode)
-        spec_ctl, proposer, lookahead = build_speculation(config.speculative, model, kv, info)
+        spec_ctl, proposer, lookahead = build_speculation(config, info)
         self.scheduler = SchedulerActor(limits, eos, info.max_model_len, self._emit_scheduled,
                                         PrefixTracker(fingerprint, info.block_size, caching),
                                         config=sc, swap=swap, block_bytes=block_bytes,

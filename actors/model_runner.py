@@ -173,6 +173,8 @@ class ModelRunner:
             swap_seconds = time.perf_counter() - t_swap
         if batch.block_copies:  # copy-on-write of forked siblings' partial blocks
             self.kv.copy_blocks(batch.block_copies)
+            if hasattr(self.proposer, "copy_blocks"):
+                self.proposer.copy_blocks(batch.block_copies)
         launched = LaunchedStep(batch=batch, t0=t0, swap_seconds=swap_seconds)
         if not batch.sequences:
             return launched
@@ -308,8 +310,15 @@ class ModelRunner:
         seqs = batch.sequences
         num_tokens = sum(len(s.token_ids) for s in seqs)
         decision = self.dispatcher.dispatch(len(seqs), batch.num_decodes, num_tokens)
+        mirror = getattr(self.proposer, "mirror", None)  # a draft model follows every forward
         if decision.mode == GRAPH:
             logits = self.graphs.run(seqs, decision.padded_size, patch)  # [padded, vocab]
+            if mirror is not None:
+                inputs = build_batch_inputs(batch, self.kv.block_size, self.device,
+                                            with_decode_mask=self._reference_decode())
+                if patch is not None:
+                    inputs.input_ids.index_copy_(0, patch[0], patch[1])
+                mirror(inputs)
             rows = [i for i, s in enumerate(seqs) if s.sample]
             sample_ids = [seqs[i].request_id for i in rows]
             if len(rows) == len(seqs):          # every decode samples: a view, no copy
@@ -321,4 +330,6 @@ class ModelRunner:
             inputs.input_ids.index_copy_(0, patch[0], patch[1])
         logits = self.model(inputs.input_ids, inputs.positions, self.kv, inputs.meta,
                             inputs.logits_indices)
+        if mirror is not None:
+            mirror(inputs)
         return logits, inputs.sample_ids

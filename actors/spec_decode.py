@@ -163,10 +163,7 @@ class SpecController:
                     best_k, best_gain = k, gain
             if best_k:
                 auto.append((best_gain, c.request_id, best_k))
-            elif c.state.idle_steps >= self.reprobe_steps and self.method == "draft":
-                chosen[c.request_id] = 1        # a probe: one step refreshes the estimate
-                c.state.note("probe")
-            else:
+            elif not self._probe(c, chosen):
                 c.state.note("does_not_pay")
         if auto:
             rate = num_decodes / base_t
@@ -178,8 +175,21 @@ class SpecController:
                 self.totals.steps_killed += 1
         by_id = {c.request_id: c for c in candidates}
         for _, rid, _ in auto:
-            by_id[rid].state.note("pays" if rid in chosen else "batch_does_not_pay")
+            if rid in chosen:
+                by_id[rid].state.note("pays")
+            elif not self._probe(by_id[rid], chosen):
+                by_id[rid].state.note("batch_does_not_pay")
         return chosen
+
+    def _probe(self, c: Candidate, chosen: dict[str, int]) -> bool:
+        """A draft-model request idle for `reprobe_steps` speculates one draft, so that its
+        acceptance and the draft model's cost are measured again (prompt lookup is scored
+        in the shadow instead, for free)."""
+        if self.method != "draft" or c.state.idle_steps < self.reprobe_steps:
+            return False
+        chosen[c.request_id] = 1
+        c.state.note("probe")
+        return True
 
     def wants_proposals(self, state: SpecState | None, speculating: bool) -> bool:
         """Whether a request should propose after this step: every step while it
@@ -280,4 +290,4 @@ def _extra_seconds(cost: StepCostModel, num_decodes: int, contexts: int, context
     start = context - 1
     work = (_decode_work(contexts) + attention_work(1 + k, start)
             + attention_work(1, start) * -1)
-    return cost.predict(num_decodes + k, work)
+    return cost.predict(num_decodes + k, work, rows=num_decodes + k)

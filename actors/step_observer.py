@@ -60,8 +60,9 @@ class StepObserver:
             n = len(s.token_ids)
             tokens += n
             work += attention_work(n, s.start_pos)
+        rows = sum(1 + s.num_draft for s in batch.sequences if s.sample)
         self.cost.observe(tokens, work, forward_seconds,
-                          prefill_tokens=sum(w.num_tokens for w in d.prefills))
+                          prefill_tokens=sum(w.num_tokens for w in d.prefills), rows=rows)
         for w in d.decodes + d.prefills:
             self.fair.charge(w.request.tenant, w.num_tokens)
 

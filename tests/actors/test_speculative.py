@@ -163,37 +163,34 @@ def test_seeded_sampling_runs_and_is_reproducible(model, tmp_path):
 
 
 def test_kill_switch_stops_wrong_proposals_in_auto(model, tmp_path):
-    """Always-wrong proposals: `auto` speculates at most for probes once the cost model
-    knows the step cost, while "on" keeps paying for them. Right proposals: `auto` keeps
-    speculating. Greedy output is exact throughout."""
+    """Always-wrong proposals: `auto` stops verifying them once the cost model knows the
+    step cost (only probes and the first estimates get through), where "on" verifies
+    them every step; the trace says why. Greedy output is exact throughout. (Which way
+    `auto` decides for right proposals depends on measured step times: see
+    test_spec_decode.py for the decision itself on a known cost model.)"""
     path, prompts, refs = model
-    long = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    results = {}
-    for name, wrong in (("wrong", True), ("right", False)):
-        llm = make_llm(path, tmp_path, OracleProposer(prompts, refs, wrong=wrong,
-                                                      corrupt_every=10**9),
+    drafted = {}
+    for mode in ("auto", "on"):
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                speculative=mode)
+        llm = make_llm(path, tmp_path, OracleProposer(prompts, refs, wrong=True),
                        **{"speculative.reprobe_steps": 8})
         try:
-            # Warm the cost model (it is fitted after 16 steps), then measure.
-            llm.generate(prompts, long)
+            llm.generate(prompts, params)   # fits the cost model (after 16 steps)
             before = llm.scheduler_stats().spec
-            outs = llm.generate(prompts, long)
-            got = [o.token_ids for o in outs]
+            outs = llm.generate(prompts, params)
             after = llm.scheduler_stats().spec
             trace = llm.trace(outs[0].request_id)
         finally:
             llm.close()
-        assert got == refs
-        results[name] = (after.num_draft_tokens - before.num_draft_tokens,
-                         after.num_accepted_tokens - before.num_accepted_tokens, trace)
-    drafted, accepted, trace = results["wrong"]
-    assert accepted == 0
-    # 4 requests x 20 tokens: "on" would verify ~4 drafts at each of ~80 steps.
-    assert drafted <= 4 * 4 * (MAX_TOKENS // 8 + 1), drafted
-    decisions = trace[0]["speculation"]["decisions"]
-    assert decisions.get("does_not_pay", 0) > 0, decisions
-    drafted, accepted, _ = results["right"]
-    assert accepted > MAX_TOKENS, (drafted, accepted)
+        assert [o.token_ids for o in outs] == refs
+        assert after.num_accepted_tokens == 0
+        drafted[mode] = after.num_draft_tokens - before.num_draft_tokens
+        if mode == "auto":
+            decisions = trace[0]["speculation"]["decisions"]
+            assert decisions.get("does_not_pay", 0) + decisions.get(
+                "batch_does_not_pay", 0) > 0, decisions
+    assert drafted["auto"] * 4 <= drafted["on"], drafted
 
 
 def test_off_and_mixed_requests(model, tmp_path):

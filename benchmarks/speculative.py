@@ -1,0 +1,185 @@
+"""Speculative decoding benchmark: does prompt lookup pay where it should, and cost
+nothing where it cannot?
+
+One engine (default model, fp32, CPU) with `speculative.method = "ngram"`; each request
+picks `speculative` "off", "auto" or "on", so every ratio compares the same engine in the
+same run. Workloads:
+
+ (a) lookup-friendly, batch 1: chat prompts asking the model to repeat or lightly edit a
+     passage (what it writes is mostly in its prompt). Decode tokens/s off / auto / on,
+     greedy text identical to off, acceptance per draft position.
+     Target: auto >= 1.8x off.
+ (b) random words, batch 1 (nothing to look up): auto within 3% of off.
+ (c) 16 concurrent streams of random-word prompts: auto within 3% of off (tokens/s over
+     the whole batch).
+
+Decode tokens/s of a request: (tokens - 1) / (last token time - first token time); a
+workload's figure is the total over its requests. Each mode's requests are interleaved
+(off, auto, on, off, ...) so that drift on a shared machine hits all modes alike.
+
+    python benchmarks/speculative.py            # ~3-5 minutes on 2 cores
+    python benchmarks/speculative.py --quick    # smoke test (numbers mean nothing)
+JSON goes to benchmarks/results/speculative.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+from tokenloom import LLM, SamplingParams
+
+PASSAGES = [
+    "The lighthouse keeper counted the ships that night and wrote each name in the ledger: "
+    "the Albatross, the Meridian, the Quiet Harbour. Rain struck the glass while the lamp "
+    "turned, and at dawn he walked down to the harbour to see which of them had come home.",
+    "def merge_sorted(a, b):\n    out = []\n    i = j = 0\n    while i < len(a) and j < "
+    "len(b):\n        if a[i] <= b[j]:\n            out.append(a[i])\n            i += 1\n"
+    "        else:\n            out.append(b[j])\n            j += 1\n    out.extend(a[i:])\n"
+    "    out.extend(b[j:])\n    return out\n",
+    "Copper is a soft, malleable and ductile metal with very high thermal and electrical "
+    "conductivity. It is used as a conductor of heat and electricity, as a building material, "
+    "and as a constituent of various metal alloys such as sterling silver and bronze.",
+    "Our meeting is moved from Tuesday to Thursday at 3 pm in room 204. Please bring the "
+    "quarterly figures, the draft budget for the new office, and your notes on the hiring "
+    "plan. Lunch will be provided. Reply to this message if you cannot attend.",
+]
+INSTRUCTIONS = [
+    "Repeat the following text exactly, word for word:\n\n{p}",
+    "Copy this passage, changing nothing:\n\n{p}",
+    "Rewrite the following text, keeping every sentence as it is but fixing any typos:\n\n{p}",
+]
+
+
+def lookup_prompts(n: int) -> list[list[dict]]:
+    return [[{"role": "user", "content": INSTRUCTIONS[i % len(INSTRUCTIONS)].format(
+        p=PASSAGES[i % len(PASSAGES)])}] for i in range(n)]
+
+
+def random_prompts(tokenizer, n: int, words: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    vocab = [w for w in tokenizer.get_vocab() if w.isalpha() and len(w) > 3][:20000]
+    return [tokenizer.encode(" ".join(rng.choice(vocab) for _ in range(words)))
+            for _ in range(n)]
+
+
+def decode_rate(outs) -> float:
+    tokens, seconds = 0, 0.0
+    for o in outs:
+        t = o.outputs[0].timings.token_times
+        if len(t) > 1:
+            tokens += len(t) - 1
+            seconds += t[-1] - t[0]
+    return tokens / seconds if seconds else 0.0
+
+
+def run_mode(llm, prompts, mode, max_tokens, chat) -> list:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, speculative=mode)
+    if chat:
+        return llm.chat(prompts, params)
+    return llm.generate(prompts, params)
+
+
+def batch1(llm, prompts, modes, max_tokens, chat, rounds):
+    """Each prompt alone, modes interleaved; returns {mode: [outputs]}."""
+    outs = {m: [] for m in modes}
+    for _ in range(rounds):
+        for p in prompts:
+            for m in modes:
+                outs[m].append(run_mode(llm, [p], m, max_tokens, chat)[0])
+    return outs
+
+
+def spec_delta(before, after) -> dict:
+    per_pos = [a - (before.accepted_per_position[j] if j < len(before.accepted_per_position)
+                    else 0) for j, a in enumerate(after.accepted_per_position)]
+    drafts = after.num_drafts - before.num_drafts
+    return {"num_drafts": drafts,
+            "draft_tokens": after.num_draft_tokens - before.num_draft_tokens,
+            "accepted_tokens": after.num_accepted_tokens - before.num_accepted_tokens,
+            "acceptance_per_position": [round(a / drafts, 3) if drafts else None
+                                        for a in per_pos]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "speculative.json"))
+    args = ap.parse_args()
+    quick = args.quick
+    max_tokens = 24 if quick else 96
+    llm = LLM(quiet=True, dtype="float32", device="cpu",
+              **{"speculative.method": "ngram", "speculative.num_speculative_tokens": args.k})
+    results: dict = {"k": args.k, "quick": quick}
+    rows = []
+    try:
+        # Warm-up (and the cost model's first fit): a few steps of each kind.
+        run_mode(llm, lookup_prompts(2), "off", 32, chat=True)
+        run_mode(llm, random_prompts(llm.tokenizer, 4, 40, 0), "off", 32, chat=False)
+
+        # (a) lookup-friendly, batch 1
+        prompts = lookup_prompts(2 if quick else 6)
+        before = llm.scheduler_stats().spec
+        outs = batch1(llm, prompts, ("off", "auto", "on"), max_tokens, True, 1)
+        spec_a = spec_delta(before, llm.scheduler_stats().spec)
+        same = all(a.token_ids == b.token_ids for a, b in zip(outs["off"], outs["auto"])) and \
+            all(a.token_ids == b.token_ids for a, b in zip(outs["off"], outs["on"]))
+        rates = {m: decode_rate(o) for m, o in outs.items()}
+        results["a_lookup_batch1"] = {"decode_tok_s": rates, "identical_greedy_text": same,
+                                      "speculation": spec_a}
+        rows.append(("(a) lookup, batch 1: auto / off", rates["auto"] / rates["off"], ">= 1.8"))
+        rows.append(("(a) lookup, batch 1: on / off", rates["on"] / rates["off"], "-"))
+
+        # (b) random words, batch 1
+        prompts = random_prompts(llm.tokenizer, 2 if quick else 6, 60, 1)
+        before = llm.scheduler_stats().spec
+        outs = batch1(llm, prompts, ("off", "auto"), max_tokens, False, 1)
+        rates = {m: decode_rate(o) for m, o in outs.items()}
+        results["b_random_batch1"] = {"decode_tok_s": rates,
+                                      "speculation": spec_delta(before,
+                                                                llm.scheduler_stats().spec)}
+        rows.append(("(b) random, batch 1: auto / off", rates["auto"] / rates["off"], ">= 0.97"))
+
+        # (c) 16 concurrent random-word streams
+        prompts = random_prompts(llm.tokenizer, 16, 60, 2)
+        rates = {"off": [], "auto": []}
+        before = llm.scheduler_stats().spec
+        for _ in range(1 if quick else 3):
+            for m in ("off", "auto"):
+                t0 = time.perf_counter()
+                o = run_mode(llm, prompts, m, max_tokens, False)
+                rates[m].append(sum(len(x.token_ids) for x in o) / (time.perf_counter() - t0))
+        best = {m: max(v) for m, v in rates.items()}
+        results["c_random_16_streams"] = {"output_tok_s": rates,
+                                          "speculation": spec_delta(before,
+                                                                    llm.scheduler_stats().spec)}
+        rows.append(("(c) random, 16 streams: auto / off", best["auto"] / best["off"],
+                     ">= 0.97"))
+        results["cost_model"] = llm.scheduler_stats().cost_model
+    finally:
+        llm.close()
+    print(f"\nspeculative decoding (prompt lookup, k={args.k}), default model fp32, CPU")
+    print(f"{'measure':40} {'ratio':>7}  target")
+    for name, ratio, target in rows:
+        print(f"{name:40} {ratio:7.2f}  {target}")
+    a = results["a_lookup_batch1"]
+    print(f"(a) decode tok/s off {a['decode_tok_s']['off']:.1f}, auto "
+          f"{a['decode_tok_s']['auto']:.1f}, on {a['decode_tok_s']['on']:.1f}; greedy text "
+          f"identical: {a['identical_greedy_text']}")
+    print(f"(a) acceptance per position: {a['speculation']['acceptance_per_position']}")
+    print(f"(b) acceptance per position: "
+          f"{results['b_random_batch1']['speculation']['acceptance_per_position']}")
+    print(f"(c) drafts verified: {results['c_random_16_streams']['speculation']['num_drafts']}")
+    results["ratios"] = {name: round(r, 3) for name, r, _ in rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""The speculation kill switch on a known cost model (pure: no engine, no torch)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenloom.actors.cost_model import StepCostModel
+from tokenloom.actors.spec_decode import Candidate, SpecController, SpecState
+
+
+def fitted(c0: float, per_token: float, per_row: float) -> StepCostModel:
+    """A cost model fitted on exact step times c0 + per_token * tokens + per_row * rows."""
+    m = StepCostModel()
+    for decodes in range(1, 33):
+        for drafts, chunk in ((0, 0), (2 * decodes, 0), (0, 128)):
+            tokens, rows = decodes + drafts + chunk, decodes + drafts
+            m.observe(tokens, 0.0, c0 + per_token * tokens + per_row * rows,
+                      prefill_tokens=chunk, rows=rows)
+    assert m.ready
+    return m
+
+
+def state(ctl: SpecController, rate: float, mode: str = "auto") -> SpecState:
+    """A request whose history says each draft position is accepted at `rate`."""
+    s = ctl.new_state(mode)
+    for _ in range(200):
+        s.accepted = [rate * 40] * ctl.k
+        s.tried = [40.0] * ctl.k
+    return s
+
+
+def candidates(ctl, rates, context=200, mode="auto"):
+    return [Candidate(f"r{i}", state(ctl, r, mode), num_proposed=ctl.k, max_drafts=100,
+                      context=context) for i, r in enumerate(rates)]
+
+
+# Memory-bound small model on CPU: 30 ms per step, 0.2 ms per extra token and row.
+CHEAP = dict(c0=0.030, per_token=0.0001, per_row=0.0001)
+# Compute-bound: every token costs as much as a step's fixed part / 8.
+DEAR = dict(c0=0.010, per_token=0.001, per_row=0.0015)
+
+
+def test_high_acceptance_at_batch_1_speculates_with_full_k():
+    ctl = SpecController("ngram", k=4)
+    ctl.cost = fitted(**CHEAP)
+    cands = candidates(ctl, [0.9])
+    assert ctl.plan(cands, 1, 200, ctl.cost) == {"r0": 4}
+    assert cands[0].state.decisions == {"pays": 1}
+
+
+def test_low_acceptance_does_not_pay():
+    ctl = SpecController("ngram", k=4)
+    ctl.cost = fitted(**DEAR)
+    cands = candidates(ctl, [0.02])
+    assert ctl.plan(cands, 8, 1600, ctl.cost) == {}
+    assert cands[0].state.decisions == {"does_not_pay": 1}
+
+
+def test_k_shrinks_where_later_positions_rarely_hold():
+    """The best k maximises expected accepted tokens minus what the extra tokens cost."""
+    ctl = SpecController("ngram", k=4)
+    ctl.cost = fitted(**DEAR)
+    cands = candidates(ctl, [0.6])
+    # T0 = 12.5 ms for one decode; a draft adds 2.5 ms = 0.2 tokens' worth: gains for
+    # k = 1..4 are 0.40, 0.56, 0.58, 0.51 tokens per step
+    assert ctl.plan(cands, 1, 200, ctl.cost) == {"r0": 3}
+
+
+def test_large_compute_bound_batch_stops_everyone():
+    """32 decodes on a compute-bound model: extra tokens cost their full price, so even
+    decent acceptance loses tokens per second; the whole batch stops (and says so)."""
+    ctl = SpecController("ngram", k=4)
+    ctl.cost = fitted(c0=0.005, per_token=0.002, per_row=0.002)
+    cands = candidates(ctl, [0.5] * 32)
+    assert ctl.plan(cands, 32, 32 * 200, ctl.cost) == {}
+    assert all("pays" not in c.state.decisions for c in cands)
+
+
+def test_mode_on_skips_the_cost_test_and_no_cost_model_means_no_auto():
+    ctl = SpecController("ngram", k=3)
+    cands = candidates(ctl, [0.01], mode="on") + candidates(ctl, [0.99])
+    cands[1].request_id = "r1"
+    assert ctl.plan(cands, 2, 400, ctl.cost) == {"r0": 3}   # cost model not fitted yet
+    assert cands[1].state.decisions == {"no_cost_model": 1}
+
+
+def test_drafts_bounded_by_proposals_and_remaining_tokens():
+    ctl = SpecController("ngram", k=4, mode="on")
+    c = candidates(ctl, [0.9], mode="on")[0]
+    c.num_proposed, c.max_drafts = 3, 2
+    assert ctl.plan([c], 1, 200, ctl.cost) == {"r0": 2}
+    c.max_drafts = 0     # its next token is its last: nothing to speculate
+    assert ctl.plan([c], 1, 200, ctl.cost) == {}
+
+
+def test_reprobe_and_shadow_scoring():
+    ctl = SpecController("ngram", k=4, reprobe_steps=5)
+    s = ctl.new_state("auto")
+    assert ctl.wants_proposals(s, speculating=False)          # a new request proposes once
+    s.idle_steps = 5
+    assert not ctl.wants_proposals(s, speculating=False)
+    s.idle_steps = 9
+    assert ctl.wants_proposals(s, speculating=False)          # every reprobe_steps steps
+    assert ctl.wants_proposals(s, speculating=True)
+    # Shadow proposals [7, 8, 9]: the model then produced 7, 8, 5 -> two accepted.
+    s.shadow = [7, 8, 9]
+    for t in (7, 8, 5):
+        SpecController.score_shadow(s, t)
+    assert s.shadow is None
+    assert s.tried[:3] == [1.0, 1.0, 1.0] and s.accepted[:3] == [1.0, 1.0, 0.0]
+    assert s.rate(0) > 0.5 > s.rate(2)
+
+
+def test_draft_model_overhead_can_kill_and_idle_requests_probe():
+    ctl = SpecController("draft", k=2, reprobe_steps=4)
+    ctl.cost = fitted(**CHEAP)
+    ctl.observe_draft_time(0.5)          # a draft model far slower than the target
+    cands = candidates(ctl, [0.9])
+    assert ctl.plan(cands, 1, 200, ctl.cost) == {}
+    assert ctl.totals.steps_killed == 1
+    cands = candidates(ctl, [0.0])
+    cands[0].state.idle_steps = 4
+    assert ctl.plan(cands, 1, 200, ctl.cost) == {"r0": 1}     # a probe
+    assert cands[0].state.decisions == {"probe": 1}
+
+
+@pytest.mark.parametrize("mode", ["off"])
+def test_off_has_no_state(mode):
+    assert SpecController("ngram", k=4).new_state(mode) is None
+    assert SpecController("ngram", k=4, mode="on").new_state("auto").mode == "on"
