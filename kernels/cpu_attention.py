@@ -10,7 +10,6 @@ build fails, the engine logs why and keeps the torch reference.
 from __future__ import annotations
 
 import os
-import sys
 import threading
 from pathlib import Path
 
@@ -36,16 +35,9 @@ def load_cpu_decode_kernel():
             _failed = "disabled by TOKENLOOM_DISABLE_CPU_KERNEL"
             return None
         try:
-            from torch.utils.cpp_extension import load
+            from tokenloom.kernels.cpp_build import build
 
-            # torch looks for `ninja` on PATH; the venv's bin holds the pip-installed one.
-            venv_bin = Path(sys.executable).parent
-            os.environ["PATH"] = f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}"
-            # -fopenmp: without it at::parallel_for compiles to a plain loop and the kernel
-            # runs on one core (the libgomp it links is the one torch has loaded already).
-            _module = load(name="tokenloom_paged_decode_cpu", sources=[str(_SRC)],
-                           extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-                           extra_ldflags=["-fopenmp"], verbose=False)
+            _module = build("tokenloom_paged_decode_cpu", _SRC.name)
         except Exception as e:  # a missing compiler must not stop the engine
             _failed = f"{type(e).__name__}: {e}"
             log.warning("cpu decode kernel unavailable; using the torch reference", reason=_failed)

@@ -15,11 +15,13 @@ MKL's only in the rounding of the sums (as they do between batch sizes).
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
 import structlog
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 log = structlog.get_logger("tokenloom.startup", logger_name="tokenloom.startup")
@@ -79,3 +81,175 @@ def choose(linears: list[nn.Linear], rows: tuple[int, ...] = (1, 16, 128)) -> bo
              f"oneDNN vs {mkl:.2f} ms MKL for one layer at {', '.join(map(str, rows))} rows)",
              onednn_ms=round(onednn, 3), mkl_ms=round(mkl, 3))
     return use
+
+
+
+# -- per-batch-size kernels, chosen by measuring -------------------------------------------
+#
+# A projection's weights can be multiplied by several kernels, each best at some batch size
+# on some CPU: MKL (torch's default), oneDNN with a prepacked weight (above), the C++
+# small-batch kernel (csrc/small_gemm_cpu.cpp: streams the weight once, fp32/bf16/int8
+# storage, fp32 sums), torch's packed int8 matmul. `plan` times the candidates on one
+# layer's projections at a ladder of row counts and keeps the fastest per band of rows;
+# CpuLinear then dispatches each call on its row count. Measured, never assumed: which wins
+# depends on the ISA, the caches and the core count.
+
+ROW_LADDER = (1, 2, 4, 8, 16, 64, 256)
+HEAD_ROW_LADDER = (1, 4, 16, 64)
+INT8 = "int8"
+
+_small_gemm = None
+_small_gemm_failed: str | None = None
+
+
+def small_gemm_module():
+    """The C++ small-batch kernel (built on first use), or None with the reason logged."""
+    global _small_gemm, _small_gemm_failed
+    if _small_gemm is None and _small_gemm_failed is None:
+        try:
+            from tokenloom.kernels.cpp_build import build
+            _small_gemm = build("tokenloom_small_gemm_cpu", "small_gemm_cpu.cpp")
+        except Exception as e:  # no compiler: the torch kernels still work
+            _small_gemm_failed = f"{type(e).__name__}: {e}"
+            log.info("C++ small-batch matmul unavailable", reason=_small_gemm_failed)
+    return _small_gemm
+
+
+def has_int8_weight_op() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: w [out, in] ~= q [out, in] * scale [out] (fp32)."""
+    w = w.detach().float()
+    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale
+
+
+def _candidates(weight: torch.Tensor, bias: torch.Tensor | None, storage: str,
+                act_dtype: torch.dtype, only: set[str] | None = None) -> dict:
+    """name -> forward(x) for every kernel that can multiply by this weight here.
+
+    storage "float": the weight is kept in act_dtype (fp32 or bf16); "int8": per-channel
+    int8 with fp32 scales, activations stay act_dtype. `only`: build just these (the rest
+    would hold copies of the weight for nothing)."""
+    def want(name: str) -> bool:
+        return only is None or name in only
+
+    out: dict = {}
+    empty = torch.empty(0)
+    b = None if bias is None else bias.detach().to(act_dtype)
+    gemm = small_gemm_module()
+    if storage == INT8:
+        q, scale = quantize_int8(weight)
+        if gemm is not None and want("small_gemm_int8"):
+            sb = empty if b is None else b
+            out["small_gemm_int8"] = lambda x: gemm.small_gemm(x, q, scale, sb)
+        if has_int8_weight_op() and want("int8pack_bf16"):
+            scale16 = scale.to(torch.bfloat16)
+
+            def int8pack(x):  # its fp32-activation path is scalar; bf16 is vectorised
+                y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), q,
+                                                       scale16).to(x.dtype)
+                return y if b is None else y + b
+            out["int8pack_bf16"] = int8pack
+
+        def dequant(x):  # large batches: widen once per call, then a dense matmul
+            return F.linear(x, (q.to(x.dtype) * scale[:, None].to(x.dtype)), b)
+        if want("dequant_mkl"):
+            out["dequant_mkl"] = dequant
+        return out
+    w = weight.detach().to(act_dtype).contiguous()
+    if want("mkl"):
+        out["mkl"] = lambda x: F.linear(x, w, b)
+    if onednn_available() and want("onednn"):
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, ROWS_HINT)
+            out["onednn"] = lambda x: torch.ops.mkldnn._linear_pointwise(
+                x, packed, b, "none", [], "")
+        except RuntimeError as e:  # a torch build without the primitive for this dtype
+            log.info("oneDNN linear unavailable", dtype=str(act_dtype), reason=str(e))
+    if gemm is not None and want("small_gemm"):
+        sb = empty if b is None else b
+        out["small_gemm"] = lambda x: gemm.small_gemm(x, w, empty, sb)
+    return out
+
+
+def _min_ms(fn, reps: int = 5) -> float:
+    """Best of `reps` (the machine may be shared: the minimum is the kernel's own time)."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best * 1000
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Kernel per band of rows: bands[i] = (max_rows, name); the last band takes the rest."""
+    bands: tuple[tuple[int, str], ...]
+    timings: dict            # rows -> {kernel: ms}
+
+    def describe(self) -> str:
+        parts, lo = [], 1
+        for i, (hi, name) in enumerate(self.bands):
+            last = i == len(self.bands) - 1
+            parts.append(f"{lo}+ rows {name}" if last else
+                         (f"{lo} row {name}" if lo == hi else f"{lo}-{hi} rows {name}"))
+            lo = hi + 1
+        return ", ".join(parts)
+
+    @property
+    def kernels(self) -> set[str]:
+        return {name for _, name in self.bands}
+
+
+def plan(weights: list[tuple[torch.Tensor, torch.Tensor | None]], storage: str,
+         act_dtype: torch.dtype, rows: tuple[int, ...] = ROW_LADDER) -> Plan:
+    """Time every candidate kernel on these projections (e.g. one decoder layer's) at each
+    row count and keep the fastest per row count, merged into bands."""
+    cands = [_candidates(w, b, storage, act_dtype) for w, b in weights]
+    names = [n for n in cands[0] if all(n in c for c in cands)]
+    timings: dict[int, dict[str, float]] = {}
+    best: list[str] = []
+    with torch.inference_mode():
+        for n in rows:
+            xs = [torch.randn(n, w.shape[1]).to(act_dtype) for w, _ in weights]
+            timings[n] = {name: _min_ms(lambda: [c[name](x) for c, x in zip(cands, xs)])
+                          for name in names}
+            best.append(min(timings[n], key=timings[n].get))
+    bands: list[tuple[int, str]] = []
+    for n, name in zip(rows, best):
+        if bands and bands[-1][1] == name:
+            bands[-1] = (n, name)
+        else:
+            bands.append((n, name))
+    return Plan(tuple(bands), timings)
+
+
+class CpuLinear(nn.Module):
+    """A projection whose kernel depends on the call's row count (a measured Plan). Same
+    contract as nn.Linear for 2-D inputs [rows, in_features] -> [rows, out_features]."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, storage: str,
+                 act_dtype: torch.dtype, chosen: Plan):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.storage = storage
+        fns = _candidates(weight, bias, storage, act_dtype, chosen.kernels)
+        self._bands = [(hi, fns[name]) for hi, name in chosen.bands]
+        self.kernel_names = tuple(name for _, name in chosen.bands)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        for hi, fn in self._bands:
+            if rows <= hi:
+                return fn(x)
+        return self._bands[-1][1](x)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"storage={self.storage}, kernels={self.kernel_names}")

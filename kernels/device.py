@@ -41,6 +41,8 @@ def select_decode_backend(model, wanted: str, device: torch.device,
     if wanted == "triton":
         raise ConfigError("model.attention_backend 'triton' needs model.device cuda "
                           "(on CPU: auto, torch or cpu_kernel)", key="model.attention_backend")
+    if device.type == "cpu":
+        log_cpu_features(model.embed_tokens.weight.dtype)
     if wanted == "torch" or (wanted == "auto" and device.type != "cpu"):
         return "torch"
     if device.type != "cpu":
@@ -54,6 +56,21 @@ def select_decode_backend(model, wanted: str, device: torch.device,
         return "torch"
     model.set_decode_kernel(paged_decode_cpu)
     return "cpu_kernel"
+
+
+def log_cpu_features(dtype: torch.dtype) -> None:
+    """Say what this CPU offers and what that means for the chosen dtype (the kernels per
+    batch size are logged when they are measured, at the first forward)."""
+    from tokenloom.kernels.cpu_features import detect
+
+    f = detect()
+    startup_log.info(f"CPU: {f.model_name or 'unknown model'}, {f.summary()}",
+                     cpu=f.model_name, features=sorted(f.flags),
+                     torch_capability=f.torch_capability)
+    if dtype == torch.bfloat16 and not f.bf16:
+        startup_log.warning("model.dtype bfloat16 on a CPU without bf16 instructions "
+                            "(AVX512-BF16 or AMX): bf16 arithmetic is emulated here; float32 "
+                            "may be faster", features=f.summary())
 
 
 def _select_cuda_backend(model, wanted: str, max_model_len: int) -> str:

@@ -140,37 +140,45 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(h).float()
 
     def _use_cpu_weight_layout(self) -> None:
-        """On CPU in fp32, store each decoder projection's weight [out, in] column-major
-        (its transpose contiguous): MKL multiplies a decode batch's few rows by it about
-        twice as fast (SmolLM2-135M at 16 rows: 0.86 against 1.7 ms a layer) and a prefill
-        chunk's thousands as fast. Same values and shape; the sums may round differently in
-        the last bit, as they do between batch sizes. (Not bf16: slower there.)"""
+        """On CPU, every projection and the LM head get the kernel that measures fastest on
+        this machine for each band of batch sizes (cpu_linear.plan): MKL, oneDNN with a
+        prepacked weight, or the C++ small-batch kernel. Same values; the sums may round
+        differently in the last bit, as they do between batch sizes."""
         self._layout_done = True
-        for layer in self.layers:
-            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                           layer.mlp.gate_up_proj, layer.mlp.down_proj):
-                w = linear.weight
-                if w.device.type == "cpu" and w.dtype == torch.float32 and w.is_contiguous():
-                    with torch.inference_mode(False), torch.no_grad():
-                        linear.weight = nn.Parameter(w.t().contiguous().t(), requires_grad=False)
-        self._use_onednn_if_faster()
+        w = self.layers[0].self_attn.qkv_proj.weight
+        if w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16):
+            self.specialize_cpu("float")
 
-    def _use_onednn_if_faster(self) -> None:
-        """fp32 on CPU: every projection and the head through oneDNN with prepacked weights
-        when that measures faster on this machine than the layout above (cpu_linear.py)."""
+    def specialize_cpu(self, storage: str = "float") -> dict[str, str]:
+        """Replace the projections and the head by CpuLinear modules ("float": weights kept
+        in the model dtype; "int8": weight-only int8, per-channel scales), each with the
+        kernel per batch-size band measured fastest here. Returns what was chosen."""
+        self._layout_done = True
+        self._count_layer_params()   # before the weights leave the parameters
+        act = self.rope.cos.dtype if self.rope is not None else self.embed_tokens.weight.dtype
         first = self.layers[0]
         linears = [first.self_attn.qkv_proj, first.self_attn.o_proj, first.mlp.gate_up_proj,
                    first.mlp.down_proj]
-        w = linears[0].weight
-        if w.device.type != "cpu" or w.dtype != torch.float32 or not cpu_linear.choose(linears):
-            return
-        self._count_layer_params()   # before the weights leave the parameters
+        layer_plan = cpu_linear.plan([(lin.weight, lin.bias) for lin in linears], storage, act)
+        head_plan = cpu_linear.plan([(self.lm_head.weight, None)], storage, act,
+                                    cpu_linear.HEAD_ROW_LADDER)
         for layer in self.layers:
-            layer.self_attn.qkv_proj = cpu_linear.PackedLinear(layer.self_attn.qkv_proj)
-            layer.self_attn.o_proj = cpu_linear.PackedLinear(layer.self_attn.o_proj)
-            layer.mlp.gate_up_proj = cpu_linear.PackedLinear(layer.mlp.gate_up_proj)
-            layer.mlp.down_proj = cpu_linear.PackedLinear(layer.mlp.down_proj)
-        self.lm_head = cpu_linear.PackedLinear(self.lm_head)
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_proj = cpu_linear.CpuLinear(attn.qkv_proj.weight, attn.qkv_proj.bias,
+                                                 storage, act, layer_plan)
+            attn.o_proj = cpu_linear.CpuLinear(attn.o_proj.weight, None, storage, act, layer_plan)
+            mlp.gate_up_proj = cpu_linear.CpuLinear(mlp.gate_up_proj.weight, None, storage, act,
+                                                    layer_plan)
+            mlp.down_proj = cpu_linear.CpuLinear(mlp.down_proj.weight, None, storage, act,
+                                                 layer_plan)
+        # A tied head keeps the embedding for lookups (one row a token) and gets its own
+        # copy in the head's storage.
+        self.lm_head = cpu_linear.CpuLinear(self.lm_head.weight, None, storage, act, head_plan)
+        chosen = {"layers": layer_plan.describe(), "head": head_plan.describe()}
+        cpu_linear.log.info(f"CPU projections ({storage} weights, {str(act).removeprefix('torch.')} "
+                            f"activations): layers {chosen['layers']}; head {chosen['head']}",
+                            storage=storage, **chosen)
+        return chosen
 
     def _count_layer_params(self) -> None:
         params = list(self.layers[0].parameters())

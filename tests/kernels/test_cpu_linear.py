@@ -30,3 +30,79 @@ def test_choose_measures_and_answers():
     layer = [nn.Linear(64, 192, bias=False), nn.Linear(64, 64, bias=False)]
     assert cpu_linear.choose(layer, rows=(1, 8)) in (True, False)
     assert cpu_linear.choose([]) is False
+
+
+# -- per-batch-size kernels (plan + CpuLinear) ----------------------------------------------
+def _weights(seed: int, shapes=((96, 64), (40, 96))):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(o, i, generator=g) * 0.1, torch.randn(o, generator=g) * 0.1)
+            for o, i in shapes]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 17, 70])
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
+def test_every_candidate_matches_the_reference(rows, act):
+    """Each kernel the planner may pick computes x . W^T + b, at sizes on both sides of the
+    small kernel's 4-row and 4-column blocking (K=100 leaves a 16-lane tail)."""
+    (w, b), = _weights(rows, shapes=((37, 100),))
+    x = torch.randn(rows, 100).to(act)
+    ref = torch.nn.functional.linear(x.float(), w.to(act).float(), b.to(act).float())
+    cands = cpu_linear._candidates(w, b, "float", act)
+    assert "mkl" in cands
+    tol = 1e-4 if act == torch.float32 else 3e-2
+    with torch.inference_mode():
+        for name, fn in cands.items():
+            y = fn(x)
+            assert y.dtype == act and y.shape == (rows, 37), name
+            torch.testing.assert_close(y.float(), ref, rtol=tol, atol=tol, msg=name)
+
+
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
+def test_int8_candidates_match_dequantized_weights(act):
+    (w, b), = _weights(7, shapes=((50, 96),))
+    q, scale = cpu_linear.quantize_int8(w)
+    assert q.dtype == torch.int8 and q.abs().max() <= 127
+    deq = q.float() * scale[:, None]
+    assert (deq - w).abs().max() <= scale.max() / 2 + 1e-6   # half a step at most
+    x = torch.randn(6, 96).to(act)
+    ref = torch.nn.functional.linear(x.float(), deq, b.float())
+    cands = cpu_linear._candidates(w, b, cpu_linear.INT8, act)
+    assert "dequant_mkl" in cands
+    with torch.inference_mode():
+        for name, fn in cands.items():
+            # int8pack rounds activations to bf16; bf16 activations round the output.
+            tol = 1e-4 if act == torch.float32 and name != "int8pack_bf16" else 3e-2
+            torch.testing.assert_close(fn(x).float(), ref, rtol=tol, atol=tol, msg=name)
+
+
+def test_plan_bands_cover_every_row_count_and_dispatch():
+    weights = _weights(3)
+    chosen = cpu_linear.plan(weights, "float", torch.float32, rows=(1, 4, 16))
+    assert chosen.bands and chosen.bands[-1][0] == 16
+    assert set(chosen.timings) == {1, 4, 16}
+    his = [hi for hi, _ in chosen.bands]
+    assert his == sorted(his)
+    assert chosen.describe()
+    w, b = weights[0]
+    layer = cpu_linear.CpuLinear(w, b, "float", torch.float32, chosen)
+    with torch.inference_mode():
+        for rows in (1, 2, 4, 9, 16, 40):   # 40: past the last band, uses the last kernel
+            x = torch.randn(rows, 64)
+            torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, w, b),
+                                       rtol=1e-4, atol=1e-4)
+
+
+def test_forced_plan_dispatches_by_rows(monkeypatch):
+    """Bands are honoured: a call with r rows runs the kernel of the first band >= r."""
+    calls = []
+    weights = _weights(4)
+    forced = cpu_linear.Plan(((2, "mkl"), (8, "onednn")), {})
+    w, b = weights[0]
+    layer = cpu_linear.CpuLinear(w, b, "float", torch.float32, forced)
+    names = dict(zip(layer.kernel_names, [fn for _, fn in layer._bands]))
+    layer._bands = [(hi, (lambda name: lambda x: calls.append(name) or names[name](x))(n))
+                    for (hi, _), n in zip(layer._bands, layer.kernel_names)]
+    with torch.inference_mode():
+        for rows in (1, 2, 3, 8, 30):
+            layer(torch.randn(rows, 64))
+    assert calls == ["mkl", "mkl", "onednn", "onednn", "onednn"]
