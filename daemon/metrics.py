@@ -115,6 +115,25 @@ class _EngineCollector:
         yield gauge("tokenloom:goodput_ratio",
                     "Share of finished requests within their objectives (1 before any).",
                     good / evaluated if evaluated else 1.0)
+        if sched.spec is not None:   # speculative decoding (vLLM's spec_decode counters)
+            sp = sched.spec
+            yield counter("vllm:spec_decode_num_drafts",
+                          "Verification steps: one per speculating sequence per step.",
+                          sp.num_drafts)
+            yield counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.",
+                          sp.num_draft_tokens)
+            yield counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                          sp.num_accepted_tokens)
+            per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                          "Accepted draft tokens by position in the draft.",
+                                          labels=labels + ["position"])
+            for j in range(sp.num_speculative_tokens):
+                n = sp.accepted_per_position[j] if j < len(sp.accepted_per_position) else 0
+                per_pos.add_metric(value + [str(j)], n)
+            yield per_pos
+            yield counter("tokenloom:spec_decode_steps_killed",
+                          "Steps where speculation would not pay for the batch (kill switch).",
+                          sp.steps_killed)
         # Where a step's time goes (means over the last 256 steps), see README "Engine loop".
         t = sched.timings
         step = GaugeMetricFamily("tokenloom:step_time_ms",

@@ -7,7 +7,8 @@ Decoding (JSON syntax, types, required fields) is msgspec's; ranges and cross-fi
 checked here and by `SamplingParams`. Unknown fields are ignored, as vLLM does.
 
 Extensions beyond OpenAI, as in vLLM: top_k, min_p, repetition_penalty, ignore_eos,
-min_tokens, stop_token_ids, cache_salt, priority, and tokenloom's `return_metrics`.
+min_tokens, stop_token_ids, cache_salt, priority, and tokenloom's `return_metrics` and
+`speculative` ("auto" | "on" | "off": this request's speculative decoding).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     cache_salt: str | None = None
     priority: int | str | None = None   # a number (lower runs first) or a class name
     return_metrics: bool = False
+    speculative: str | None = None      # "auto" | "on" | "off" (speculative decoding)
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -197,7 +199,7 @@ def _sampling_params(req: _Sampling, limits: Limits, max_tokens: int | None,
                   stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
                   logprobs=logprobs)
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                 "frequency_penalty", "repetition_penalty"):
+                 "frequency_penalty", "repetition_penalty", "speculative"):
         if getattr(req, name) is not None:
             fields[name] = getattr(req, name)
     try:

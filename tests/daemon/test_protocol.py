@@ -40,8 +40,9 @@ def test_sampling_fields_reach_sampling_params():
                               frequency_penalty=-0.5, repetition_penalty=1.2, ignore_eos=True,
                               min_tokens=2, logprobs=3, cache_salt="tenant-a", priority=-1,
                               user="u", stream=True, stream_options={"include_usage": True},
-                              return_metrics=True), LIMITS)
+                              return_metrics=True, speculative="off"), LIMITS)
     sp = p.params
+    assert sp.speculative == "off"
     assert (sp.max_tokens, sp.temperature, sp.top_p, sp.top_k, sp.min_p, sp.n, sp.stop,
             sp.seed) == (7, 0.5, 0.9, 5, 0.1, 3, ("END",), 11)
     assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (0.5, -0.5, 1.2)
@@ -79,6 +80,7 @@ def test_chat_max_completion_tokens_and_logprobs():
     (dict(prompt="x", stop=[""]), 400, "stop"),
     (dict(prompt="x", stop=5), 400, "stop"),
     (dict(prompt="x", cache_salt=""), 400, "cache_salt"),
+    (dict(prompt="x", speculative="maybe"), 400, "speculative"),
     (dict(prompt="x", priority=[1]), 400, "priority"),
     (dict(prompt="x", stream_options={"include_usage": True}), 400, "stream_options"),
     (dict(prompt="x", model="other"), 404, "model"),
