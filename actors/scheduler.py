@@ -367,7 +367,10 @@ class SchedulerActor(Actor):
                     self._finish(w.request, S.FINISHED, FinishReason.ERROR, error=out.error,
                                  error_kind=ERROR_INTERNAL)
             return
-        self.observer.observe_step(d, launched.batch, out.compute_seconds)
+        predicted = self.observer.observe_step(d, launched.batch, out.compute_seconds)
+        if self.spec is not None and not d.prefills:
+            self.spec.calibrate(len(d.decodes), any(s.num_draft for s in launched.batch.sequences),
+                                predicted, out.compute_seconds)
         self.preemptor.observe_swap(len(launched.batch.swap_out) + len(launched.batch.swap_in),
                                     out.swap_seconds)
         spec = {r.request_id: r for r in out.spec}

@@ -13,6 +13,15 @@ it is expected to accept are worth. Both sides are measured:
   measured forward time. The step without drafts takes T0 for N decodes (rate N / T0);
   request i's k drafts add dT_i(k) (k more tokens, and their attention over its context).
 
+The cost model is linear (per token, per sampled row, per attention unit), fitted on
+whatever ran lately; a decode step is memory-bound at small batches (four more rows cost
+almost nothing) and compute-bound at large ones (each row costs its full price), which no
+single line fits at both ends. So predictions are calibrated by what was measured: per
+decode-batch size bucket (powers of two), the ratio of measured to predicted step time,
+kept apart for steps that verified drafts and steps that did not, scales the two sides.
+A bucket with no speculative step yet uses the model as it is; the first step there
+calibrates it.
+
 Each request speculates with the k that maximises a_i(k) - (N / T0) * dT_i(k), if that is
 positive (it raises the batch's tokens per second), and the whole batch stops speculating
 when the sum, less the draft model's own time, is not above `min_gain` of N (large
@@ -123,6 +132,8 @@ class SpecController:
         self.totals = SpecTotals()
         self.draft_seconds = 0.0        # EMA of the draft model's time per step
         self.cost = cost or StepCostModel()   # the scheduler's, shared
+        # decode-batch bucket -> [measured / predicted of plain steps, of speculative steps]
+        self.calibration: dict[int, list[float | None]] = {}
 
     def new_state(self, request_mode: str) -> SpecState | None:
         """A request's state, or None when it never speculates."""
@@ -140,8 +151,9 @@ class SpecController:
         chosen: dict[str, int] = {}
         auto: list[tuple[float, str, int]] = []
         base_t = None
+        plain_ratio, spec_ratio = self._ratios(num_decodes)
         if cost.ready and num_decodes:
-            base_t = cost.predict(num_decodes, _decode_work(decode_contexts))
+            base_t = cost.predict(num_decodes, _decode_work(decode_contexts)) * plain_ratio
         for c in candidates:
             limit = min(self.k, c.num_proposed, c.max_drafts)
             if limit <= 0:
@@ -157,7 +169,8 @@ class SpecController:
             rate = num_decodes / base_t
             best_k, best_gain = 0, 0.0
             for k in range(1, limit + 1):
-                extra = _extra_seconds(cost, num_decodes, decode_contexts, c.context, k) - base_t
+                extra = (_extra_seconds(cost, num_decodes, decode_contexts, c.context, k)
+                         * spec_ratio - base_t)
                 gain = c.state.expected_accepted(k) - rate * extra
                 if gain > best_gain:
                     best_k, best_gain = k, gain
@@ -257,6 +270,21 @@ class SpecController:
                          accepted_per_position=list(t.accepted_per_pos),
                          steps_killed=t.steps_killed)
 
+    def calibrate(self, num_decodes: int, speculative: bool, predicted: float,
+                  measured: float) -> None:
+        """A step's measured forward time against the cost model's prediction for it."""
+        if num_decodes <= 0 or predicted <= 0 or measured <= 0:
+            return
+        slot = self.calibration.setdefault(_bucket(num_decodes), [None, None])
+        ratio = measured / predicted
+        old = slot[speculative]
+        slot[speculative] = ratio if old is None else 0.8 * old + 0.2 * ratio
+
+    def _ratios(self, num_decodes: int) -> tuple[float, float]:
+        slot = self.calibration.get(_bucket(num_decodes), [None, None])
+        plain = slot[0] if slot[0] is not None else 1.0
+        return plain, slot[1] if slot[1] is not None else plain
+
     def observe_draft_time(self, seconds: float) -> None:
         self.draft_seconds = seconds if not self.draft_seconds else (
             0.8 * self.draft_seconds + 0.2 * seconds)
@@ -276,6 +304,11 @@ class SpecController:
             state.shadow_seen = 0
         else:
             state.shadow_seen = j + 1
+
+
+def _bucket(num_decodes: int) -> int:
+    """1, 2, 4, 8, ...: the power of two at or above num_decodes."""
+    return 1 << max(0, num_decodes - 1).bit_length()
 
 
 def _decode_work(contexts: int) -> AttentionWork:

@@ -53,18 +53,22 @@ class StepObserver:
                     log.error("decode starved", request_id=req.request_id, skipped=n,
                               bound=self.config.max_decode_skip)
 
-    def observe_step(self, d: Decision, batch: ExecuteBatch, forward_seconds: float) -> None:
-        """Feed the cost model the forward's time and charge each tenant its tokens."""
+    def observe_step(self, d: Decision, batch: ExecuteBatch, forward_seconds: float) -> float:
+        """Feed the cost model the forward's time and charge each tenant its tokens.
+        Returns the time the model predicted for the step (0 before it was fitted)."""
         tokens, work = 0, 0.0
         for s in batch.sequences:
             n = len(s.token_ids)
             tokens += n
             work += attention_work(n, s.start_pos)
         rows = sum(1 + s.num_draft for s in batch.sequences if s.sample)
+        # What the model said before it learns from this step (speculation calibrates on it).
+        predicted = self.cost.predict(tokens, work, rows) if self.cost.ready else 0.0
         self.cost.observe(tokens, work, forward_seconds,
                           prefill_tokens=sum(w.num_tokens for w in d.prefills), rows=rows)
         for w in d.decodes + d.prefills:
             self.fair.charge(w.request.tenant, w.num_tokens)
+        return predicted
 
     def observe_times(self, forward: float, host: float, exposed_host: float,
                       kv_round_trip: float, batch_size: int) -> None:

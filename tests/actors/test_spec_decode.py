@@ -128,3 +128,20 @@ def test_draft_model_overhead_can_kill_and_idle_requests_probe():
 def test_off_has_no_state(mode):
     assert SpecController("ngram", k=4).new_state(mode) is None
     assert SpecController("ngram", k=4, mode="on").new_state("auto").mode == "on"
+
+
+def test_measured_step_times_calibrate_each_batch_size():
+    """A linear fit that looks cheap everywhere: at 16 decodes speculation first pays on
+    paper; once speculative steps there measure 3x their prediction it no longer does,
+    while batch 1 (where they measured as predicted) keeps speculating."""
+    ctl = SpecController("ngram", k=4)
+    ctl.cost = fitted(**CHEAP)
+    cands16 = candidates(ctl, [0.7] * 16)
+    assert len(ctl.plan(cands16, 16, 16 * 200, ctl.cost)) == 16
+    for _ in range(10):
+        ctl.calibrate(16, speculative=False, predicted=0.04, measured=0.04)
+        ctl.calibrate(16, speculative=True, predicted=0.05, measured=0.15)
+        ctl.calibrate(1, speculative=True, predicted=0.03, measured=0.03)
+    assert ctl.plan(candidates(ctl, [0.7] * 16), 16, 16 * 200, ctl.cost) == {}
+    assert ctl.plan(candidates(ctl, [0.7]), 1, 200, ctl.cost) == {"r0": 4}
+    assert ctl.calibration[16][1] == pytest.approx(3.0, rel=0.05)

@@ -90,6 +90,14 @@ CONFIGS = {
     # SLO chunking with an unreachable target: every prefill runs in min_prefill_chunk pieces
     # once the cost model is fitted (decodes keep running alongside).
     "slo_chunking": dict(max_num_seqs=16, target_itl_ms=0.001, min_prefill_chunk=24),
+    # Speculative decoding by prompt lookup on every step that has a proposal (the long
+    # story prompt repeats itself, so drafts are accepted), alone and with chunked prefill
+    # and preemption by recompute.
+    "speculative_ngram": {"speculative.method": "ngram", "speculative.mode": "on"},
+    "speculative_chunked_preemption": {
+        "speculative.method": "ngram", "speculative.mode": "on", "num_blocks": 80,
+        "block_size": 16, "admission_lookahead_tokens": 0, "kv_watermark": 0.0,
+        "kv_resume_watermark": 0.0, "max_num_batched_tokens": 64, "max_num_seqs": 16},
 }
 
 
@@ -125,6 +133,10 @@ def test_batched_configurations(name, overlap, default_model_dir, prompt_ids, re
             assert stats.cost_model is not None, "the step-cost model was never fitted"
         if name == "kv_plan":
             assert stats.num_preemptions <= 1, stats
+        if name.startswith("speculative"):
+            assert stats.spec.num_accepted_tokens > 0, stats.spec
+        if name == "speculative_chunked_preemption":
+            assert stats.num_preemptions > 0
         assert stats.max_decode_skip == 0
         llm.check_integrity()
         assert llm.kv_stats().used == 0
