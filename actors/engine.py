@@ -39,6 +39,7 @@ from tokenloom.actors.swap import SwapSpace
 from tokenloom.kernels.kv_store import HostKVPool, KVCache
 from tokenloom.kernels.device import pick_device, pick_dtype, select_decode_backend
 from tokenloom.kernels.loader import load_model, resolve_model_dir, weights_digest
+from tokenloom.kernels.weights import apply_weight_dtype
 from tokenloom.kernels.model_spec import ModelSpec
 
 log = structlog.get_logger("tokenloom.engine")
@@ -200,11 +201,14 @@ class Engine:
             max_len = capacity
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        digest = weights_digest(model_dir, resolve_cache_dir(config))
+        # model.weight_dtype int8: quantize, then pass the quality gate or refuse to start.
+        apply_weight_dtype(model, model_dir, config.model, dtype, device, tokenizer, digest,
+                           resolve_cache_dir(config))
         info = RuntimeInfo(model_dir=model_dir, spec=spec, device=device, dtype=dtype,
                            num_blocks=num_blocks, block_size=config.cache.block_size,
                            kv_bytes_per_token=per_token, max_model_len=max_len,
-                           attention_backend=backend,
-                           weights_digest=weights_digest(model_dir, resolve_cache_dir(config)))
+                           attention_backend=backend, weights_digest=digest)
         seconds = time.perf_counter() - t0
         startup_log.info(f"model {spec.architecture} from {model_dir} "
                          f"({str(dtype).removeprefix('torch.')}, {device}) "

@@ -148,6 +148,12 @@ class ModelConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     # Decode attention: "auto" = the C++ paged kernel on CPU (torch reference if it cannot
     # be built), the torch reference on CUDA; "torch" forces the reference everywhere.
     attention_backend: Literal["auto", "torch", "cpu_kernel", "triton"] = "auto"
+    # How the projection weights are stored: "auto" = in model.dtype; "int8" = weight-only
+    # int8 with per-channel scales (CPU), activations and KV in model.dtype. A quantized mode
+    # must pass its quality gate against fp32 at start-up (kernels/quality_gate.py).
+    weight_dtype: Literal["auto", "int8"] = "auto"
+    # Start a quantized weight mode even when it fails its quality gate (logged loudly).
+    force_quantized: bool = False
 
 
 class CacheConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
