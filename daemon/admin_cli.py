@@ -164,6 +164,15 @@ def _render_stats(r: P.StatsReply) -> str:
          f"host ({r.step_timings.exposed_host_ms:.2f} ms exposed), "
          f"mean batch {r.step_timings.batch_size:g}"),
     ]
+    if r.process is not None:
+        p = r.process
+        rows += [
+            ("process", f"RSS {p.rss_bytes / 2**20:.0f} MiB, {p.open_fds} fds, "
+                        f"{p.asyncio_tasks} tasks, {p.threads} threads"),
+            ("HTTP connections", f"{p.connections_open} open, {p.connections_refused} refused "
+                                 f"over the cap, {p.header_timeouts} header timeouts, "
+                                 f"{p.slow_readers_cut} slow readers cut"),
+        ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 

@@ -81,6 +81,18 @@ class DrainProgress(msgspec.Struct, kw_only=True):
     exiting: bool                       # a SIGTERM drain: the process exits when done
 
 
+class ProcessStats(msgspec.Struct, kw_only=True):
+    rss_bytes: int                      # resident memory
+    open_fds: int                       # file descriptors
+    asyncio_tasks: int                  # tasks alive on the event loop
+    threads: int
+    connections_open: int = 0           # HTTP connections
+    connections_refused: int = 0        # over server.max_connections
+    header_timeouts: int = 0            # closed for headers not received in time
+    slow_readers_cut: int = 0           # streams cut off by server.write_timeout_seconds
+    streams_open: int = 0               # the engine's output streams
+
+
 class StatsReply(_Reply, tag="stats", kw_only=True):
     model: str
     ready: bool
@@ -115,6 +127,8 @@ class StatsReply(_Reply, tag="stats", kw_only=True):
     # The engine loop: overlapped steps on, and where a step's time goes (means, ms).
     overlap: bool = True
     step_timings: StepTimings = StepTimings()
+    # The process (for leak checks: benchmarks/soak.py) and the HTTP connections.
+    process: ProcessStats | None = None
 
 
 class FlushCacheReply(_Reply, tag="flush-cache", kw_only=True):

@@ -253,7 +253,29 @@ class AdminServer:
             admission_paused=sched.admission_paused, prefill_budget=sched.prefill_budget,
             cost_model=sched.cost_model, goodput_requests=sched.num_slo_good,
             slo_evaluated_requests=sched.num_slo_evaluated, overlap=sched.overlap,
-            step_timings=sched.timings)
+            step_timings=sched.timings, process=self.process_stats())
+
+    def process_stats(self) -> P.ProcessStats:
+        """Read from /proc and the event loop: cheap, and meaningful for leak checks."""
+        import threading
+
+        rss = 0
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            rss = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        try:
+            fds = len(os.listdir("/proc/self/fd"))
+        except OSError:
+            fds = 0
+        c = self.state.connections
+        engine = self.state.engine
+        return P.ProcessStats(
+            rss_bytes=rss, open_fds=fds, asyncio_tasks=len(asyncio.all_tasks()),
+            threads=threading.active_count(),
+            connections_open=c.open if c is not None else 0,
+            connections_refused=c.refused if c is not None else 0,
+            header_timeouts=c.header_timeouts if c is not None else 0,
+            slow_readers_cut=c.slow_readers_cut if c is not None else 0,
+            streams_open=len(engine.streams) if engine is not None else 0)
 
     async def flush_cache(self, force: bool) -> P.FlushCacheReply:
         r = await self._ask(self._engine().kv_manager, FlushPrefixCache(force=force))
