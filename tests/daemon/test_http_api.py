@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import aiohttp
 import pytest
@@ -353,7 +354,9 @@ async def test_health_answers_while_a_long_prompt_prefills(tiny_model_dir, tmp_p
                     order.append("first token")
 
             task = asyncio.create_task(stream())
+            deadline = time.monotonic() + 120
             while (await asyncio.to_thread(server.stats)).scheduler.running == 0:
+                assert time.monotonic() < deadline, "the long prompt never started"
                 await asyncio.sleep(0.005)
             async with s.get(server.url + "/health") as r:
                 assert r.status == 200

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import aiohttp
 import pytest
@@ -132,7 +133,9 @@ async def _interference(server, model_name) -> dict:
     async with aiohttp.ClientSession() as session:
         streams = [asyncio.create_task(stream(session)) for _ in range(4)]
         # Let >= 16 iterations of decodes feed the cost model before the long prompt.
+        deadline = time.monotonic() + 120
         while (await asyncio.to_thread(server.stats)).scheduler.num_steps < 30:
+            assert time.monotonic() < deadline, "the streams never took 30 steps"
             await asyncio.sleep(0.02)
         body = dict(model=model_name, prompt=[5 + (i % 50) for i in range(600)], max_tokens=2,
                     return_metrics=True, **GREEDY)
@@ -219,7 +222,9 @@ async def test_interactive_class_is_admitted_before_queued_batch_work(tiny_model
 
         async with aiohttp.ClientSession() as session:
             batch = [asyncio.create_task(one(session, "batch", i)) for i in range(6)]
+            deadline = time.monotonic() + 120
             while (await asyncio.to_thread(s.stats)).scheduler.waiting < 5:
+                assert time.monotonic() < deadline, "the batch requests never queued"
                 await asyncio.sleep(0.01)
             vip = await one(session, "interactive", 99)
             batch_admitted = sorted(await asyncio.gather(*batch))
