@@ -50,6 +50,10 @@ class SpecState:
     accepted: list[float]                       # decayed counts per draft position
     tried: list[float]
     active: bool = False                        # speculated in its last decode step
+    # The cost test said no (for it or for the batch): propose only every reprobe_steps
+    # steps until it says yes again. (An empty proposal is no reason to back off: prompt
+    # lookup may match at the next token.)
+    backoff: bool = False
     idle_steps: int = 0                         # decode steps since it last proposed
     shadow: list[int] | None = None             # proposals scored against what comes next
     shadow_seen: int = 0
@@ -82,6 +86,10 @@ class SpecState:
 
     def note(self, decision: str) -> None:
         self.decisions[decision] = self.decisions.get(decision, 0) + 1
+        if decision in ("does_not_pay", "batch_does_not_pay"):
+            self.backoff = True
+        elif decision in ("pays", "on", "probe"):
+            self.backoff = False
 
     def as_dict(self, method: str) -> dict:
         return {"method": method, "mode": self.mode, "steps": self.steps,
@@ -140,8 +148,7 @@ class SpecController:
         mode = self.mode if request_mode == "auto" else request_mode
         if mode == "off":
             return None
-        return SpecState(mode=mode, accepted=[0.0] * self.k, tried=[0.0] * self.k,
-                         idle_steps=self.reprobe_steps - 1)   # proposes after its prefill
+        return SpecState(mode=mode, accepted=[0.0] * self.k, tried=[0.0] * self.k)
 
     # -- planning -------------------------------------------------------------------------
     def plan(self, candidates: Sequence[Candidate], num_decodes: int, decode_contexts: int,
@@ -205,12 +212,11 @@ class SpecController:
         return True
 
     def wants_proposals(self, state: SpecState | None, speculating: bool) -> bool:
-        """Whether a request should propose after this step: every step while it
-        speculates (or says "on"), else once per `reprobe_steps` steps (a probe; a new
-        request's first proposal is one)."""
+        """Whether a request should propose after this step: every step unless the cost
+        test told it to back off; then once per `reprobe_steps` steps (a probe)."""
         if state is None:
             return False
-        if speculating or state.mode == "on":
+        if speculating or state.mode == "on" or not state.backoff:
             return True
         return (state.idle_steps + 1) % self.reprobe_steps == 0
 

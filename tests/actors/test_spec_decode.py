@@ -96,12 +96,16 @@ def test_drafts_bounded_by_proposals_and_remaining_tokens():
 def test_reprobe_and_shadow_scoring():
     ctl = SpecController("ngram", k=4, reprobe_steps=5)
     s = ctl.new_state("auto")
-    assert ctl.wants_proposals(s, speculating=False)          # a new request proposes once
+    assert ctl.wants_proposals(s, speculating=False)          # until the cost test says no
+    s.note("does_not_pay")
     s.idle_steps = 5
     assert not ctl.wants_proposals(s, speculating=False)
     s.idle_steps = 9
     assert ctl.wants_proposals(s, speculating=False)          # every reprobe_steps steps
     assert ctl.wants_proposals(s, speculating=True)
+    s.note("pays")
+    s.idle_steps = 5
+    assert ctl.wants_proposals(s, speculating=False)
     # Shadow proposals [7, 8, 9]: the model then produced 7, 8, 5 -> two accepted.
     s.shadow = [7, 8, 9]
     for t in (7, 8, 5):
