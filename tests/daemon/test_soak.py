@@ -29,7 +29,7 @@ def _soak_module():
 
 def test_short_soak_leaks_nothing():
     soak = _soak_module()
-    fig = soak.run(duration=15, concurrency=4, seed=3, latency_check=False)
+    fig = soak.run(duration=15, concurrency=4, seed=3, rss_bound_mib=64, latency_check=False)
     print("soak figures:", fig)
     assert fig["failures"] == []
     assert fig["requests"] >= 100
