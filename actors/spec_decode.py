@@ -23,7 +23,7 @@ A bucket with no speculative step yet uses the model as it is; the first step th
 calibrates it.
 
 Each request speculates with the k that maximises a_i(k) - (N / T0) * dT_i(k), if that is
-positive (it raises the batch's tokens per second), and the whole batch stops speculating
+above `min_gain` tokens per step (it raises the batch's tokens per second), and the whole batch stops speculating
 when the sum, less the draft model's own time, is not above `min_gain` of N (large
 batches, low acceptance). A request that stopped is re-probed after `reprobe_steps`
 decode steps: prompt lookup proposes once more and is scored in the shadow; a draft model
@@ -39,7 +39,11 @@ from typing import Callable, Sequence
 from tokenloom.actors.cost_model import AttentionWork, StepCostModel, attention_work
 
 DECAY = 0.95   # per observation: acceptance follows the text the request is producing now
-PRIOR = (1.0, 2.0)  # pseudo-counts (accepted, tried) per position: 0.5 before evidence
+WORKLOAD_DECAY = 0.995   # the engine-wide estimate, over many requests' observations
+WORKLOAD_PRIOR = 8       # observations a new request's inherited estimate counts for
+# One pseudo-observation per position, at the previous position's rate (0.5 for the
+# first): without evidence a position is assumed as good as the one before it.
+PRIOR_WEIGHT = 1.0
 
 
 @dataclasses.dataclass
@@ -64,9 +68,12 @@ class SpecState:
     drafted_per_pos: list[int] = dataclasses.field(default_factory=list)
     accepted_per_pos: list[int] = dataclasses.field(default_factory=list)
     decisions: dict[str, int] = dataclasses.field(default_factory=dict)
+    decay: float = DECAY
 
     def rate(self, j: int) -> float:
-        return (self.accepted[j] + PRIOR[0]) / (self.tried[j] + PRIOR[1])
+        """P(draft j accepted | draft j-1 accepted)."""
+        prior = 0.5 if j == 0 else self.rate(j - 1)
+        return (self.accepted[j] + PRIOR_WEIGHT * prior) / (self.tried[j] + PRIOR_WEIGHT)
 
     def expected_accepted(self, k: int) -> float:
         total, p = 0.0, 1.0
@@ -78,8 +85,8 @@ class SpecState:
     def observe(self, num_draft: int, num_accepted: int) -> None:
         """Drafts 0..num_accepted-1 accepted, draft num_accepted (if any) rejected."""
         for j in range(len(self.tried)):
-            self.accepted[j] *= DECAY
-            self.tried[j] *= DECAY
+            self.accepted[j] *= self.decay
+            self.tried[j] *= self.decay
         for j in range(min(num_draft, num_accepted + 1)):
             self.tried[j] += 1
             self.accepted[j] += j < num_accepted
@@ -138,6 +145,9 @@ class SpecController:
         self.reprobe_steps = reprobe_steps
         self.min_gain = min_gain
         self.totals = SpecTotals()
+        # Acceptance over all requests (slower decay): the prior of new requests.
+        self.workload = SpecState(mode="auto", accepted=[0.0] * k, tried=[0.0] * k,
+                                  decay=WORKLOAD_DECAY)
         self.draft_seconds = 0.0        # EMA of the draft model's time per step
         self.cost = cost or StepCostModel()   # the scheduler's, shared
         # decode-batch bucket -> [measured / predicted of plain steps, of speculative steps]
@@ -148,7 +158,13 @@ class SpecController:
         mode = self.mode if request_mode == "auto" else request_mode
         if mode == "off":
             return None
-        return SpecState(mode=mode, accepted=[0.0] * self.k, tried=[0.0] * self.k)
+        # A new request starts from what the workload's requests have shown lately
+        # (weighted as WORKLOAD_PRIOR observations), not from a blind 0.5: otherwise every
+        # request of a workload that never accepts pays to learn it again.
+        w = self.workload
+        accepted = [w.rate(j) * WORKLOAD_PRIOR if w.tried[j] else 0.0 for j in range(self.k)]
+        tried = [float(WORKLOAD_PRIOR) if w.tried[j] else 0.0 for j in range(self.k)]
+        return SpecState(mode=mode, accepted=accepted, tried=tried)
 
     # -- planning -------------------------------------------------------------------------
     def plan(self, candidates: Sequence[Candidate], num_decodes: int, decode_contexts: int,
@@ -176,12 +192,12 @@ class SpecController:
             rate = num_decodes / base_t
             best_k, best_gain = 0, 0.0
             for k in range(1, limit + 1):
-                extra = (_extra_seconds(cost, num_decodes, decode_contexts, c.context, k)
-                         * spec_ratio - base_t)
+                extra = max(0.0, _extra_seconds(cost, num_decodes, decode_contexts,
+                                                c.context, k) * spec_ratio - base_t)
                 gain = c.state.expected_accepted(k) - rate * extra
                 if gain > best_gain:
                     best_k, best_gain = k, gain
-            if best_k:
+            if best_k and best_gain > self.min_gain:
                 auto.append((best_gain, c.request_id, best_k))
             elif not self._probe(c, chosen):
                 c.state.note("does_not_pay")
@@ -256,6 +272,7 @@ class SpecController:
     # -- outcomes -------------------------------------------------------------------------
     def observe(self, state: SpecState, num_draft: int, num_accepted: int) -> None:
         state.observe(num_draft, num_accepted)
+        self.workload.observe(num_draft, num_accepted)
         state.steps += 1
         state.drafted += num_draft
         state.num_accepted += num_accepted
@@ -295,8 +312,7 @@ class SpecController:
         self.draft_seconds = seconds if not self.draft_seconds else (
             0.8 * self.draft_seconds + 0.2 * seconds)
 
-    @staticmethod
-    def score_shadow(state: SpecState, token_id: int) -> None:
+    def score_shadow(self, state: SpecState, token_id: int) -> None:
         """A token the model produced while shadow proposals were pending: score the
         proposal at its position (the first mismatch ends the shadow run)."""
         shadow = state.shadow
@@ -306,6 +322,7 @@ class SpecController:
         hit = shadow[j] == token_id
         if not hit or j + 1 == len(shadow):
             state.observe(len(shadow), j + hit)
+            self.workload.observe(len(shadow), j + hit)
             state.shadow = None
             state.shadow_seen = 0
         else:

@@ -109,7 +109,7 @@ def test_reprobe_and_shadow_scoring():
     # Shadow proposals [7, 8, 9]: the model then produced 7, 8, 5 -> two accepted.
     s.shadow = [7, 8, 9]
     for t in (7, 8, 5):
-        SpecController.score_shadow(s, t)
+        ctl.score_shadow(s, t)
     assert s.shadow is None
     assert s.tried[:3] == [1.0, 1.0, 1.0] and s.accepted[:3] == [1.0, 1.0, 0.0]
     assert s.rate(0) > 0.5 > s.rate(2)
@@ -149,3 +149,21 @@ def test_measured_step_times_calibrate_each_batch_size():
     assert ctl.plan(candidates(ctl, [0.7] * 16), 16, 16 * 200, ctl.cost) == {}
     assert ctl.plan(candidates(ctl, [0.7]), 1, 200, ctl.cost) == {"r0": 4}
     assert ctl.calibration[16][1] == pytest.approx(3.0, rel=0.05)
+
+
+def test_new_requests_inherit_the_workloads_acceptance():
+    """After many requests whose drafts were all rejected, a new request starts with a low
+    estimate and does not pay to learn it again; a fresh engine starts at 0.5."""
+    ctl = SpecController("ngram", k=2)
+    assert ctl.new_state("auto").rate(0) == pytest.approx(0.5)
+    for _ in range(50):
+        ctl.observe(ctl.new_state("auto"), 2, 0)
+    fresh = ctl.new_state("auto")
+    assert fresh.rate(0) < 0.1 and fresh.rate(1) < 0.1
+    # A draft costs ~5% of a token's worth here: pays at 0.5, not at the workload's rate.
+    ctl.cost = fitted(c0=0.02, per_token=0.0005, per_row=0.0005)
+    c = Candidate("r0", fresh, num_proposed=2, max_drafts=10, context=200)
+    assert ctl.plan([c], 1, 200, ctl.cost) == {}
+    blind = SpecController("ngram", k=2)
+    c = Candidate("r0", blind.new_state("auto"), num_proposed=2, max_drafts=10, context=200)
+    assert blind.plan([c], 1, 200, ctl.cost) == {"r0": 2}

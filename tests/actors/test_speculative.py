@@ -7,7 +7,8 @@ all drafts accepted, a rejection at each position, the bonus token, rollback of 
 KV slots. Then:
 1. greedy output is token for token transformers' output under every schedule (batched,
    chunked prefill, preemption by recompute and by swap, prefix-cache hits, n > 1);
-2. the pool's integrity check holds and no block is left used;
+2. the pool's integrity check holds after every KV update (so after every step's rollback
+   and growth) and no block is left used at the end;
 3. the kill switch: with always-wrong proposals `auto` stops speculating (and the
    rejected work shows as such), with right ones it speculates; `off` never does;
 4. decode streams that do not speculate are never skipped.
@@ -26,6 +27,28 @@ from tinymodel import VOCAB, build_tiny_model
 
 MAX_TOKENS = 20
 BLOCK = 8
+
+
+@pytest.fixture(autouse=True)
+def integrity_after_every_update(monkeypatch):
+    """The KV manager checks its pool (free + cached + used == total, no block owned
+    twice, tables consistent) after applying every update; a failure fails the step."""
+    from tokenloom.actors.kv_actor import KVManagerActor
+    apply = KVManagerActor.apply
+    checked = []
+
+    def checked_apply(self, update):
+        grant = apply(self, update)
+        try:
+            self.manager.check_integrity()
+            checked.append(None)
+        except AssertionError as e:   # recorded, not raised: the actor must keep serving
+            checked.append(str(e))
+        return grant
+
+    monkeypatch.setattr(KVManagerActor, "apply", checked_apply)
+    yield checked
+    assert [p for p in checked if p is not None] == [], "pool integrity broken mid-run"
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +122,8 @@ SCHEDULES = {
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
-def test_greedy_output_is_exact_under_every_schedule(model, tmp_path, schedule):
+def test_greedy_output_is_exact_under_every_schedule(model, tmp_path, schedule,
+                                                     integrity_after_every_update):
     path, prompts, refs = model
     llm = make_llm(path, tmp_path, OracleProposer(prompts, refs), **SCHEDULES[schedule])
     try:
@@ -118,6 +142,7 @@ def test_greedy_output_is_exact_under_every_schedule(model, tmp_path, schedule):
     if schedule.startswith("preempt"):
         assert stats.num_preemptions > 0
     assert stats.max_decode_skip == 0
+    assert len(integrity_after_every_update) >= stats.num_steps
 
 
 def test_prefix_hits_and_siblings(model, tmp_path):
@@ -217,3 +242,64 @@ def test_off_and_mixed_requests(model, tmp_path):
 def test_bad_speculative_field_is_rejected():
     with pytest.raises(ValueError, match="speculative must be one of auto, on, off"):
         SamplingParams(speculative="sometimes")
+
+
+# -- draft model -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def other_draft(tmp_path_factory):
+    """A different random model with the same vocabulary: a poor but valid draft."""
+    path = tmp_path_factory.mktemp("draft-model")
+    build_tiny_model(path, "LlamaConfig", dict(num_hidden_layers=1, tie_word_embeddings=True),
+                     seed=99)
+    return path
+
+
+def draft_llm(path, tmp_path, draft, **options) -> LLM:
+    return LLM(model=str(path), quiet=True, device="cpu", dtype="float32",
+               cache_dir=str(tmp_path), block_size=BLOCK,
+               **{"speculative.method": "draft", "speculative.draft_model": str(draft),
+                  "speculative.num_speculative_tokens": 3, **options})
+
+
+@pytest.mark.parametrize("schedule", ["batched", "chunked", "preempt"])
+def test_draft_model_is_exact_and_a_copy_of_the_target_is_accepted(model, tmp_path, schedule):
+    """The target as its own draft: its proposals are the target's own greedy tokens, so
+    nearly all are accepted (the draft's KV, mirrored from every forward, is right —
+    including after preemption and recompute); output exact."""
+    path, prompts, refs = model
+    llm = draft_llm(path, tmp_path, path, **SCHEDULES[schedule])
+    try:
+        got = [o.token_ids for o in llm.generate(prompts, GREEDY_ON)]
+        spec = llm.scheduler_stats().spec
+        llm.check_integrity()
+        assert llm.kv_stats().used == 0
+    finally:
+        llm.close()
+    assert got == refs
+    assert spec.num_draft_tokens > 0
+    assert spec.num_accepted_tokens >= 0.9 * spec.num_draft_tokens, spec
+
+
+def test_a_different_draft_model_keeps_output_exact(model, tmp_path, other_draft):
+    path, prompts, refs = model
+    llm = draft_llm(path, tmp_path, other_draft, max_num_batched_tokens=16, max_num_seqs=4)
+    try:
+        got = [o.token_ids for o in llm.generate(prompts, GREEDY_ON)]
+        sampled = llm.generate(prompts[:2], SamplingParams(
+            temperature=1.0, seed=3, max_tokens=MAX_TOKENS, ignore_eos=True, speculative="on"))
+        spec = llm.scheduler_stats().spec
+        llm.check_integrity()
+    finally:
+        llm.close()
+    assert got == refs
+    assert spec.num_draft_tokens > spec.num_accepted_tokens
+    assert all(len(o.token_ids) == MAX_TOKENS for o in sampled)
+
+
+def test_draft_model_with_another_vocabulary_is_refused(model, tmp_path):
+    from tokenloom.config.schema import ConfigError
+    path, _, _ = model
+    other = tmp_path / "big-vocab"
+    build_tiny_model(other, "LlamaConfig", dict(num_hidden_layers=1, vocab_size=300), seed=1)
+    with pytest.raises(ConfigError, match="speculative.draft_model .* vocabulary of 300"):
+        draft_llm(path, tmp_path, other)
