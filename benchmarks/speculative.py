@@ -154,10 +154,11 @@ def main() -> None:
         # (c) 16 concurrent random-word streams, greedy and sampled
         prompts = random_prompts(llm.tokenizer, 16, 60, 2)
         for name, temp in (("greedy", 0.0), ("sampled", 1.0)):
-            rates = {"off": [], "auto": []}
+            modes = ("off", "auto", "on") if temp == 0 else ("off", "auto")
+            rates = {m: [] for m in modes}
             before = llm.scheduler_stats().spec
             for _ in range(1 if quick else 3):
-                for m in ("off", "auto"):
+                for m in modes:
                     t0 = time.perf_counter()
                     o = run_mode(llm, prompts, m, max_tokens, False, temp)
                     rates[m].append(sum(len(x.token_ids) for x in o)
@@ -168,6 +169,9 @@ def main() -> None:
                 "speculation": spec_delta(before, llm.scheduler_stats().spec)}
             rows.append((f"(c) random {name}, 16 streams: auto / off",
                          best["auto"] / best["off"], ">= 0.97"))
+            if "on" in best:
+                rows.append((f"(c) random {name}, 16 streams: on / off",
+                             best["on"] / best["off"], "-"))
         results["cost_model"] = llm.scheduler_stats().cost_model
     finally:
         llm.close()
@@ -185,6 +189,21 @@ def main() -> None:
         sp = results[key]["speculation"]
         print(f"{key}: {sp['num_drafts']} drafts verified, acceptance per position "
               f"{sp['acceptance_per_position']}")
+    print("\nmarkdown (tokens/s; decode rate at batch 1, output rate at 16 streams):")
+    print("| workload | off | auto | on | auto / off | on / off |")
+    print("|---|---|---|---|---|---|")
+    for key, label in (("a_lookup_batch1", "(a) repeat/edit a passage, batch 1, greedy"),
+                       ("b_random_batch1_sampled", "(b) random words, batch 1, sampled"),
+                       ("b_random_batch1_greedy", "(b) random words, batch 1, greedy"),
+                       ("c_random_16_streams_greedy", "(c) random words, 16 streams, greedy"),
+                       ("c_random_16_streams_sampled",
+                        "(c) random words, 16 streams, sampled")):
+        r = results[key]
+        v = r.get("decode_tok_s") or {m: max(x) for m, x in r["output_tok_s"].items()}
+        on = f"{v['on']:.1f}" if "on" in v else "-"
+        on_ratio = f"{v['on'] / v['off']:.2f}x" if "on" in v else "-"
+        print(f"| {label} | {v['off']:.1f} | {v['auto']:.1f} | {on} | "
+              f"{v['auto'] / v['off']:.2f}x | {on_ratio} |")
     results["ratios"] = {name: round(r, 3) for name, r, _ in rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
