@@ -17,6 +17,12 @@ scheduler and vLLM's async scheduling do:
 
 With overlap off the same code runs serially: launch, wait for the output, process it.
 
+Speculative decoding (actors/spec_decode.py decides, the runner proposes and verifies): a
+speculating decode is scheduled as its last token plus k drafts; when its output comes,
+the positions of rejected drafts are rolled back (num_computed_tokens) and prefix blocks
+are committed only with verified tokens. A step that verifies or asks for proposals is
+processed before the next step is planned, since how many tokens it yields is unknown.
+
 Concerns live in their own modules: policy.py (what runs), chunk_sizing.py (SLO prefill
 budget), preemption.py (victims: swap or recompute), siblings.py (n > 1 forks),
 step_observer.py (cost model, fair-share charges, skips, goodput, step times),
