@@ -20,8 +20,14 @@ end to end that the scheduler and the KV manager kept KV and tokens exact:
 4. it writes the new tokens' "KV" into the table's blocks and samples a deterministic
    token (`sampled_token`, never EOS) exactly when the step completes the request's known
    tokens, as the scheduler's `sample` flag must say.
+5. speculative decoding (Setup.spec_k > 0, prompt lookup in mode "on"): it proposes the
+   request's true next tokens, one of them wrong on most steps, and verifies drafts as a
+   model would (accepted while they equal the true tokens, then the true token). Drafts'
+   "KV" is written like any other, so a rejected draft left unrolled-back would be read
+   as context by a later step and caught by check 3.
 So preemption (recompute and swap), prefix-cache hits, n > 1 forks (copy-on-write),
-chunked prefill and overlap placeholders are all checked by what a real model would read.
+chunked prefill, overlap placeholders and speculative rollback are all checked by what a
+real model would read.
 
 Time is counted in iterations (batches executed). Arrivals due at iteration i are added
 just before batch i's output is posted (`event_lag` loop iterations later, to land
@@ -55,8 +61,9 @@ from tokenloom.actors.kv_manager import KVCacheManager
 from tokenloom.actors.messages import (PLACEHOLDER, AbortRequest, AddRequest, CheckIntegrity,
                                        ExecuteBatch, ForgetRequests, GetKVStats, IsIdle,
                                        KVGrant, KVStats, RequestOutput, SampledToken, Shutdown,
-                                       StepOutput)
+                                       SpecResult, StepOutput)
 from tokenloom.actors.policy import PolicyLimits, blocks_for
+from tokenloom.actors.spec_decode import SpecController
 from tokenloom.actors.prefix_tracker import PrefixTracker
 from tokenloom.actors.sampling_params import SamplingParams
 from tokenloom.actors.scheduler import SchedulerActor
@@ -143,11 +150,12 @@ class Setup:
     # anywhere, e.g. during a KV round trip (in order: an abort never overtakes its add).
     event_lag: int = 0
     max_model_len: int | None = None   # default: the pool's capacity, as Engine.build does
+    spec_k: int = 0                    # speculative tokens per step (0: no speculation)
 
 
 def setup(max_num_seqs: int, max_num_batched_tokens: int, block_size: int, num_blocks: int,
           *, prefix_caching: bool = False, swap_slots: int = 0, lag: int = 0,
-          event_lag: int = 0, **config) -> Setup:
+          event_lag: int = 0, spec_k: int = 0, **config) -> Setup:
     """A Setup from the policy limits and SchedulerConfig fields. Unless given, the KV plan
     is off (no watermark, no lookahead) and classes do not age."""
     config = {"kv_watermark": 0.0, "kv_resume_watermark": 0.0,
@@ -159,7 +167,7 @@ def setup(max_num_seqs: int, max_num_batched_tokens: int, block_size: int, num_b
                                         max_num_batched_tokens=max_num_batched_tokens,
                                         **config),
                  prefix_caching=prefix_caching, swap_slots=swap_slots, lag=lag,
-                 event_lag=event_lag)
+                 event_lag=event_lag, spec_k=spec_k)
 
 
 def kv_tokens(a: Arrival) -> int:
@@ -305,16 +313,31 @@ class FakeRunner:
         for src, dst in batch.block_copies:
             self.kv[dst] = list(self.kv.get(src, blank))
             self.num_copies += 1
-        sampled = []
+        sampled, spec = [], []
         for i, s in enumerate(seqs):
-            tok = self._run_sequence(step, i < batch.num_decodes, s)
-            if tok is not None:
-                sampled.append(SampledToken(request_id=s.request_id, token_id=tok))
+            toks = self._run_sequence(step, i < batch.num_decodes, s)
+            sampled += [SampledToken(request_id=s.request_id, token_id=t) for t in toks]
+            if s.num_draft or s.propose:
+                spec.append(SpecResult(request_id=s.request_id, num_draft=s.num_draft,
+                                       num_accepted=max(0, len(toks) - 1) if s.num_draft
+                                       else 0, proposals=self._propose(step, s)))
         swaps = len(batch.swap_out) + len(batch.swap_in)
         return StepOutput(step=step, sampled=sampled, compute_seconds=1e-3 + 1e-4 * num_tokens,
-                          swap_seconds=1e-5 * swaps)
+                          swap_seconds=1e-5 * swaps, spec=spec)
 
-    def _run_sequence(self, step: int, is_decode: bool, s) -> int | None:
+    def _propose(self, step: int, s) -> list[int]:
+        """The request's true next tokens, one of them wrong on two steps in three."""
+        if not s.propose:
+            return []
+        st = self.seqs[s.request_id]
+        n = len(st.prompt) + len(st.sampled)
+        out = [sampled_token(s.request_id, n + j) for j in range(s.propose)]
+        if step % 3:
+            j = step % len(out)
+            out[j] = 1 + out[j] % (VOCAB - 1)
+        return out
+
+    def _run_sequence(self, step: int, is_decode: bool, s) -> list[int]:
         rid, bs = s.request_id, self.bs
         where = f"step {step}, {rid}"
         st = self.seqs.get(rid)
@@ -338,6 +361,12 @@ class FakeRunner:
         truth = st.prompt + st.sampled
         start, ids = s.start_pos, list(s.token_ids)
         end = start + len(ids)
+        drafts = []
+        if s.num_draft:
+            _check(self.h.setup.spec_k and s.sample and start + 1 == len(truth),
+                   f"{where}: {s.num_draft} drafts after position {start} of {len(truth)}")
+            drafts = ids[1:]
+            ids, end = ids[:1], start + 1
         if PLACEHOLDER in ids:
             _check(self.h.setup.config.overlap, f"{where}: a placeholder with overlap off")
             _check(is_decode and len(ids) == 1 and st.sampled,
@@ -351,27 +380,35 @@ class FakeRunner:
         _check(ids == truth[start:end], f"{where}: computes tokens {ids} at {start}, the "
                                         f"request's are {truth[start:end]}")
         table = s.block_table
-        # Exactly the blocks for [0, end): grants are exact, nothing is held in advance.
-        _check(len(table) == blocks_for(end, bs) and len(set(table)) == len(table),
-               f"{where}: table {table} for positions [0, {end})")
+        # Exactly the blocks for [0, end): grants are exact, nothing is held in advance
+        # (with speculation, blocks of rolled-back drafts may stay in the table).
+        need = blocks_for(end + len(drafts), bs)
+        _check((len(table) >= need if self.h.setup.spec_k else len(table) == need)
+               and len(set(table)) == len(table),
+               f"{where}: table {table} for positions [0, {end + len(drafts)})")
         for b in range(-(-start // bs)):  # the context: every block it reads
             lo, hi = b * bs, min((b + 1) * bs, start)
             got = self.kv.get(table[b], ())[:hi - lo]
             _check(list(got) == truth[lo:hi],
                    f"{where}: block {table[b]} (positions {lo}..{hi - 1}) holds {list(got)}, "
                    f"the request's tokens are {truth[lo:hi]}")
-        for p in range(start, end):
-            self.kv.setdefault(table[p // bs], [None] * bs)[p % bs] = ids[p - start]
+        for p, t in enumerate(ids + drafts, start):
+            self.kv.setdefault(table[p // bs], [None] * bs)[p % bs] = t
         self.computed[rid] += len(ids)
         self.first_step.setdefault(rid, step)
         if not s.sample:
             _check(end < len(truth), f"{where}: completes its known tokens without sampling")
-            return None
+            return []
         _check(end == len(truth), f"{where}: samples after position {end - 1} of "
                                   f"{len(truth)} known tokens")
-        tok = sampled_token(rid, end)
-        st.sampled.append(tok)
-        return tok
+        out = []
+        for d in drafts + [None]:   # verification: accepted while true, then the true one
+            tok = sampled_token(rid, end + len(out))
+            out.append(tok)
+            if d != tok:
+                break
+        st.sampled.extend(out)
+        return out
 
 
 class _Tap:
@@ -431,7 +468,8 @@ class EngineHarness:
         self.scheduler = SchedulerActor(
             lim, (EOS,), s.max_model_len or capacity, self._emit,
             PrefixTracker("fake-model", lim.block_size, s.prefix_caching), config=s.config,
-            swap=swap, block_bytes=s.block_bytes)
+            swap=swap, block_bytes=s.block_bytes,
+            spec=SpecController("ngram", s.spec_k, mode="on") if s.spec_k else None)
         self.kv = KVManagerActor(KVCacheManager(lim.num_blocks, lim.block_size,
                                                 enable_prefix_caching=s.prefix_caching))
         self.runner = FakeRunner(self)

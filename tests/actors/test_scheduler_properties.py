@@ -110,6 +110,7 @@ def engines(draw, reqs: list[Arrival], *, tight: bool = False):
         kv_watermark=watermark,
         kv_resume_watermark=watermark + resume,
         admission_lookahead_tokens=0 if tight else draw(st.sampled_from([0, 0, 8, 64])),
+        spec_k=draw(st.sampled_from([0, 0, 2, 4])),
         tenant_weights={"a": 2.0})
 
 
