@@ -31,9 +31,10 @@ CHECKS = "not_a_server_error,status_code_conformance,content_type_conformance," 
 
 
 def fuzz(url: str, max_examples: int, seed: int) -> tuple[int, str]:
-    p = subprocess.run([ST, "run", url + "/openapi.json", "--checks", CHECKS,
-                        "--max-examples", str(max_examples), "--seed", str(seed), "--no-color"],
-                       capture_output=True, text=True)
+    with tempfile.TemporaryDirectory(prefix="tokenloom-st-") as cwd:   # st's cache dir
+        p = subprocess.run([ST, "run", url + "/openapi.json", "--checks", CHECKS,
+                            "--max-examples", str(max_examples), "--seed", str(seed),
+                            "--no-color"], capture_output=True, text=True, cwd=cwd)
     return p.returncode, p.stdout
 
 

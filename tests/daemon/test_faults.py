@@ -65,6 +65,7 @@ async def complete(session, url, model, user):
 def assert_failed_mid_stream(events: list, point: str) -> None:
     assert events[-1] == "[DONE]"
     error = events[-2]["error"]
+    print(f"fault {point}: the client saw {error}")
     assert "injected fault" in error["message"], error
     texts = [e for e in events[:-2] if "choices" in e and e["choices"]]
     return texts

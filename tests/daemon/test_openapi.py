@@ -93,7 +93,7 @@ def test_schemathesis_finds_no_failure_and_the_pool_is_idle_after(fuzz_server, t
         [ST, "run", fuzz_server.url + "/openapi.json", "--checks", CHECKS,
          "--max-examples", str(EXAMPLES), "--seed", "17", "--no-color",
          "--report-junit-path", str(tmp_path / "junit.xml")],
-        capture_output=True, text=True, timeout=600)
+        capture_output=True, text=True, timeout=600, cwd=tmp_path)  # (its cache dir there)
     summary = re.search(r"(\d+) generated, (.*)", p.stdout)
     print("schemathesis:", summary.group(0) if summary else p.stdout[-2000:])
     assert p.returncode == 0, p.stdout[-6000:]
