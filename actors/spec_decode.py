@@ -34,7 +34,7 @@ test; "off" never proposes.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from typing import Sequence
 
 from tokenloom.actors.cost_model import AttentionWork, StepCostModel, attention_work
 

@@ -52,3 +52,14 @@ def build_tiny_model(path: Path, config_class: str, config: dict, seed: int,
                 p.copy_(0.5 * torch.randn_like(p))  # random init leaves biases at zero
     model.save_pretrained(path, safe_serialization=True)
     save_tiny_tokenizer(path, chat_template)
+
+
+def hf_greedy(hf, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of `prompt` by the model `hf`, never stopping
+    early (no EOS), as the oracle of the parity tests."""
+    ids = torch.tensor([prompt], device=hf.device)
+    with torch.inference_mode():
+        out = hf.generate(ids, do_sample=False, max_new_tokens=max_new_tokens,
+                          eos_token_id=None, pad_token_id=0,
+                          attention_mask=torch.ones_like(ids))
+    return out[0, len(prompt):].tolist()

@@ -17,13 +17,12 @@ KV slots. Then:
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 import torch
 
 from tokenloom import LLM, SamplingParams
-from tinymodel import VOCAB, build_tiny_model
+from tinymodel import VOCAB, build_tiny_model, hf_greedy
 
 MAX_TOKENS = 20
 BLOCK = 8
@@ -61,14 +60,7 @@ def model(tmp_path_factory):
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     rng = random.Random(5)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (37, 9, 70, 16)]
-    refs = []
-    with torch.inference_mode():
-        for p in prompts:
-            out = hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=MAX_TOKENS,
-                              eos_token_id=None, pad_token_id=0,
-                              attention_mask=torch.ones(1, len(p), dtype=torch.long))
-            refs.append(out[0, len(p):].tolist())
-    return path, prompts, refs
+    return path, prompts, [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
 
 
 class OracleProposer:

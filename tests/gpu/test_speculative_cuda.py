@@ -25,7 +25,7 @@ pytestmark = [
 def test_speculation_on_the_gpu_is_exact(tmp_path):
     pytest.importorskip("transformers")
     pytest.importorskip("msgspec")
-    from tinymodel import VOCAB, build_tiny_model
+    from tinymodel import VOCAB, build_tiny_model, hf_greedy
     from transformers import AutoModelForCausalLM
 
     from tokenloom import LLM, SamplingParams
@@ -35,12 +35,7 @@ def test_speculation_on_the_gpu_is_exact(tmp_path):
     rng = random.Random(3)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (40, 9, 70)]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    expected = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        out = hf.generate(ids, do_sample=False, max_new_tokens=16, eos_token_id=None,
-                          pad_token_id=0, attention_mask=torch.ones_like(ids))
-        expected.append(out[0, len(p):].tolist())
+    expected = [hf_greedy(hf, p, 16) for p in prompts]
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, speculative="on")
     sampled = SamplingParams(temperature=0.8, seed=5, max_tokens=16, ignore_eos=True,
                              speculative="on")
