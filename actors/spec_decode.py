@@ -23,9 +23,9 @@ A bucket with no speculative step yet uses the model as it is; the first step th
 calibrates it.
 
 Each request speculates with the k that maximises a_i(k) - (N / T0) * dT_i(k), if that is
-above `min_gain` tokens per step (it raises the batch's tokens per second), and the whole batch stops speculating
-when the sum, less the draft model's own time, is not above `min_gain` of N (large
-batches, low acceptance). A request that stopped is re-probed after `reprobe_steps`
+above `min_gain` tokens per step (it raises the batch's tokens per second); the whole
+batch stops speculating when the sum, less the draft model's own time, is not above
+`min_gain` of N (large batches, low acceptance). A request that stopped is re-probed after `reprobe_steps`
 decode steps: prompt lookup proposes once more and is scored in the shadow; a draft model
 speculates for one step. `speculative: "on"` (per request or config mode) skips the cost
 test; "off" never proposes.
@@ -37,6 +37,7 @@ import dataclasses
 from typing import Sequence
 
 from tokenloom.actors.cost_model import AttentionWork, StepCostModel, attention_work
+from tokenloom.actors.policy import remaining_output
 
 DECAY = 0.95   # per observation: acceptance follows the text the request is producing now
 WORKLOAD_DECAY = 0.995   # the engine-wide estimate, over many requests' observations
@@ -240,7 +241,6 @@ class SpecController:
     def plan_step(self, running: Sequence) -> dict[str, int]:
         """Drafts to verify this step per running request, from their proposals. Proposals
         left unused are scored in the shadow instead."""
-        from tokenloom.actors.policy import remaining_output
         decodes = [r for r in running if r.is_decode]
         candidates = [Candidate(r.request_id, r.spec, len(r.draft_token_ids),
                                 remaining_output(r) - 1, r.num_tokens)
