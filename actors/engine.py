@@ -87,6 +87,21 @@ def size_kv_pool(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype,
     return num_blocks, per_token
 
 
+def build_kv_event_publisher(config: EngineConfig):
+    """The ZMQ publisher of KV cache events when `[kv_events]` enables it, else None."""
+    cfg = config.kv_events
+    if not cfg.enable_kv_cache_events:
+        return None
+    from tokenloom.actors.kv_events_zmq import ZmqKVEventPublisher
+    publisher = ZmqKVEventPublisher(cfg.endpoint, cfg.replay_endpoint or None,
+                                    buffer_steps=cfg.buffer_steps, hwm=cfg.hwm,
+                                    max_queue_size=cfg.max_queue_size, topic=cfg.topic)
+    startup_log.info(f"KV events: publishing on {cfg.endpoint}"
+                     + (f", replay on {cfg.replay_endpoint}" if cfg.replay_endpoint else ""),
+                     endpoint=cfg.endpoint, replay_endpoint=cfg.replay_endpoint or None)
+    return publisher
+
+
 def build_speculation(config: EngineConfig, info: RuntimeInfo):
     """(SpecController, proposer, KV lookahead slots) for `[speculative]`, or Nones."""
     cfg = config.speculative
@@ -150,7 +165,8 @@ class Engine:
                                         outputs=OutputProcessor(tokenizer), spec=spec_ctl,
                                         spec_lookahead=lookahead)
         self.kv_manager = KVManagerActor(KVCacheManager(info.num_blocks, info.block_size,
-                                                        enable_prefix_caching=caching))
+                                                        enable_prefix_caching=caching),
+                                         publisher=build_kv_event_publisher(config))
         from tokenloom.graphs.setup import build_decode_graphs
         dispatcher, graphs = build_decode_graphs(
             config.graphs, model, kv, max_num_seqs=sc.max_num_seqs,

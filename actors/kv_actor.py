@@ -6,7 +6,10 @@ one `KVGrant` back: blocks for every grant, or a refusal with nothing allocated.
 
 from __future__ import annotations
 
+import time
+
 from tokenloom.actors.base import Actor, resolve
+from tokenloom.actors.kv_events import EventCollector
 from tokenloom.actors.kv_manager import KVCacheManager
 from tokenloom.actors.messages import (CheckIntegrity, FlushPrefixCache, GetKVStats, KVGrant, KVStats,
                                        KVUpdate, Shutdown, SubscribeKVEvents)
@@ -15,10 +18,23 @@ from tokenloom.actors.messages import (CheckIntegrity, FlushPrefixCache, GetKVSt
 class KVManagerActor(Actor):
     name = "kv_manager"
 
-    def __init__(self, manager: KVCacheManager):
+    def __init__(self, manager: KVCacheManager, publisher=None):
         super().__init__()
         self.manager = manager
         self.scheduler_inbox = None  # wired by the engine
+        # KV events on the wire (actors/kv_events_zmq.py): each update's events, one batch.
+        self.publisher = publisher
+        self._collector = None
+        if publisher is not None:
+            self._collector = EventCollector()
+            manager.events.subscribe(self._collector)
+            publisher.publish_cleared(time.time())
+
+    def _publish_events(self) -> None:
+        if self._collector is not None:
+            batch = self._collector.drain()
+            if batch is not None:
+                self.publisher.publish(batch)
 
     def apply(self, update: KVUpdate) -> KVGrant:
         m = self.manager
@@ -94,6 +110,7 @@ class KVManagerActor(Actor):
             match msg:
                 case KVUpdate():
                     self.scheduler_inbox.put_nowait(self.apply(msg))
+                    self._publish_events()
                 case CheckIntegrity(reply=reply):
                     try:
                         self.manager.check_integrity()
@@ -106,8 +123,11 @@ class KVManagerActor(Actor):
                     # Running requests hold tables; refuse while any does, unless forced.
                     resolve(reply, self.manager.flush(force=force,
                                                       num_running=self.manager.num_requests))
+                    self._publish_events()
                 case SubscribeKVEvents(reply=reply, callback=callback):
                     self.manager.events.subscribe(callback)
                     resolve(reply, None)
                 case Shutdown():
+                    if self.publisher is not None:
+                        self.publisher.shutdown()
                     return

@@ -32,6 +32,7 @@ __all__ = [
     "SchedulerConfig",
     "ServerConfig",
     "SpeculativeConfig",
+    "KVEventsConfig",
     "check_field",
     "field_types",
     "resolve_cache_dir",
@@ -358,6 +359,32 @@ class SpeculativeConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_on
                               key="speculative.draft_model")
 
 
+class KVEventsConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """KV cache events on a ZMQ PUB socket in vLLM's wire format (vLLM's kv_events_config
+    names), for KV-aware routers: see actors/kv_events_zmq.py."""
+
+    section: ClassVar[str] = "kv_events"
+
+    enable_kv_cache_events: bool = False
+    # A wildcard host or ipc:// path is bound; a concrete host:port is connected to.
+    endpoint: Annotated[str, msgspec.Meta(min_length=1)] = "tcp://*:5557"
+    # ROUTER socket for replaying missed batches ("" = no replay).
+    replay_endpoint: str = ""
+    buffer_steps: Annotated[int, msgspec.Meta(ge=1, le=10_000_000)] = 10_000
+    hwm: Annotated[int, msgspec.Meta(ge=1, le=10_000_000)] = 100_000
+    max_queue_size: Annotated[int, msgspec.Meta(ge=1, le=10_000_000)] = 100_000
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value and not value.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ConfigError(f"kv_events.{name} must be a ZMQ endpoint (tcp://host:port, "
+                                  f"ipc://path or inproc://name), got {value!r}",
+                                  key=f"kv_events.{name}")
+
+
 DEFAULT_ADMIN_SOCKET = "/run/tokenloom/admin.sock"
 
 
@@ -402,6 +429,7 @@ class EngineConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     graphs: GraphsConfig = GraphsConfig()
     admin: AdminConfig = AdminConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
+    kv_events: KVEventsConfig = KVEventsConfig()
 
 
 def resolve_cache_dir(
