@@ -11,6 +11,8 @@ Every server owns its own registry (tests run several in one process).
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import (CollectorRegistry, Counter, Histogram, disable_created_metrics,
                                generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -37,6 +39,8 @@ class _EngineCollector:
     def __init__(self, model_name: str):
         self.model_name = model_name
         self.stats: EngineStats | None = None
+        self.prefix_caching = False
+        self.updated_at = 0.0   # Unix time of the last refresh
 
     def collect(self):
         s = self.stats
@@ -62,6 +66,25 @@ class _EngineCollector:
                     sched.waiting)
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                     kv.usage)
+        # The inference gateway's model-server protocol (Gateway API Inference Extension,
+        # llm-d): older endpoint pickers read KV usage under vLLM's previous name; the
+        # prefix-cache scorer reads the block geometry from cache_config_info; the LoRA
+        # affinity filter reads lora_requests_info (no adapters are served here: max_lora 0).
+        yield gauge("vllm:gpu_cache_usage_perc", "KV-cache usage (vLLM's earlier name of "
+                    "vllm:kv_cache_usage_perc). 1 means 100 percent usage.", kv.usage)
+        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache "
+                                 "configuration (labels).",
+                                 labels=labels + ["block_size", "num_gpu_blocks",
+                                                  "enable_prefix_caching"])
+        info.add_metric(value + [str(kv.block_size), str(kv.num_blocks),
+                                 str(self.prefix_caching)], 1.0)
+        yield info
+        lora = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests "
+                                 "(the value is the time of the last update).",
+                                 labels=labels + ["max_lora", "running_lora_adapters",
+                                                  "waiting_lora_adapters"])
+        lora.add_metric(value + ["0", "", ""], self.updated_at)
+        yield lora
         yield counter("vllm:num_preemptions", "Cumulative number of preemptions.",
                       sched.num_preemptions)
         yield gauge("tokenloom:kv_blocks_total", "KV-cache blocks in the pool.", kv.num_blocks)
@@ -207,6 +230,8 @@ class Metrics:
     async def refresh(self, engine) -> None:
         """Read the actors' current state for the collector (at scrape time)."""
         self.engine.stats = await engine.stats()
+        self.engine.prefix_caching = engine.config.cache.enable_prefix_caching
+        self.engine.updated_at = time.time()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,123 @@
+"""deploy/kubernetes: the manifests a user applies to run tokenloom behind an inference
+gateway, validated offline.
+1. Deployment and Service against the Kubernetes API schemas (kubernetes-validate's
+   bundled, strict: unknown fields fail);
+2. the InferencePool against the required shape of inference.networking.k8s.io/v1
+   (selector.matchLabels, 1-8 targetPorts, endpointPickerRef name and port), as the
+   Gateway API Inference Extension's API reference defines it;
+3. the pieces agree: the pool and the Service select the Deployment's pods, the pool's
+   target port is the container's http port, the probes and the metrics the picker
+   scrapes are routes the server has, and the container's command line parses and
+   loads as a valid tokenloom config (every --set key exists and is in range).
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
+K8S_VERSION = "1.31.0"
+
+
+def docs() -> list[dict]:
+    out = []
+    for path in sorted(DEPLOY.glob("*.yaml")):
+        out += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return out
+
+
+def by_kind(kind: str) -> dict:
+    found = [d for d in docs() if d["kind"] == kind]
+    assert len(found) == 1, f"one {kind} expected, found {len(found)}"
+    return found[0]
+
+
+@pytest.mark.parametrize("kind", ["Deployment", "Service"])
+def test_core_objects_match_the_kubernetes_schema(kind):
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    kubernetes_validate.validate(by_kind(kind), K8S_VERSION, strict=True)
+
+
+PORT = {"type": "object", "required": ["number"], "additionalProperties": False,
+        "properties": {"number": {"type": "integer", "minimum": 1, "maximum": 65535}}}
+INFERENCE_POOL_V1 = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "inference.networking.k8s.io/v1"},
+        "kind": {"const": "InferencePool"},
+        "metadata": {"type": "object", "required": ["name"]},
+        "spec": {
+            "type": "object",
+            "required": ["selector", "targetPorts", "endpointPickerRef"],
+            "additionalProperties": False,
+            "properties": {
+                "selector": {
+                    "type": "object", "required": ["matchLabels"], "additionalProperties": False,
+                    "properties": {"matchLabels": {
+                        "type": "object", "minProperties": 1,
+                        "additionalProperties": {"type": "string"}}}},
+                "targetPorts": {"type": "array", "minItems": 1, "maxItems": 8, "items": PORT},
+                "endpointPickerRef": {
+                    "type": "object", "required": ["name"], "additionalProperties": False,
+                    "properties": {
+                        "group": {"type": "string"},
+                        "kind": {"type": "string"},
+                        "name": {"type": "string", "minLength": 1},
+                        "port": PORT,
+                        "failureMode": {"enum": ["FailOpen", "FailClose"]}}},
+            },
+        },
+    },
+}
+
+
+def test_inference_pool_has_the_v1_shape():
+    jsonschema.validate(by_kind("InferencePool"), INFERENCE_POOL_V1)
+    # the guard works: a pool without a target port is refused
+    broken = by_kind("InferencePool")
+    broken["spec"]["targetPorts"] = []
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(broken, INFERENCE_POOL_V1)
+
+
+def test_the_pieces_agree():
+    deploy, service, pool = by_kind("Deployment"), by_kind("Service"), by_kind("InferencePool")
+    pod_labels = deploy["spec"]["template"]["metadata"]["labels"]
+    assert pool["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    container = deploy["spec"]["template"]["spec"]["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert [p["number"] for p in pool["spec"]["targetPorts"]] == [ports["http"]]
+    probes = {container[k]["httpGet"]["path"]
+              for k in ("startupProbe", "livenessProbe", "readinessProbe")}
+    assert probes == {"/health", "/ready"}
+
+
+def test_probe_and_metrics_paths_are_server_routes(tmp_path):
+    from tokenloom.config.load import load_config
+    from tokenloom.daemon.app import create_app
+    app = create_app(load_config(overrides={"admin.enabled": False}, env=None))
+    paths = {r.resource.canonical for r in app.router.routes() if r.method == "GET"}
+    assert {"/health", "/ready", "/metrics"} <= paths
+
+
+def test_the_container_command_is_a_valid_tokenloom_config():
+    from tokenloom.config.load import load_config
+    from tokenloom.daemon.__main__ import _parse_set, build_parser
+    container = by_kind("Deployment")["spec"]["template"]["spec"]["containers"][0]
+    argv = [a.replace("$(POD_IP)", "10.0.0.7") for a in container["command"]]
+    assert argv[0] == "tokenloom", shlex.join(argv)
+    args = build_parser().parse_args(argv[1:])
+    config = load_config(overrides=_parse_set(args.set), env=None)
+    assert config.model.device == "cuda"
+    assert config.kv_events.enable_kv_cache_events
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert config.kv_events.endpoint.endswith(f":{ports['kv-events']}")
+    assert config.kv_events.replay_endpoint.endswith(f":{ports['kv-replay']}")
+    assert args.port == ports["http"]
