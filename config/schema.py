@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import os
 import pathlib
+import re
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -138,7 +139,9 @@ class ModelConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     model: Annotated[str, msgspec.Meta(min_length=1)] = "default"
     # auto: float32 on CPU, bfloat16 on CUDA.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # "auto", "cpu", "cuda" (the current CUDA device) or "cuda:N" (GPU N: one daemon per
+    # GPU, see systemd/tokenloom@.service).
+    device: str = "auto"
     # Where converted weights live; "" means $XDG_CACHE_HOME/tokenloom or ~/.cache/tokenloom.
     cache_dir: str = ""
     # 0 takes the model's own context length.
@@ -155,6 +158,12 @@ class ModelConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     weight_dtype: Literal["auto", "int8"] = "auto"
     # Start a quantized weight mode even when it fails its quality gate (logged loudly).
     force_quantized: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not re.fullmatch(r"auto|cpu|cuda(:[0-9]{1,3})?", self.device):
+            raise ConfigError(f"model.device must be auto, cpu, cuda or cuda:N (N a GPU "
+                              f"index, e.g. cuda:1), got {self.device!r}", key="model.device")
 
 
 class CacheConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):

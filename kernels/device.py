@@ -16,10 +16,24 @@ startup_log = structlog.get_logger("tokenloom.startup", logger_name="tokenloom.s
 
 
 def pick_device(name: str) -> torch.device:
+    """The device for `model.device`. "cuda:N" also makes GPU N the process's current CUDA
+    device, so that everything allocated or captured without an explicit device (streams,
+    events, graph pools, Triton launches) lands on it too."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("config error: model.device is 'cuda' but no CUDA device is available")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError(f"config error: model.device is {name!r} but no CUDA device is "
+                              f"available", key="model.device")
+        device = torch.device(name)
+        if device.index is not None:
+            count = torch.cuda.device_count()
+            if device.index >= count:
+                raise ConfigError(f"config error: model.device {name!r}: this host has {count} "
+                                  f"CUDA device(s), cuda:0..cuda:{count - 1}",
+                                  key="model.device")
+            torch.cuda.set_device(device)
+        return device
     return torch.device(name)
 
 

@@ -93,7 +93,7 @@ def test_overrides_win_over_env_dotted_and_nested():
         ("cache.gpu_memory_utilization", 1.0, "> 0.0 and < 1.0"),
         ("cache.num_blocks", -1, ">= 0"),
         ("model.dtype", "int8", "one of 'auto', 'bfloat16', 'float16', 'float32'"),
-        ("model.device", "tpu", "one of 'auto', 'cpu', 'cuda'"),
+        ("model.device", "tpu", "auto, cpu, cuda or cuda:N"),
         ("model.max_model_len", -1, ">= 0"),
         ("model.seed", -1, ">= 0"),
         ("model.num_threads", 1025, ">= 0 and <= 1024"),
