@@ -7,7 +7,7 @@ TORCH   ?= torch==2.13.0
 STAMP   := $(VENV)/.installed
 PIPQ    := $(BIN)/pip install --quiet --disable-pip-version-check
 
-.PHONY: install serve test test-fast bench gpu-check clean
+.PHONY: install serve test test-fast bench gpu-check gpu-wheels clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -30,10 +30,20 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/offline.py
 
-# On a GPU host: needs only that machine's torch + triton (no venv, no network, no install).
+# On a GPU host: needs only that machine's torch + triton (no venv, no network, no install);
+# what it lacks (msgspec, structlog, pytest-asyncio, pyzmq) comes as wheels in gpu-wheels/,
+# downloaded beforehand with `make gpu-wheels` and carried with the tree. Exits non-zero on a
+# failed or skipped CUDA test, a missed target, a parity miss or zero graph replays.
 GPU_PY  ?= python3
+GPU_OUT ?= benchmarks/results/gpu_check
 gpu-check:
-	$(GPU_PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+	$(GPU_PY) benchmarks/gpu_check.py --wheels gpu-wheels --out $(GPU_OUT) $(GPU_CHECK_ARGS)
+
+# Python 3.12 manylinux wheels for the GPU host (which has no network).
+gpu-wheels: $(STAMP)
+	$(BIN)/pip download --quiet --only-binary=:all: --no-deps --python-version 3.12 \
+	    --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+	    --platform manylinux_2_28_x86_64 -d gpu-wheels msgspec structlog pytest-asyncio pyzmq
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -302,6 +302,8 @@ class ModelRunner:
             stats["captured_sizes"] = list(self.graphs.sizes)
             stats["capture_seconds"] = self.graphs.capture_seconds
             stats["capture_bytes"] = self.graphs.capture_bytes
+            stats["replays"] = self.graphs.num_replays
+            stats["static_eager_runs"] = self.graphs.num_static_eager
         return stats
 
     def _forward(self, batch: ExecuteBatch, patch) -> tuple[torch.Tensor, list[str]]:

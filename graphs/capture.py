@@ -73,6 +73,10 @@ class DecodeGraphs:
         self.pool = None
         self.capture_seconds = 0.0
         self.capture_bytes = 0
+        # Counted where they happen: a captured graph replayed, or a bucket without a
+        # graph run through the static-buffer forward instead.
+        self.num_replays = 0
+        self.num_static_eager = 0
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -97,8 +101,10 @@ class DecodeGraphs:
             self.buffers.input_ids.index_copy_(0, patch[0], patch[1])
         graph = self.graphs.get(padded)
         if graph is None:
+            self.num_static_eager += 1
             return self.forward_static(padded)
         graph.replay()
+        self.num_replays += 1
         return self.buffers.logits[:padded]
 
     # -- capture ---------------------------------------------------------------------------

@@ -50,3 +50,69 @@ def test_make_importable_without_install(tmp_path):
                           timeout=120, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
     assert "(1, 2, 4, 8)" in proc.stdout
+
+
+def _load_script():
+    import importlib.util as u
+    spec = u.spec_from_file_location("gpu_check_under_test", SCRIPT)
+    module = u.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_failures_say_why_a_gpu_run_fails():
+    """A GPU run passes only with every test run and none skipped, every target measured
+    and met, graph/eager parity, and graphs replayed at every decode point."""
+    gc = _load_script()
+    row = {"batch": 1, "graph_vs_eager_max_rel_diff": 1e-3, "graph_replays": 25}
+    good = {"mode": "gpu", "tests": {"ran": True, "ok": True, "skipped": []},
+            "targets": {name: {"value": 1.0, "target": "x", "met": True} for name in gc.TARGETS},
+            "decode": {"smollm2-135m": {"rows": [row]}}}
+    assert gc.failures(good) == []
+    bad = json.loads(json.dumps(good))
+    bad["tests"]["skipped"] = ["SKIPPED [1] tests/gpu/x.py: needs a CUDA GPU"]
+    bad["targets"].pop("llama8b_b1_roofline_ratio")
+    bad["targets"]["graphs_speedup_135m_b1_8"]["met"] = False
+    bad["decode"]["smollm2-135m"]["rows"] = [dict(row, graph_replays=0,
+                                                  graph_vs_eager_max_rel_diff=0.5)]
+    problems = " | ".join(gc.failures(bad))
+    for expected in ("skipped on a GPU host", "llama8b_b1_roofline_ratio was not measured",
+                     "graphs_speedup_135m_b1_8 missed", "differ by 5.0e-01",
+                     "no CUDA graph was replayed"):
+        assert expected in problems, problems
+    assert "did not run" in " ".join(gc.failures({"mode": "gpu"}))
+
+
+def test_carried_wheels_install_without_network(tmp_path, monkeypatch):
+    """The GPU host has no network: missing modules come from a directory of wheels."""
+    import zipfile
+    gc = _load_script()
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    name = "tl_carried_probe"
+    with zipfile.ZipFile(wheels / f"{name}-1.0-py3-none-any.whl", "w") as z:
+        z.writestr(f"{name}/__init__.py", "VALUE = 42\n")
+        z.writestr(f"{name}-1.0.dist-info/METADATA",
+                   f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+        z.writestr(f"{name}-1.0.dist-info/WHEEL",
+                   "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                   "Tag: py3-none-any\n")
+        z.writestr(f"{name}-1.0.dist-info/RECORD", "")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    target = gc.install_wheels(wheels, needed=(name,))
+    assert target is not None
+    import importlib
+    assert importlib.import_module(name).VALUE == 42
+    assert gc.install_wheels(wheels, needed=("json",)) is None   # nothing missing
+
+
+def test_out_directory_gets_json_and_table(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(out),
+                           "--batches", "1,8"], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((out / "gpu_check.json").read_text())
+    assert result["failures"] == []
+    table = (out / "gpu_check.txt").read_text()
+    assert "padded batch sizes" in table and "gpu check: passed" in table
