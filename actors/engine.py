@@ -308,7 +308,8 @@ class Engine:
         """One typed snapshot of the engine for admin `stats` and /metrics."""
         return EngineStats(scheduler=await self.ask(self.scheduler, GetSchedulerStats()),
                            kv=await self.ask(self.kv_manager, GetKVStats()),
-                           router=await self.ask(self.router, GetRouterStats()))
+                           router=await self.ask(self.router, GetRouterStats()),
+                           graphs=self.runner.graph_snapshot)
 
     def stalled_seconds(self) -> float:
         """0.0 when the engine is idle or making progress, else the seconds since it last

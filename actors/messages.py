@@ -362,3 +362,6 @@ class EngineStats(_Msg):
     scheduler: SchedulerStats
     kv: KVStats
     router: RouterStats
+    # The graph dispatcher's counters (ModelRunner.graph_stats), as of the runner's latest
+    # snapshot (at most ~0.25 s old while it works).
+    graphs: dict = {}

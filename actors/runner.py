@@ -55,6 +55,10 @@ class RunnerActor(Actor):
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # read by the compute thread
         self.scheduler_inbox: asyncio.Queue | None = None    # wired by the engine
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Graph/eager counters for /metrics and admin stats, refreshed by the compute thread
+        # (a reference swap: readers on the event loop never wait behind a step).
+        self.graph_snapshot: dict = runner.graph_stats()
+        self._snapshot_time = 0.0
 
     def send(self, msg: Any) -> None:
         self.inbox.put(msg)
@@ -147,6 +151,10 @@ class RunnerActor(Actor):
             return
         out.idle_seconds = launched.idle_seconds
         self._post(self.scheduler_inbox.put_nowait, out)
+        now = time.perf_counter()
+        if now - self._snapshot_time > 0.25:
+            self._snapshot_time = now
+            self.graph_snapshot = self.runner.graph_stats()
 
     def _fail(self, batch: ExecuteBatch, e: Exception) -> None:
         self.runner.forget_failed(batch)

@@ -157,8 +157,10 @@ def _render_stats(r: P.StatsReply) -> str:
          else f"{r.prefill_budget} tokens (SLO)"),
         ("step cost model", "not fitted" if r.cost_model is None else
          "{:.2f} ms + {:.4f} ms/token + {:.3f} ms/M query-key pairs + {:.3f} ms/M keys "
-         "read".format(*(1000 * c for c in r.cost_model))),
+         "read + {:.4f} ms/sampled row".format(*(1000 * c for c in r.cost_model),
+                                               *(0.0,) * (5 - len(r.cost_model)))),
         ("goodput", f"{r.goodput_requests} / {r.slo_evaluated_requests} requests"),
+        ("decode graphs", _graphs_row(r.graphs)),
         ("engine loop", ("overlapped" if r.overlap else "serial") +
          f", step {r.step_timings.forward_ms:.2f} ms forward + {r.step_timings.host_ms:.2f} ms "
          f"host ({r.step_timings.exposed_host_ms:.2f} ms exposed), "
@@ -175,6 +177,18 @@ def _render_stats(r: P.StatsReply) -> str:
         ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _graphs_row(g: dict) -> str:
+    """Graph or eager steps, why eager, padding waste, and the decode batch sizes seen."""
+    if not g:
+        return "no data yet"
+    reasons = ", ".join(f"{n} {why}" for why, n in sorted(g.get("eager_reasons", {}).items()))
+    sizes = g.get("decode_batch_size_histogram", {})
+    return (f"{g.get('graph_steps', 0)} graph, {g.get('eager_steps', 0)} eager"
+            + (f" ({reasons})" if reasons else "")
+            + f"; padding waste {100 * g.get('padding_waste_fraction', 0.0):.1f}%"
+            + (f"; decode batch sizes {sizes}" if sizes else ""))
 
 
 def run(args) -> int:

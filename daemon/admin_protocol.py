@@ -123,6 +123,9 @@ class StatsReply(_Reply, tag="stats", kw_only=True):
     prefill_budget: int | None = None
     cost_model: list[float] | None = None
     goodput_requests: int = 0
+    # The graph dispatcher's counters (graphs/dispatch.py): graph and eager steps (with
+    # reasons), padding waste, the decode batch-size histogram graphs.histogram_path wants.
+    graphs: dict = {}
     slo_evaluated_requests: int = 0
     # The engine loop: overlapped steps on, and where a step's time goes (means, ms).
     overlap: bool = True

@@ -253,7 +253,7 @@ class AdminServer:
             admission_paused=sched.admission_paused, prefill_budget=sched.prefill_budget,
             cost_model=sched.cost_model, goodput_requests=sched.num_slo_good,
             slo_evaluated_requests=sched.num_slo_evaluated, overlap=sched.overlap,
-            step_timings=sched.timings, process=self.process_stats())
+            step_timings=sched.timings, process=self.process_stats(), graphs=s.graphs)
 
     def process_stats(self) -> P.ProcessStats:
         """Read from /proc and the event loop: cheap, and meaningful for leak checks."""

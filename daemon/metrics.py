@@ -157,6 +157,28 @@ class _EngineCollector:
             yield counter("tokenloom:spec_decode_steps_killed",
                           "Steps where speculation would not pay for the batch (kill switch).",
                           sp.steps_killed)
+        # Graph or eager, per step (graphs/dispatch.py), and replays counted where they run.
+        g = s.graphs
+        if g:
+            yield counter("tokenloom:graph_steps", "Decode steps that replayed a CUDA graph.",
+                          g.get("graph_steps", 0))
+            eager = CounterMetricFamily("tokenloom:eager_steps", "Steps run eagerly, by reason.",
+                                        labels=labels + ["reason"])
+            for reason, n in sorted(g.get("eager_reasons", {}).items()):
+                eager.add_metric(value + [reason], n)
+            yield eager
+            yield counter("tokenloom:graph_replays", "CUDA graph replays (counted at replay).",
+                          g.get("replays", 0))
+            yield counter("tokenloom:graph_padding_rows", "Padding rows computed by graph "
+                          "replays (bucket size minus batch size).", g.get("graph_padded_rows", 0))
+            yield gauge("tokenloom:graph_padding_waste_ratio", "Padding rows / all rows of "
+                        "graph replays.", g.get("padding_waste_fraction", 0.0))
+            sizes = CounterMetricFamily("tokenloom:decode_batch_size", "Decode-only steps by "
+                                        "batch size (the histogram graphs.histogram_path wants).",
+                                        labels=labels + ["size"])
+            for size, n in g.get("decode_batch_size_histogram", {}).items():
+                sizes.add_metric(value + [str(size)], n)
+            yield sizes
         # Where a step's time goes (means over the last 256 steps), see README "Engine loop".
         t = sched.timings
         step = GaugeMetricFamily("tokenloom:step_time_ms",

@@ -71,7 +71,11 @@ def build_decode_graphs(cfg: GraphsConfig, model, kv: KVCache, *, max_num_seqs: 
         graphs.capture(sizes, cfg.memory_budget_bytes)
     except CaptureError as e:
         startup_log.warning(f"CUDA graphs disabled: {e}; decode runs eager", reason=str(e))
-        del graphs, buffers
+        graphs = buffers = None  # drop the partial capture before emptying the cache
         torch.cuda.empty_cache()
         return Dispatcher(None, f"capture failed: {e}"), None
-    return Dispatcher(PaddedSizeTable(sizes)), graphs
+    if not graphs.sizes:
+        return Dispatcher(None, "no bucket captured"), None
+    # The buckets actually captured (the memory budget may stop capture early), so that a
+    # batch without a graph is dispatched, and counted, as eager with its reason.
+    return Dispatcher(PaddedSizeTable(graphs.sizes)), graphs

@@ -180,6 +180,11 @@ async def test_stats(server, model_name):
     assert reply.kv_blocks_cached >= 1 and reply.num_steps >= 1
     assert reply.prefix_cache_queried_tokens > 0 and 0.0 <= reply.prefix_cache_hit_rate <= 1.0
     assert reply.drain.draining is False and reply.in_flight == 0
+    # the graph dispatcher's counters (CPU: every step eager, with that reason)
+    assert reply.graphs["graphs"] is False and reply.graphs["graph_steps"] == 0
+    assert set(reply.graphs["eager_reasons"]) <= {"eager on CPU"}
+    from tokenloom.daemon.admin_cli import _graphs_row
+    assert "graph" in _graphs_row(reply.graphs) and _graphs_row({}) == "no data yet"
 
 
 async def test_flush_cache_refuses_while_a_request_runs_unless_forced(server, model_name):

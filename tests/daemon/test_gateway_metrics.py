@@ -31,3 +31,24 @@ def test_endpoint_picker_metrics(server, model_name):
     assert lora, "vllm:lora_requests_info missing"
     assert 'max_lora="0"' in lora.group(1) and 'running_lora_adapters=""' in lora.group(1)
     assert float(lora.group(2)) >= before - 1     # the time of the last update
+
+
+def test_graph_dispatch_counters_are_exported(server, model_name):
+    """Graph/eager per step with the reason (on CPU every step is eager: "eager on CPU"),
+    without waiting for the runner (its snapshot)."""
+    import json
+    body = json.dumps({"model": model_name, "prompt": "w5 w6 w7",
+                       "max_tokens": 4}).encode()
+    req = urllib.request.Request(server.url + "/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    urllib.request.urlopen(req, timeout=60).read()
+    deadline = time.monotonic() + 10
+    while True:     # the runner refreshes its snapshot at most every 0.25 s
+        text = scrape(server)
+        found = re.search(r'^tokenloom:eager_steps_total\{.*reason="eager on CPU"\} ([0-9.e+]+)$',
+                          text, re.M)
+        if found and float(found.group(1)) > 0:
+            break
+        assert time.monotonic() < deadline, "eager steps never counted"
+        time.sleep(0.3)
+    assert re.search(r"^tokenloom:graph_steps_total\{.*\} 0\.0$", text, re.M)
