@@ -239,6 +239,10 @@ class CpuLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.storage = storage
+        # What a call streams: the weight once (int8: plus its fp32 scales).
+        self.weight_bytes = (self.out_features * self.in_features
+                             * (1 if storage == INT8 else torch.tensor([], dtype=act_dtype).element_size())
+                             + (4 * self.out_features if storage == INT8 else 0))
         fns = _candidates(weight, bias, storage, act_dtype, chosen.kernels)
         self._bands = [(hi, fns[name]) for hi, name in chosen.bands]
         self.kernel_names = tuple(name for _, name in chosen.bands)

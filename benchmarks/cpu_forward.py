@@ -1,0 +1,294 @@
+"""The CPU forward pass against llama.cpp, precision for precision, in one run.
+
+For each weight mode, tokenloom (offline engine, default model) and then llama.cpp's own
+`llama-server` (built natively by ../shared/peers/build-llama-server.sh; one server at a
+time, the same token-id prompts, greedy, EOS ignored):
+
+    fp32  (model.dtype float32)                          vs llama.cpp F32 GGUF
+    bf16  (model.dtype bfloat16)                         vs llama.cpp F16 GGUF
+    int8  (model.weight_dtype int8, bf16 activations)    vs llama.cpp Q8_0 GGUF
+
+- batch-1 decode at ~300 and ~1,100 tokens of context: ms per token (tokenloom: the
+  engine's token timestamps; llama.cpp: its own `timings.predicted_per_token_ms`);
+- prefill of a 1,024-token prompt: prompt tokens/s (tokenloom: time to the first token;
+  llama.cpp: `timings.prompt_per_second`);
+- batch-16 decode step vs batch-1 (16 concurrent 32-token prompts, 64 tokens each);
+- start-up: tokenloom cold (no C++ kernel build cache, no remembered quality gate) and
+  warm; llama-server until /health answers 200;
+- the roofline next to each decode figure: bytes streamed per token (every projection
+  weight once, the tied LM head once, the KV read at that context) over a measured
+  multi-threaded read bandwidth; and the int8 quality gate (agreement, KL) beside its speed.
+
+Prints one table of ratios (tokenloom / llama.cpp speed: > 1 is faster) and writes
+benchmarks/results/cpu_forward.json.
+
+    python benchmarks/cpu_forward.py                 # everything (~10 min on 2 cores)
+    python benchmarks/cpu_forward.py --modes fp32 --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_loop import VOCAB_LO, VOCAB_HI, start_llama, stop  # noqa: E402
+
+PEERS = Path(os.environ.get("TOKENLOOM_PEERS", Path.home() / ".cache" / "tokenloom-peers"))
+GGUF = "SmolLM2-135M-Instruct.{}.gguf"
+MODES = {  # name: (LLM options, llama.cpp GGUF type, KV bytes per element)
+    "fp32": (dict(dtype="float32"), "F32", 4),
+    "bf16": (dict(dtype="bfloat16"), "F16", 2),
+    "int8": (dict(dtype="bfloat16", weight_dtype="int8"), "Q8_0", 2),
+}
+OUT = 64
+
+
+def read_bandwidth_gbs() -> float:
+    """Multi-threaded read bandwidth: sum a 1 GiB fp32 tensor (best of 5)."""
+    a = torch.ones(256 * 1024 * 1024)
+    a.sum()
+    best = min(_timed(a.sum) for _ in range(5))
+    return a.numel() * 4 / best / 1e9
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def prompts(rng: random.Random, n: int, length: int) -> list[list[int]]:
+    return [[rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(length)] for _ in range(n)]
+
+
+# -- tokenloom ---------------------------------------------------------------------------
+def tokenloom_mode(mode: str, args, rng: random.Random) -> dict:
+    from tokenloom import LLM, SamplingParams
+
+    options, _, _ = MODES[mode]
+    t = time.perf_counter()
+    llm = LLM(device="cpu", quiet=True, enable_prefix_caching=False, chunking="static",
+              max_num_batched_tokens=2048, **options)
+    start_s = time.perf_counter() - t
+
+    def gen(ps, max_tokens):
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        t0 = time.perf_counter()
+        outs = llm.generate(ps, sp)
+        return time.perf_counter() - t0, outs
+
+    def itl_ms(outs) -> float:
+        gaps = [b - a for o in outs for a, b in zip(o.outputs[0].timings.token_times,
+                                                     o.outputs[0].timings.token_times[1:])]
+        return statistics.median(gaps) * 1000
+
+    res: dict = {"startup_in_process_s": start_s}
+    try:
+        gen(prompts(rng, 1, 32), 8)                                  # warm-up (kernel plans)
+        for ctx in (300, 1100):
+            runs = [itl_ms(gen(prompts(rng, 1, ctx - OUT), OUT)[1]) for _ in range(args.reps)]
+            res[f"decode_{ctx}_ms"] = min(runs)
+        runs = [gen(prompts(rng, 1, 1024), 1)[0] for _ in range(args.reps)]
+        res["prefill_1024_tok_s"] = 1024 / min(runs)
+        res["batch1_step_ms"] = min(itl_ms(gen(prompts(rng, 1, 32), OUT)[1])
+                                    for _ in range(args.reps))
+        res["batch16_step_ms"] = min(itl_ms(gen(prompts(rng, 16, 32), OUT)[1])
+                                     for _ in range(max(1, args.reps - 1)))
+        res["weight_bytes"] = weight_bytes(llm)
+    finally:
+        llm.close()
+    return res
+
+
+def weight_bytes(llm) -> int:
+    """Bytes a decode step streams for weights: every projection and the head once (the
+    embedding lookup reads one row: not counted), norms included."""
+    model = llm.engine.runner.runner.model
+    total = 0
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if name.startswith("embed_tokens") or "rope" in name:
+            continue
+        total += t.numel() * t.element_size()
+    from tokenloom.kernels.cpu_linear import CpuLinear
+    total += sum(m.weight_bytes for m in model.modules() if isinstance(m, CpuLinear))
+    if not isinstance(model.lm_head, CpuLinear) and model.spec.tie_word_embeddings:
+        total += model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+    return total
+
+
+def startup_subprocess(mode: str, cold: bool) -> float:
+    """Seconds to construct LLM in a fresh process (model already converted). Cold: empty
+    C++ kernel build cache and no remembered quality gate."""
+    options, _, _ = MODES[mode]
+    env = dict(os.environ)
+    tmp = None
+    code = ("import time; t=time.perf_counter(); from tokenloom import LLM; "
+            f"llm=LLM(device='cpu', quiet=True, **{options!r}); "
+            "print(time.perf_counter()-t); llm.close()")
+    if cold:
+        tmp = tempfile.mkdtemp(prefix="tl-cold-")
+        env["TORCH_EXTENSIONS_DIR"] = tmp
+        from tokenloom.config.schema import ModelConfig, resolve_cache_dir
+        gate = Path(resolve_cache_dir(ModelConfig())) / "quality_gate.json"
+        if gate.exists():
+            gate.rename(gate.with_suffix(".json.bak"))
+    try:
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, check=True)
+        return float(out.stdout.strip().splitlines()[-1])
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+# -- llama.cpp ---------------------------------------------------------------------------
+def _completion(url: str, prompt: list[int], n_predict: int) -> dict:
+    body = json.dumps(dict(prompt=prompt, n_predict=n_predict, temperature=0, ignore_eos=True,
+                           cache_prompt=False)).encode()
+    req = urllib.request.Request(url + "/completion", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return json.loads(r.read())["timings"]
+
+
+def llama_mode(mode: str, args, rng: random.Random, logdir: Path) -> dict:
+    gguf = PEERS / GGUF.format(MODES[mode][1])
+    t = time.perf_counter()
+    proc, url, _ = start_llama(PEERS / "llama-server", gguf, 16, 16 * 2048, args.threads,
+                               logdir / f"llama-{mode}.log")
+    res: dict = {"startup_s": time.perf_counter() - t, "gguf_bytes": gguf.stat().st_size}
+    try:
+        _completion(url, prompts(rng, 1, 32)[0], 8)
+        for ctx in (300, 1100):
+            res[f"decode_{ctx}_ms"] = min(
+                _completion(url, prompts(rng, 1, ctx - OUT)[0], OUT)["predicted_per_token_ms"]
+                for _ in range(args.reps))
+        res["prefill_1024_tok_s"] = max(
+            _completion(url, prompts(rng, 1, 1024)[0], 1)["prompt_per_second"]
+            for _ in range(args.reps))
+        res["batch1_step_ms"] = min(
+            _completion(url, prompts(rng, 1, 32)[0], OUT)["predicted_per_token_ms"]
+            for _ in range(args.reps))
+        best16 = float("inf")
+        for _ in range(max(1, args.reps - 1)):
+            got: list[float] = []
+            threads = [threading.Thread(target=lambda p=p: got.append(
+                _completion(url, p, OUT)["predicted_per_token_ms"]))
+                for p in prompts(rng, 16, 32)]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+            best16 = min(best16, statistics.median(got))
+        res["batch16_step_ms"] = best16
+    finally:
+        stop(proc)
+    return res
+
+
+# -- report ------------------------------------------------------------------------------
+def roofline_ms(weight_bytes: int, kv_bytes_per_token: int, ctx: int, gbs: float) -> float:
+    return (weight_bytes + kv_bytes_per_token * ctx) / gbs / 1e6
+
+
+def report(out: dict) -> list[str]:
+    gbs = out["read_bandwidth_gbs"]
+    kv_elems = 30 * 2 * 3 * 64   # SmolLM2-135M: layers x (K, V) x kv heads x head dim
+    lines = [f"read bandwidth {gbs:.1f} GB/s ({out['threads']} threads); ratio = tokenloom "
+             "speed / llama.cpp speed (> 1: tokenloom faster); roofline = bytes per token / "
+             "bandwidth",
+             "",
+             "| mode (vs llama.cpp) | figure | tokenloom | llama.cpp | ratio | tokenloom roofline |",
+             "|---|---|---:|---:|---:|---:|"]
+    for mode, r in out["modes"].items():
+        ours, peer = r.get("tokenloom"), r.get("llama")
+        if not ours or not peer:
+            continue
+        kvb = kv_elems * MODES[mode][2]
+        label = f"{mode} (vs {MODES[mode][1]})"
+        for ctx in (300, 1100):
+            k = f"decode_{ctx}_ms"
+            roof = roofline_ms(ours["weight_bytes"], kvb, ctx, gbs)
+            lines.append(f"| {label} | batch-1 decode, ~{ctx} ctx (ms/token) | {ours[k]:.2f} | "
+                         f"{peer[k]:.2f} | {peer[k] / ours[k]:.2f}x | {roof:.2f} ms "
+                         f"({ours['weight_bytes'] / 1e6:.0f} MB + KV; at {roof / ours[k]:.0%}) |")
+        lines.append(f"| {label} | prefill 1,024 tokens (tok/s) | {ours['prefill_1024_tok_s']:.0f} | "
+                     f"{peer['prefill_1024_tok_s']:.0f} | "
+                     f"{ours['prefill_1024_tok_s'] / peer['prefill_1024_tok_s']:.2f}x | |")
+        lines.append(f"| {label} | batch-16 step / batch-1 step | "
+                     f"{ours['batch16_step_ms']:.1f} / {ours['batch1_step_ms']:.1f} ms = "
+                     f"{ours['batch16_step_ms'] / ours['batch1_step_ms']:.2f}x | "
+                     f"{peer['batch16_step_ms']:.1f} / {peer['batch1_step_ms']:.1f} ms = "
+                     f"{peer['batch16_step_ms'] / peer['batch1_step_ms']:.2f}x | "
+                     f"{peer['batch16_step_ms'] / ours['batch16_step_ms']:.2f}x (b16) | |")
+        start = (f"warm {ours['startup_warm_s']:.1f} s" if "startup_warm_s" in ours else "")
+        if "startup_cold_s" in ours:
+            start = f"cold {ours['startup_cold_s']:.1f} s, " + start
+        lines.append(f"| {label} | start-up | {start} | {peer['startup_s']:.1f} s | | |")
+        if "gate" in r:
+            lines.append(f"| {label} | quality gate vs fp32 | {r['gate']} | | | |")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--quick", action="store_true", help="one repetition, no cold start")
+    ap.add_argument("--no-cold", action="store_true")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "cpu_forward.json"))
+    args = ap.parse_args()
+    if args.quick:
+        args.reps, args.no_cold = 1, True
+    rng = random.Random(0)
+    out: dict = {"threads": args.threads, "read_bandwidth_gbs": read_bandwidth_gbs(),
+                 "peers": str(PEERS), "modes": {}}
+    from tokenloom.kernels.cpu_features import detect
+    out["cpu"] = f"{detect().model_name}, {detect().summary()}"
+    print(f"CPU {out['cpu']}; read bandwidth {out['read_bandwidth_gbs']:.1f} GB/s", flush=True)
+    logdir = Path(tempfile.mkdtemp(prefix="cpu-forward-"))
+    for mode in args.modes:
+        r = out["modes"].setdefault(mode, {})
+        print(f"[{mode}] tokenloom ...", flush=True)
+        r["tokenloom"] = tokenloom_mode(mode, args, rng)
+        if not args.no_cold and mode == args.modes[-1]:
+            r["tokenloom"]["startup_cold_s"] = startup_subprocess(mode, cold=True)
+        r["tokenloom"]["startup_warm_s"] = startup_subprocess(mode, cold=False)
+        if MODES[mode][0].get("weight_dtype") == "int8":
+            r["gate"] = _gate_summary()
+        print(f"[{mode}] llama.cpp {MODES[mode][1]} ...", flush=True)
+        r["llama"] = llama_mode(mode, args, rng, logdir)
+        print(json.dumps(r, indent=1), flush=True)
+        Path(args.out).write_text(json.dumps(out, indent=1))
+    print("\n".join(report(out)))
+    Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+def _gate_summary() -> str:
+    from tokenloom.config.schema import ModelConfig, resolve_cache_dir
+    memo = Path(resolve_cache_dir(ModelConfig())) / "quality_gate.json"
+    try:
+        entries = json.loads(memo.read_text())
+    except (OSError, ValueError):
+        return "not recorded"
+    e = list(entries.values())[-1]
+    return (f"agreement {e['agreement']:.3f}, mean KL {e['mean_kl']:.4f} nats, greedy "
+            f"{e['greedy_match']}/{e['greedy_tokens']}")
+
+
+if __name__ == "__main__":
+    main()
