@@ -33,6 +33,7 @@ from tokenloom.actors.runner import RunnerActor
 from tokenloom.actors.scheduler import SchedulerActor
 from tokenloom.actors.spec_decode import SpecController
 from tokenloom.actors.streams import StreamRegistry
+from tokenloom.actors.guided import GuidedCompiler
 from tokenloom.actors.tokenizer import TokenizerActor
 from tokenloom.config.schema import ConfigError, EngineConfig, resolve_cache_dir
 from tokenloom.actors.swap import SwapSpace
@@ -139,7 +140,11 @@ class Engine:
         self.eos_token_ids = eos
         kv = KVCache.allocate(info.spec.num_layers, info.num_blocks, info.block_size,
                               info.spec.num_kv_heads, info.spec.head_dim, info.dtype, info.device)
-        self.tokenizer_actor = TokenizerActor(tokenizer, info.max_model_len, self.streams.emit)
+        # Structured output: one compiler (and cache of compiled grammars) for the tokenizer
+        # actor, which compiles and validates constraints off the loop, and the runner.
+        self.guided = GuidedCompiler(tokenizer, info.spec.vocab_size, eos)
+        self.tokenizer_actor = TokenizerActor(tokenizer, info.max_model_len, self.streams.emit,
+                                              guided=self.guided)
         self.router = RouterActor(sc.max_num_seqs, sc.max_waiting, self.streams.emit)
         caching = config.cache.enable_prefix_caching
         fingerprint = model_fingerprint(info.weights_digest, str(info.dtype), info.block_size)
@@ -172,7 +177,8 @@ class Engine:
             config.graphs, model, kv, max_num_seqs=sc.max_num_seqs,
             max_model_len=info.max_model_len, device=info.device)
         self.runner = RunnerActor(ModelRunner(model, kv, info.device, eos, graphs, dispatcher,
-                                              host_pool=host_pool, proposer=proposer))
+                                              host_pool=host_pool, proposer=proposer,
+                                              guided=self.guided))
         # Wiring: tokenizer -> router -> scheduler <-> {KV manager, runner}.
         self.tokenizer_actor.next_inbox = self.router.inbox
         self.router.next_inbox = self.scheduler.inbox

@@ -204,6 +204,9 @@ class SampledToken(_Msg):
     request_id: str
     token_id: int
     logprob: TokenLogprob | None = None
+    # Set when the request cannot go on (its output constraint leaves no legal token): the
+    # scheduler ends it with this error and drops token_id.
+    error: str | None = None
 
 
 class SpecResult(_Msg):

@@ -17,6 +17,8 @@ import time
 import torch
 
 from tokenloom.actors.batch_inputs import build_batch_inputs
+from tokenloom.actors.guided import GuidedMatcher, allocate_bitmask, apply_bitmask
+from tokenloom.actors.guided import FIELD_OF_KIND
 from tokenloom.graphs.capture import DecodeGraphs
 from tokenloom.graphs.dispatch import GRAPH, Dispatcher
 from tokenloom.actors.messages import (PLACEHOLDER, ExecuteBatch, NewSequence, SampledToken,
@@ -55,14 +57,19 @@ class _SeqState:
     # The distributions the draft model drew its last proposals from ([k, vocab]), kept
     # for their verification; None for deterministic proposals (prompt lookup).
     draft_probs: torch.Tensor | None = None
+    # Guided decoding: the request's grammar position (None: unconstrained).
+    matcher: GuidedMatcher | None = None
 
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv: KVCache, device: torch.device,
                  eos_token_ids: tuple[int, ...], graphs: DecodeGraphs | None = None,
                  dispatcher: Dispatcher | None = None, host_pool: HostKVPool | None = None,
-                 proposer=None):
+                 proposer=None, guided=None):
         self.model = model
+        # Guided decoding's compiler (actors/guided.py; shared with the tokenizer actor,
+        # which compiled each request's constraint before it got here: a cache hit).
+        self.guided = guided
         self.kv = kv
         self.host_pool = host_pool  # swap preemption's host memory (None: swap is off)
         self.device = device
@@ -85,14 +92,51 @@ class ModelRunner:
         state = self._seqs.get(request_id)
         outputs = list(new.output_token_ids)
         if state is not None:
-            # Resumed after preemption: keep the RNG so seeded output is unchanged.
+            # Resumed after preemption: keep the RNG so seeded output is unchanged, and the
+            # grammar state (rebuilt only if the output it followed is not this one).
             state.output_token_ids[:] = outputs
+            if state.matcher is not None and state.matcher.num_accepted != len(outputs):
+                state.matcher = self._new_matcher(request_id, new.sampling_params, outputs)
             return
         p = new.sampling_params
         gen = None if p.is_greedy else make_generator(p.seed, self.device)
         row = SamplingRow(params=p, generator=gen, prompt_token_ids=list(new.prompt_token_ids),
                           output_token_ids=outputs, eos_token_ids=self.eos_token_ids)
-        self._seqs[request_id] = _SeqState(row=row, output_token_ids=outputs)
+        self._seqs[request_id] = _SeqState(row=row, output_token_ids=outputs,
+                                           matcher=self._new_matcher(request_id, p, outputs))
+
+    def _new_matcher(self, request_id: str, p, outputs: list[int]) -> GuidedMatcher | None:
+        if p.guided is None:
+            return None
+        assert self.guided is not None, f"{request_id}: guided decoding needs a compiler"
+        matcher = GuidedMatcher(self.guided.compile(p.guided))
+        if not matcher.replay(outputs):
+            matcher.error = _no_token_error(p)
+        return matcher
+
+    def _apply_guided(self, logits: torch.Tensor, sample_ids: list[str]) -> torch.Tensor:
+        """Mask the logits rows of guided requests to their grammar's allowed tokens; rows
+        without a constraint are untouched (and cost nothing when no row has one). A row
+        whose grammar allows no token keeps its logits; `finish` ends that request."""
+        rows = [i for i, rid in enumerate(sample_ids) if self._seqs[rid].matcher is not None]
+        if not rows:
+            return logits
+        bitmask = allocate_bitmask(len(sample_ids), self.guided.vocab_size)
+        masked = []
+        for i in rows:
+            matcher = self._seqs[sample_ids[i]].matcher
+            if matcher.error is None and not matcher.terminated:
+                matcher.fill(bitmask, i)
+                if bool(bitmask[i].any()):
+                    masked.append(i)
+                    continue
+                matcher.error = _no_token_error(self._seqs[sample_ids[i]].row.params)
+        if not masked:
+            return logits
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        apply_bitmask(logits, bitmask.to(logits.device), masked)
+        return logits
 
     def forget(self, request_ids) -> None:
         """These requests have finished: drop their sampling state."""
@@ -184,6 +228,8 @@ class ModelRunner:
                          prev.token_ids[torch.tensor(patch[1], dtype=torch.int64,
                                                      device=self.device)])
         logits, sample_ids = self._forward(batch, patch_src)          # [S, vocab]
+        if self.guided is not None and sample_ids:
+            logits = self._apply_guided(logits, sample_ids)
         if sample_ids and any(s.num_draft for s in batch.sequences):
             launched.sample_ids = list(dict.fromkeys(sample_ids))     # each request once
             launched.emitted = self._sample_speculative(batch, logits, sample_ids)
@@ -216,6 +262,17 @@ class ModelRunner:
             if state is None or rid in self._failed:
                 continue  # its request ended (or failed) while this step was on the device
             for tok in emitted.get(rid, ()):
+                matcher = state.matcher
+                if matcher is not None and matcher.terminated and matcher.error is None:
+                    break   # sampled after its EOS, in a step planned before it: not output
+                if matcher is not None and (matcher.error is not None
+                                            or not matcher.accept(tok.token_id)):
+                    error = matcher.error or _no_token_error(state.row.params)
+                    sampled.append(SampledToken(request_id=rid, token_id=tok.token_id,
+                                                error=error))
+                    self._seqs.pop(rid, None)
+                    self._failed.add(rid)   # until the scheduler reports it finished
+                    break
                 state.output_token_ids.append(tok.token_id)
                 lp = None
                 if tok.logprob is not None:
@@ -335,3 +392,10 @@ class ModelRunner:
         if mirror is not None:
             mirror(inputs)
         return logits, inputs.sample_ids
+
+
+def _no_token_error(p) -> str:
+    field = FIELD_OF_KIND[p.guided.kind]
+    why = " (min_tokens forbids ending it)" if p.min_tokens else ""
+    return (f"the output constraint ({field}) allows no further token{why}; the request "
+            f"was ended")

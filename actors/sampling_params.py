@@ -23,6 +23,18 @@ PENALTY_RANGE = (-2.0, 2.0)
 SEED_RANGE = (-(2**63), 2**64 - 1)
 
 
+GUIDED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+
+
+class GuidedDecoding(msgspec.Struct, frozen=True):
+    """A constraint on the output (structured output): `kind` in GUIDED_KINDS and its `spec`
+    as text: a JSON schema (json_schema), a regex, a JSON list of strings (choice), an EBNF
+    grammar (grammar), or "" (json_object: any JSON object). Compiled by actors/guided.py."""
+
+    kind: str
+    spec: str = ""
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
     """How to pick the next tokens of one request (vLLM/OpenAI semantics).
 
@@ -52,6 +64,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
     # "on" (whenever there is a proposal) or "off". No effect when the engine has no
     # proposer configured (speculative.method = "off").
     speculative: str = "auto"
+    # Structured output: the output must match this constraint (None: unconstrained).
+    # Constrained requests never speculate (the verifier has no grammar masks).
+    guided: GuidedDecoding | None = None
 
     def __post_init__(self) -> None:
         _check_int(self, "n", lo=1, hi=MAX_N)
@@ -81,6 +96,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
         if self.speculative not in SPECULATIVE_MODES:
             raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, "
                              f"got {self.speculative!r}")
+        if self.guided is not None:
+            _check_guided(self)
 
     @classmethod
     def greedy(cls, max_tokens: int = 16, **kwargs: Any) -> SamplingParams:
@@ -140,3 +157,29 @@ def _check_stop(params: SamplingParams) -> None:
     if not isinstance(stop, (tuple, list)) or not all(isinstance(s, str) and s for s in stop):
         raise ValueError(f"stop must be a sequence of non-empty strings, got {stop!r}")
     force_setattr(params, "stop", tuple(stop))
+
+
+def _check_guided(params: SamplingParams) -> None:
+    g = params.guided
+    if not isinstance(g, GuidedDecoding):
+        raise ValueError(f"guided must be a GuidedDecoding, got {g!r}")
+    if g.kind not in GUIDED_KINDS:
+        raise ValueError(f"guided.kind must be one of {', '.join(GUIDED_KINDS)}, got {g.kind!r}")
+    if not isinstance(g.spec, str):
+        raise ValueError(f"guided.spec must be a string, got {g.spec!r}")
+    if g.kind != "json_object" and not g.spec:
+        raise ValueError(f"guided.spec must be non-empty for kind {g.kind!r}")
+    if g.kind == "choice":
+        try:
+            choices = msgspec.json.decode(g.spec)
+        except msgspec.DecodeError:
+            choices = None
+        if not (isinstance(choices, list) and choices
+                and all(isinstance(c, str) and c for c in choices)):
+            raise ValueError(f"guided.spec of a choice must be a JSON list of non-empty "
+                             f"strings, got {g.spec!r}")
+    if params.ignore_eos:
+        # The grammar's end allows only EOS; ignoring it would leave no legal token.
+        raise ValueError("ignore_eos cannot be combined with guided decoding")
+    if params.speculative == "on":
+        raise ValueError("speculative must be auto or off with guided decoding, got 'on'")

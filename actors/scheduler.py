@@ -172,7 +172,8 @@ class SchedulerActor(Actor):
                       arrival_seq=self._arrivals)
         req.trace = RequestTrace(req.request_id, msg.arrival_time, msg.routed_time,
                                  priority=msg.priority, tenant=msg.tenant)
-        if self.spec is not None:
+        # Constrained (guided) requests never speculate: drafts are verified without masks.
+        if self.spec is not None and msg.sampling_params.guided is None:
             req.spec = self.spec.new_state(msg.sampling_params.speculative)
             if req.spec is not None:
                 req.trace.speculation = (self.spec.method, req.spec)
@@ -436,6 +437,10 @@ class SchedulerActor(Actor):
     def _sampled(self, req: Request, s: SampledToken, now: float) -> None:
         """A sampled token came back: append it, detokenize it, finish on a stop condition
         (a stop string included) or stream it."""
+        if s.error is not None:   # e.g. a guided request whose grammar allows no token
+            self._finish(req, S.FINISHED, FinishReason.ERROR, error=s.error,
+                         error_kind=ERROR_INVALID)
+            return
         req.append_token(s.token_id, now)
         if req.spec is not None and req.spec.shadow is not None:
             self.spec.score_shadow(req.spec, s.token_id)

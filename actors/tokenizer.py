@@ -62,9 +62,13 @@ class TokenizerActor(Actor):
 
     name = "tokenizer"
 
-    def __init__(self, tokenizer, max_model_len: int, emit: Callable[[RequestOutput], None]):
+    def __init__(self, tokenizer, max_model_len: int, emit: Callable[[RequestOutput], None],
+                 guided=None):
         super().__init__()
         self.tokenizer = tokenizer
+        # Compiles (and so validates) guided-decoding constraints, on the worker thread;
+        # its cache hands the runner the compiled grammar (actors/guided.py).
+        self.guided = guided
         self.max_model_len = max_model_len
         self.emit = emit
         self.next_inbox: asyncio.Queue | None = None  # the router
@@ -119,6 +123,11 @@ class TokenizerActor(Actor):
         try:
             ids = self.encode(req)
             params = self.check(req, ids)
+            if params.guided is not None:
+                if self.guided is None:
+                    raise PromptError("guided decoding is not available in this engine",
+                                      "guided")
+                self.guided.compile(params.guided)   # GuidedError names the field
             return AddRequest(
                 request_id=req.request_id, prompt_token_ids=ids, sampling_params=params,
                 arrival_time=req.arrival_time or time.monotonic(), cache_salt=req.cache_salt,
@@ -126,11 +135,13 @@ class TokenizerActor(Actor):
         except Exception as e:
             return RequestOutput(request_id=req.request_id, new_token_ids=[], finished=True,
                                  finish_reason="error", error=str(e), error_kind=ERROR_INVALID,
-                                 error_param=e.param if isinstance(e, PromptError) else None)
+                                 error_param=getattr(e, "param", None))
 
     @staticmethod
     def is_cheap(req: GenerateRequest) -> bool:
         """Whether `req` is tokenized inline rather than on the worker thread."""
+        if req.sampling_params.guided is not None:
+            return False   # compiling a grammar takes milliseconds: never on the loop
         if req.prompt_token_ids is not None:
             return len(req.prompt_token_ids) <= INLINE_MAX_IDS
         if req.messages is not None:

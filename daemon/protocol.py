@@ -7,8 +7,9 @@ Decoding (JSON syntax, types, required fields) is msgspec's; ranges and cross-fi
 checked here and by `SamplingParams`. Unknown fields are ignored, as vLLM does.
 
 Extensions beyond OpenAI, as in vLLM: top_k, min_p, repetition_penalty, ignore_eos,
-min_tokens, stop_token_ids, cache_salt, priority, and tokenloom's `return_metrics` and
-`speculative` ("auto" | "on" | "off": this request's speculative decoding).
+min_tokens, stop_token_ids, cache_salt, priority, guided_regex, guided_choice,
+guided_grammar (structured output, like `response_format`), and tokenloom's `return_metrics`
+and `speculative` ("auto" | "on" | "off": this request's speculative decoding).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from tokenloom.actors.sampling_params import MAX_LOGPROBS, SamplingParams
+from tokenloom.actors.sampling_params import MAX_LOGPROBS, GuidedDecoding, SamplingParams
 from tokenloom.daemon.errors import APIError
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -55,6 +56,12 @@ class _Sampling(msgspec.Struct, kw_only=True):
     priority: int | str | None = None   # a number (lower runs first) or a class name
     return_metrics: bool = False
     speculative: str | None = None      # "auto" | "on" | "off" (speculative decoding)
+    # Structured output (vLLM's names): the output matches a regex, is one of the strings,
+    # or follows an EBNF grammar (xgrammar's dialect, root rule `root`).
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    response_format: dict | None = None  # {"type": "text" | "json_object" | "json_schema"}
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -84,7 +91,6 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
-    response_format: dict | None = None
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -169,7 +175,8 @@ def _stops(stop) -> tuple[str, ...]:
 
 def _sampling_params(req: _Sampling, limits: Limits, max_tokens: int | None,
                      max_tokens_field: str, logprobs: int | None, logprobs_field: str,
-                     default_max_tokens: int) -> SamplingParams:
+                     default_max_tokens: int, guided: GuidedDecoding | None = None
+                     ) -> SamplingParams:
     def need(ok: bool, param: str, message: str) -> None:
         if not ok:
             raise APIError(400, f"{param} {message}", param=param)
@@ -197,7 +204,13 @@ def _sampling_params(req: _Sampling, limits: Limits, max_tokens: int | None,
     fields = dict(n=req.n, max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
                   min_tokens=req.min_tokens, seed=req.seed, stop=_stops(req.stop),
                   stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
-                  logprobs=logprobs)
+                  logprobs=logprobs, guided=guided)
+    if guided is not None:
+        # Drafts are verified without grammar masks: constrained requests never speculate.
+        need(req.speculative in (None, "auto", "off"), "speculative",
+             f"must be auto or off with structured output, got {req.speculative!r}")
+        need(not req.ignore_eos, "ignore_eos", "cannot be true with structured output "
+             "(a finished constraint allows only EOS)")
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "speculative"):
         if getattr(req, name) is not None:
@@ -250,7 +263,7 @@ def parse_completion(body: bytes, limits: Limits) -> ParsedRequest:
         raise APIError(400, "best_of other than n is not supported", param="best_of")
     # OpenAI's default for the legacy endpoint is 16 tokens.
     params = _sampling_params(req, limits, req.max_tokens, "max_tokens", req.logprobs, "logprobs",
-                              default_max_tokens=16)
+                              default_max_tokens=16, guided=guided_decoding(req))
     return ParsedRequest(prompts=prompts, messages=None, params=params, fit_max_tokens=False,
                          stream=req.stream, include_usage=_include_usage(req),
                          return_metrics=req.return_metrics, logprobs=req.logprobs,
@@ -289,9 +302,6 @@ def parse_chat(body: bytes, limits: Limits) -> ParsedRequest:
     messages = chat_messages(req.messages)
     if req.tools:
         raise APIError(400, "tools are not supported", param="tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise APIError(400, "only response_format {\"type\": \"text\"} is supported",
-                       param="response_format")
     max_tokens, field = req.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None:
         max_tokens, field = req.max_tokens, "max_tokens"
@@ -300,12 +310,108 @@ def parse_chat(body: bytes, limits: Limits) -> ParsedRequest:
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     # Unset max tokens: whatever the context window leaves (the tokenizer fits it).
     params = _sampling_params(req, limits, max_tokens, field, logprobs, "top_logprobs",
-                              default_max_tokens=limits.max_model_len)
+                              default_max_tokens=limits.max_model_len,
+                              guided=guided_decoding(req))
     return ParsedRequest(prompts=None, messages=messages, params=params,
                          fit_max_tokens=max_tokens is None, stream=req.stream,
                          include_usage=_include_usage(req), return_metrics=req.return_metrics,
                          logprobs=logprobs, model=req.model, max_tokens_field=field,
                          cache_salt=req.cache_salt, priority=req.priority, user=req.user)
+
+
+# JSON-schema keywords the grammar engine cannot enforce: refused (400) rather than ignored,
+# so an output that "matches the schema" never silently breaks one of them.
+UNSUPPORTED_SCHEMA_KEYWORDS = ("patternProperties", "propertyNames", "dependentSchemas",
+                               "dependentRequired", "dependencies", "if", "then", "else",
+                               "not", "contains", "minContains", "maxContains",
+                               "unevaluatedProperties", "unevaluatedItems", "uniqueItems",
+                               "multipleOf")
+
+
+def _unsupported_keyword(schema, path: str) -> tuple[str, str] | None:
+    """The first (keyword, path) of `schema` outside what the engine enforces."""
+    if isinstance(schema, list):
+        for i, sub in enumerate(schema):
+            found = _unsupported_keyword(sub, f"{path}[{i}]")
+            if found:
+                return found
+        return None
+    if not isinstance(schema, dict):
+        return None
+    for key, value in schema.items():
+        if key in ("properties", "$defs", "definitions") and isinstance(value, dict):
+            # Property names are data, not keywords.
+            for name, sub in value.items():
+                found = _unsupported_keyword(sub, f"{path}.{key}.{name}")
+                if found:
+                    return found
+            continue
+        if key in ("enum", "const", "default", "examples", "required", "description",
+                   "title"):
+            continue
+        if key in UNSUPPORTED_SCHEMA_KEYWORDS:
+            return key, path
+        found = _unsupported_keyword(value, f"{path}.{key}")
+        if found:
+            return found
+    return None
+
+
+def _json_schema_spec(rf: dict) -> str:
+    param = "response_format.json_schema"
+    js = rf.get("json_schema")
+    if not isinstance(js, dict):
+        raise APIError(400, f"{param} must be an object with a `schema`", param=param)
+    schema = js.get("schema")
+    if not isinstance(schema, (dict, bool)):
+        raise APIError(400, f"{param}.schema must be a JSON schema object, got "
+                            f"{type(schema).__name__}", param=f"{param}.schema")
+    if isinstance(schema, dict) and "type" in schema and not isinstance(
+            schema["type"], (str, list)):
+        raise APIError(400, f"{param}.schema.type must be a string or a list",
+                       param=f"{param}.schema")
+    found = _unsupported_keyword(schema, f"{param}.schema")
+    if found:
+        keyword, where = found
+        raise APIError(400, f"{where} uses `{keyword}`, which structured output does not "
+                            f"support", param=f"{param}.schema")
+    return msgspec.json.encode(schema).decode()
+
+
+def guided_decoding(req: _Sampling) -> GuidedDecoding | None:
+    """The request's output constraint from `response_format` or a guided_* field (at
+    most one). The grammar itself is compiled, and so fully checked, by the tokenizer actor
+    off the event loop; a failure there is a 400 naming the same field."""
+    given = []
+    rf = req.response_format
+    if rf is not None:
+        kind = rf.get("type", "text")
+        if kind == "json_object":
+            given.append(("response_format", GuidedDecoding("json_object")))
+        elif kind == "json_schema":
+            given.append(("response_format", GuidedDecoding("json_schema",
+                                                            _json_schema_spec(rf))))
+        elif kind != "text":
+            raise APIError(400, "response_format.type must be text, json_object or "
+                                f"json_schema, got {kind!r}", param="response_format.type")
+    if req.guided_regex is not None:
+        if not req.guided_regex:
+            raise APIError(400, "guided_regex must be non-empty", param="guided_regex")
+        given.append(("guided_regex", GuidedDecoding("regex", req.guided_regex)))
+    if req.guided_choice is not None:
+        if not req.guided_choice or not all(req.guided_choice):
+            raise APIError(400, "guided_choice must be a non-empty list of non-empty strings",
+                           param="guided_choice")
+        given.append(("guided_choice", GuidedDecoding(
+            "choice", msgspec.json.encode(req.guided_choice).decode())))
+    if req.guided_grammar is not None:
+        if not req.guided_grammar.strip():
+            raise APIError(400, "guided_grammar must be non-empty", param="guided_grammar")
+        given.append(("guided_grammar", GuidedDecoding("grammar", req.guided_grammar)))
+    if len(given) > 1:
+        raise APIError(400, f"{given[1][0]} cannot be combined with {given[0][0]}: give one "
+                            "output constraint", param=given[1][0])
+    return given[0][1] if given else None
 
 
 def resolve_priority(body_value: int | str | None, header: str | None,

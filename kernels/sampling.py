@@ -98,8 +98,11 @@ def sample_ids(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tenso
 def reads_host_history(p: SamplingParams) -> bool:
     """Whether sampling with `p` reads the output history on the host (penalties, the
     min_tokens mask) or returns logprobs: the previous step's token must be on the host
-    before such a row is sampled, so its step cannot be launched ahead of that one."""
-    return p.needs_penalties or p.logprobs is not None or p.min_tokens > 0
+    before such a row is sampled, so its step cannot be launched ahead of that one.
+    Guided rows too: their token mask needs the grammar advanced by that token."""
+    # A guided row's mask follows its grammar, which the previous token advances on the host.
+    return (p.needs_penalties or p.logprobs is not None or p.min_tokens > 0
+            or p.guided is not None)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

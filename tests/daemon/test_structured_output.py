@@ -1,0 +1,132 @@
+"""Structured output over HTTP with the official `openai` client, on the tiny model (whose
+vocabulary is the words "w3" ... "w255", so constraints are written over those words):
+guided_regex / guided_choice / guided_grammar / response_format hold on every choice
+(n > 1, sampled, streamed); bad constraints are 400s naming the field and disturb nothing;
+a constraint that leaves no legal token ends its request with a clear error."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+# Three words of w10..w19, then the grammar's end (only EOS is allowed after it).
+THREE_TEENS = "(w1[0-9]){3}"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                         timeout=60)
+
+
+def _words(text: str) -> list[str]:
+    return text.split()
+
+
+def test_guided_regex_holds_for_every_sampled_choice(client, model_name, server):
+    r = client.completions.create(model=model_name, prompt="w5 w6 w7", max_tokens=10, n=4,
+                                  temperature=1.5, seed=3,
+                                  extra_body={"guided_regex": THREE_TEENS})
+    assert len(r.choices) == 4
+    for c in r.choices:
+        assert c.finish_reason == "stop", c
+        words = _words(c.text)
+        assert len(words) == 3 and all(re.fullmatch(r"w1[0-9]", w) for w in words), c.text
+    assert server.wait_idle()["used"] == 0
+
+
+def test_unconstrained_rows_in_the_same_batch_are_untouched(client, model_name):
+    """A constrained and an unconstrained greedy request side by side: the unconstrained
+    one's output equals what it gives alone."""
+    import concurrent.futures
+
+    alone = client.completions.create(model=model_name, prompt="w9 w8", max_tokens=8,
+                                      temperature=0, extra_body={"ignore_eos": True}).choices[0]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        guided = pool.submit(client.completions.create, model=model_name, prompt="w9 w8",
+                             max_tokens=8, temperature=0,
+                             extra_body={"guided_regex": "(w2[0-9])+"})
+        plain = pool.submit(client.completions.create, model=model_name, prompt="w9 w8",
+                            max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+        g, p = guided.result().choices[0], plain.result().choices[0]
+    assert p.text == alone.text
+    assert all(re.fullmatch(r"w2[0-9]", w) for w in _words(g.text)), g.text
+
+
+def test_guided_choice_and_grammar(client, model_name):
+    # One-digit words only: "w40" would also allow "w4", which no word continues.
+    choices = ["w4w5", "w6", "w7w8w9"]
+    spaced = {" ".join(re.findall(r"w\d+", c)) for c in choices}
+    for seed in range(3):
+        r = client.completions.create(model=model_name, prompt="w5", max_tokens=8,
+                                      temperature=1.0, seed=seed,
+                                      extra_body={"guided_choice": choices})
+        assert r.choices[0].text.strip() in spaced and r.choices[0].finish_reason == "stop"
+    grammar = 'root ::= "w7" item item\nitem ::= "w8" | "w9"'
+    r = client.completions.create(model=model_name, prompt="w5", max_tokens=8, temperature=1.0,
+                                  seed=1, extra_body={"guided_grammar": grammar})
+    words = _words(r.choices[0].text)
+    assert words[0] == "w7" and set(words[1:]) <= {"w8", "w9"} and len(words) == 3
+
+
+def test_streamed_chat_deltas_follow_the_constraint(client, model_name):
+    stream = client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": "w5 w6"}], max_tokens=10,
+        temperature=1.0, seed=5, stream=True, extra_body={"guided_regex": THREE_TEENS})
+    text, reasons = "", []
+    for chunk in stream:
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            if c.finish_reason:
+                reasons.append(c.finish_reason)
+    assert reasons == ["stop"]
+    assert [bool(re.fullmatch(r"w1[0-9]", w)) for w in _words(text)] == [True] * 3, text
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"guided_regex": "a[]"}, "guided_regex"),                  # does not parse
+    ({"guided_regex": r"[^\s\S]"}, "guided_regex"),             # parses, matches nothing
+    ({"guided_grammar": "root ::= missing"}, "guided_grammar"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_regex": "w5", "guided_choice": ["w6"]}, "guided_choice"),   # two constraints
+    ({"guided_regex": "w5", "speculative": "on"}, "speculative"),
+    ({"guided_regex": "w5", "ignore_eos": True}, "ignore_eos"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                 "schema": {"type": "bogus"}}}},
+     "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "patternProperties": {"^a": {}}}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+])
+def test_bad_constraints_are_400s_naming_the_field(client, model_name, server, extra, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model_name, max_tokens=4,
+                                       messages=[{"role": "user", "content": "w5"}],
+                                       extra_body=extra)
+    assert e.value.body["param"] == param, e.value.body
+    # Nothing else disturbed: the next request is served.
+    ok = client.completions.create(model=model_name, prompt="w5", max_tokens=2,
+                                   extra_body={"guided_regex": "w7w8"}, temperature=0)
+    assert ok.choices[0].text.split() == ["w7", "w8"]
+    assert server.wait_idle()["used"] == 0
+
+
+def test_a_constraint_with_no_legal_token_ends_the_request_with_an_error(client, model_name,
+                                                                          server):
+    """After "w7" the grammar allows only EOS, which min_tokens forbids: no token is legal.
+    The request ends with an error saying so (no hang, no garbage output); others go on."""
+    with pytest.raises(openai.APIStatusError) as e:
+        client.completions.create(model=model_name, prompt="w5", max_tokens=6,
+                                  extra_body={"guided_choice": ["w7"], "min_tokens": 4})
+    assert "allows no further token" in e.value.body["message"], e.value.body
+    assert "guided_choice" in e.value.body["message"]
+    ok = client.completions.create(model=model_name, prompt="w5", max_tokens=4, temperature=0,
+                                   extra_body={"guided_choice": ["w7"]})
+    assert ok.choices[0].text.strip() == "w7" and ok.choices[0].finish_reason == "stop"
+    assert server.wait_idle()["used"] == 0
