@@ -130,3 +130,41 @@ def test_a_constraint_with_no_legal_token_ends_the_request_with_an_error(client,
                                    extra_body={"guided_choice": ["w7"]})
     assert ok.choices[0].text.strip() == "w7" and ok.choices[0].finish_reason == "stop"
     assert server.wait_idle()["used"] == 0
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_constrained_requests_resume_with_their_grammar_state(
+        client, model_name, server, tiny_model_dir, tmp_path, mode):
+    """8 concurrent guided requests (40-token prompts, 24 constrained words out) in a
+    24-block pool of 8 tokens with the KV plan off, so that some are preempted mid-output:
+    each text equals the big-pool server's and still matches the constraint."""
+    import concurrent.futures
+
+    from httpserver import ServerThread, tiny_config
+
+    prompts = [[10 + (i * 7 + k) % 90 for k in range(40)] for i in range(8)]
+    regex = "(w1[0-9]|w2[0-9]){24}"
+    body = dict(max_tokens=30, temperature=0, extra_body={"guided_regex": regex})
+
+    def texts(c) -> list[str]:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(c.completions.create, model=model_name, prompt=p, **body)
+                       for p in prompts]
+            return [f.result().choices[0].text for f in futures]
+
+    expected = texts(client)
+    small = ServerThread(tiny_config(tiny_model_dir, tmp_path, **{
+        "cache.num_blocks": 24, "scheduler.preemption_mode": mode,
+        "cache.swap_space_bytes": 1 << 20, "scheduler.admission_lookahead_tokens": 0,
+        "scheduler.kv_watermark": 0.0, "scheduler.kv_resume_watermark": 0.0}))
+    try:
+        got = texts(openai.OpenAI(base_url=small.url + "/v1", api_key="unused",
+                                  max_retries=0, timeout=60))
+        stats = small.wait_idle()
+    finally:
+        small.close()
+    assert stats["num_preemptions"] > 0 and stats["used"] == 0
+    assert got == expected
+    for text in got:
+        words = _words(text)
+        assert len(words) == 24 and all(re.fullmatch(r"w[12][0-9]", w) for w in words), text
