@@ -27,6 +27,8 @@ class GenerateRequest(_Msg):
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[dict] | None = None
+    # Chat tools for a template that renders them (OpenAI's shape); None otherwise.
+    tools: list[dict] | None = None
     arrival_time: float = 0.0
     # True when the client left max_tokens unset: the tokenizer lowers max_tokens (and
     # min_tokens) to whatever the context window leaves after the prompt.

@@ -88,8 +88,10 @@ class TokenizerActor(Actor):
             return ids
         if req.messages is not None:
             try:
+                extra = {"tools": req.tools} if req.tools else {}
                 return list(self.tokenizer.apply_chat_template(
-                    req.messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+                    req.messages, add_generation_prompt=True, tokenize=True, return_dict=False,
+                    **extra))
             except Exception as e:  # no template, or the template rejects these messages
                 raise PromptError(f"cannot apply the chat template: {e}", "messages") from e
         return self.tokenizer.encode(req.prompt or "", add_special_tokens=True)

@@ -19,7 +19,7 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from tokenloom.daemon import protocol, sse
+from tokenloom.daemon import protocol, sse, tools as T
 from tokenloom.daemon import responses as R
 from tokenloom.daemon.errors import APIError
 from tokenloom.daemon.generation import Delta, Generation
@@ -87,9 +87,18 @@ async def _serve(request: web.Request, state: ServerState, parsed: protocol.Pars
     priority = protocol.resolve_priority(parsed.priority, request.headers.get("X-Priority"),
                                          state.config.scheduler.priority_classes)
     tenant = protocol.resolve_tenant(parsed.user, request.headers.get("X-Tenant"))
-    gen = Generation(state.engine, request_id, prompts, parsed.messages, parsed.params,
+    messages, template_tools = parsed.messages, None
+    if parsed.tools is not None and parsed.tools.choice != "none":
+        # Through the chat template when it renders tools, else described in the system
+        # message (daemon/tools.py).
+        if T.template_renders_tools(getattr(state.engine.tokenizer, "chat_template", None)):
+            template_tools = parsed.tools.template_tools()
+        else:
+            messages = T.fallback_messages(messages, parsed.tools)
+    gen = Generation(state.engine, request_id, prompts, messages, parsed.params,
                      parsed.fit_max_tokens, metrics=state.metrics, log=log,
-                     cache_salt=parsed.cache_salt, priority=priority, tenant=tenant)
+                     cache_salt=parsed.cache_salt, priority=priority, tenant=tenant,
+                     tools=template_tools)
     state.inflight.add(request_id, gen)  # drain waits for it; admin cancel/trace find it
     fmt = _Formatter(state, request_id, parsed, chat)
     log.info("request", endpoint="chat" if chat else "completions", stream=parsed.stream,
@@ -182,10 +191,16 @@ async def _stream(request: web.Request, gen: Generation, fmt: "_Formatter",
         for first in fmt.first_chunks(gen):
             await out.write(sse.frame(first))
         remaining = len(gen.choices)
+        calls = _CallStream(fmt, parsed.tools) if fmt.calls_tools else None
         async for delta in gen.deltas():
             if delta.finish_reason is not None:
                 remaining -= 1
-            elif not delta.text and parsed.logprobs is None:
+            if calls is not None:
+                last = remaining == 0 and not parsed.include_usage
+                for frame in calls.feed(delta, gen if last else None):
+                    await out.write(frame)
+                continue
+            if delta.finish_reason is None and not delta.text and parsed.logprobs is None:
                 continue  # tokens whose text is held back (half a character, a stop prefix)
             last = remaining == 0 and not parsed.include_usage
             await out.write(fmt.chunk_frame(delta, gen if last else None))
@@ -198,6 +213,42 @@ async def _stream(request: web.Request, gen: Generation, fmt: "_Formatter",
     await out.write(sse.DONE)
     await out.eof()
     return resp
+
+
+class _CallStream:
+    """Streamed chat with tools: a choice's text is held back while it may be a tool call
+    (forced: always; auto: while it is empty or starts with "{"), then sent as one
+    `tool_calls` delta and finish_reason "tool_calls" if it parses as a call, else as
+    content."""
+
+    def __init__(self, fmt: "_Formatter", spec: T.ToolSpec):
+        self.fmt, self.spec = fmt, spec
+        self.held: dict[int, str] = {}
+        self.passing: set[int] = set()
+
+    def feed(self, d: Delta, final_of: Generation | None) -> list[bytes]:
+        fmt = self.fmt
+        if d.index in self.passing:
+            if d.finish_reason is None and not d.text:
+                return []
+            return [fmt.chunk_frame(d, final_of)]
+        text = self.held.get(d.index, "") + d.text
+        if d.finish_reason is None:
+            if self.spec.forced or text.lstrip()[:1] in ("", "{"):
+                self.held[d.index] = text
+                return []
+            self.passing.add(d.index)
+            self.held.pop(d.index, None)
+            return [fmt.chunk_frame(Delta(d.index, text, d.token_ids, d.logprobs), None)]
+        self.held.pop(d.index, None)
+        call = T.parse_call(text, self.spec) if d.finish_reason == "stop" else None
+        if call is None:
+            return [fmt.chunk_frame(Delta(d.index, text, d.token_ids, d.logprobs,
+                                          d.finish_reason), final_of)]
+        chunk = fmt.chunk(Delta(d.index, "", [], []), None)
+        chunk["choices"][0]["delta"] = {"tool_calls": [{"index": 0, **call}]}
+        end = fmt.chunk(Delta(d.index, "", [], [], "tool_calls"), final_of)
+        return [sse.frame(chunk), sse.frame(end)]
 
 
 def _dumps(obj) -> str:
@@ -219,6 +270,8 @@ class _Formatter:
         self._offsets: dict[int, int] = {}
         self._frame_parts: tuple[bytes, bytes, bytes] | None = None   # see chunk_frame
         self.token_text = state.token_text
+        # Chat with tools the model may call: answers are parsed for a tool call.
+        self.calls_tools = chat and parsed.tools is not None and parsed.tools.choice != "none"
 
     def _base(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -260,7 +313,15 @@ class _Formatter:
         items = []
         for c in choices:
             lps = self._logprobs(c.index, c.logprobs)
-            if self.chat:
+            call = None
+            if self.calls_tools and c.finish_reason == "stop":
+                call = T.parse_call(c.full_text, self.parsed.tools)
+            if call is not None:
+                items.append({"index": c.index,
+                              "message": {"role": "assistant", "content": None,
+                                          "refusal": None, "tool_calls": [call]},
+                              "logprobs": lps, "finish_reason": "tool_calls"})
+            elif self.chat:
                 items.append({"index": c.index,
                               "message": {"role": "assistant", "content": c.full_text,
                                           "refusal": None},

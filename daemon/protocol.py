@@ -15,6 +15,7 @@ and `speculative` ("auto" | "on" | "off": this request's speculative decoding).
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from typing import Any
 
@@ -22,6 +23,7 @@ import msgspec
 
 from tokenloom.actors.sampling_params import MAX_LOGPROBS, GuidedDecoding, SamplingParams
 from tokenloom.daemon.errors import APIError
+from tokenloom.daemon.tools import ToolSpec, parse_tools
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -83,6 +85,8 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None     # an assistant's earlier calls
+    tool_call_id: str | None = None         # a tool message: the call it answers
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
@@ -91,6 +95,8 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None   # accepted; at most one call is made
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -130,6 +136,7 @@ class ParsedRequest:
     cache_salt: str | None = None               # prefix-cache isolation (tenant)
     priority: int | str | None = None           # as given; see resolve_priority
     user: str | None = None                     # the fair-share tenant unless X-Tenant says
+    tools: ToolSpec | None = None               # chat: tools and tool_choice (daemon/tools.py)
 
 
 # -- decoding ----------------------------------------------------------------------------
@@ -289,19 +296,33 @@ def chat_messages(messages: list[ChatMessage], param: str = "messages") -> list[
                                         f"{part.type!r}", param=f"{param}[{i}].content[{j}]")
                 texts.append(part.text)
             content = "".join(texts)
+        if not content and m.tool_calls:
+            # Earlier calls, written the way the model is asked to make them.
+            content = "\n".join(json.dumps({
+                "name": (c.get("function") or {}).get("name"),
+                "arguments": _arguments((c.get("function") or {}).get("arguments"))})
+                for c in m.tool_calls if isinstance(c, dict))
         msg = {"role": m.role, "content": content or ""}
         if m.name is not None:
             msg["name"] = m.name
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
         out.append(msg)
     return out
+
+
+def _arguments(text):
+    try:
+        return json.loads(text) if isinstance(text, str) else text
+    except ValueError:
+        return text
 
 
 def parse_chat(body: bytes, limits: Limits) -> ParsedRequest:
     req = decode(body, ChatCompletionRequest)
     _check_model(req, limits)
     messages = chat_messages(req.messages)
-    if req.tools:
-        raise APIError(400, "tools are not supported", param="tools")
+    tools = parse_tools(req.tools, req.tool_choice, _unsupported_keyword)
     max_tokens, field = req.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None:
         max_tokens, field = req.max_tokens, "max_tokens"
@@ -309,14 +330,21 @@ def parse_chat(body: bytes, limits: Limits) -> ParsedRequest:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     # Unset max tokens: whatever the context window leaves (the tokenizer fits it).
+    guided = guided_decoding(req)
+    if tools is not None and tools.forced:
+        if guided is not None:
+            raise APIError(400, "a forced tool_choice cannot be combined with another output "
+                                "constraint", param="tool_choice")
+        # The answer is one call of an allowed function (daemon/tools.py).
+        guided = GuidedDecoding("json_schema", json.dumps(tools.call_schema()))
     params = _sampling_params(req, limits, max_tokens, field, logprobs, "top_logprobs",
-                              default_max_tokens=limits.max_model_len,
-                              guided=guided_decoding(req))
+                              default_max_tokens=limits.max_model_len, guided=guided)
     return ParsedRequest(prompts=None, messages=messages, params=params,
                          fit_max_tokens=max_tokens is None, stream=req.stream,
                          include_usage=_include_usage(req), return_metrics=req.return_metrics,
                          logprobs=logprobs, model=req.model, max_tokens_field=field,
-                         cache_salt=req.cache_salt, priority=req.priority, user=req.user)
+                         cache_salt=req.cache_salt, priority=req.priority, user=req.user,
+                         tools=tools)
 
 
 # JSON-schema keywords the grammar engine cannot enforce: refused (400) rather than ignored,

@@ -101,3 +101,53 @@ def test_json_object_and_choice_on_the_default_model(client):
         model=MODEL, messages=[{"role": "user", "content": "Is the sky blue?"}], max_tokens=8,
         temperature=1.0, n=4, seed=3, extra_body={"guided_choice": ["yes", "no", "maybe"]})
     assert {c.message.content for c in r.choices} <= {"yes", "no", "maybe"}
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object",
+                   "properties": {"city": {"type": "string", "maxLength": 30},
+                                  "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The local time in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+                   "required": ["city"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
+
+
+def test_required_tool_call_is_parsed_by_the_client_types(client):
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME],
+                                       tool_choice="required", temperature=0.8, seed=5,
+                                       max_tokens=80)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+
+
+def test_named_tool_call_streams_as_one_delta_that_reassembles(client):
+    named = {"type": "function", "function": {"name": "get_time"}}
+    full = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME],
+                                          tool_choice=named, temperature=0, max_tokens=80)
+    (call,) = full.choices[0].message.tool_calls
+    assert call.function.name == "get_time"
+    jsonschema.validate(json.loads(call.function.arguments), TIME["function"]["parameters"])
+    stream = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME],
+                                            tool_choice=named, temperature=0, max_tokens=80,
+                                            stream=True)
+    name, arguments, reasons, content = "", "", [], ""
+    for chunk in stream:
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            for tc in c.delta.tool_calls or ():
+                assert tc.index == 0
+                name += tc.function.name or ""
+                arguments += tc.function.arguments or ""
+            if c.finish_reason:
+                reasons.append(c.finish_reason)
+    assert reasons == ["tool_calls"] and content == ""
+    assert (name, json.loads(arguments)) == (call.function.name,
+                                             json.loads(call.function.arguments))

@@ -168,3 +168,37 @@ def test_preempted_constrained_requests_resume_with_their_grammar_state(
     for text in got:
         words = _words(text)
         assert len(words) == 24 and all(re.fullmatch(r"w[12][0-9]", w) for w in words), text
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "string"}}}]), "tools[0].function.parameters"),
+    (dict(tools=[{"type": "function", "function": {"name": "f"}}],
+          tool_choice={"type": "function", "function": {"name": "g"}}), "tool_choice"),
+    (dict(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required",
+          response_format={"type": "json_object"}), "tool_choice"),
+])
+def test_bad_tools_are_400s_naming_the_field(client, model_name, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model_name, max_tokens=4,
+                                       messages=[{"role": "user", "content": "w5"}], **kwargs)
+    assert e.value.body["param"] == param, e.value.body
+
+
+def test_tool_choice_none_and_auto_answers_are_plain_content(client, model_name):
+    """The tiny model cannot write JSON: with tools and tool_choice auto or none, its answer
+    is content with its own finish reason, streamed or not."""
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    for choice in ("auto", "none"):
+        r = client.chat.completions.create(model=model_name, max_tokens=4, temperature=0,
+                                           messages=[{"role": "user", "content": "w5"}],
+                                           tools=tools, tool_choice=choice,
+                                           extra_body={"ignore_eos": True})
+        assert r.choices[0].finish_reason == "length" and r.choices[0].message.tool_calls is None
+        assert len(_words(r.choices[0].message.content)) == 4
+        stream = client.chat.completions.create(
+            model=model_name, max_tokens=4, temperature=0, stream=True, tools=tools,
+            tool_choice=choice, messages=[{"role": "user", "content": "w5"}],
+            extra_body={"ignore_eos": True})
+        text = "".join(c.delta.content or "" for chunk in stream for c in chunk.choices)
+        assert text == r.choices[0].message.content
