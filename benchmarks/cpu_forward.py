@@ -139,13 +139,14 @@ def startup_subprocess(mode: str, cold: bool) -> float:
     code = ("import time; t=time.perf_counter(); from tokenloom import LLM; "
             f"llm=LLM(device='cpu', quiet=True, **{options!r}); "
             "print(time.perf_counter()-t); llm.close()")
+    gate = saved = None
     if cold:
         tmp = tempfile.mkdtemp(prefix="tl-cold-")
         env["TORCH_EXTENSIONS_DIR"] = tmp
         from tokenloom.config.schema import ModelConfig, resolve_cache_dir
         gate = Path(resolve_cache_dir(ModelConfig())) / "quality_gate.json"
-        if gate.exists():
-            gate.rename(gate.with_suffix(".json.bak"))
+        saved = gate.read_bytes() if gate.exists() else None
+        gate.unlink(missing_ok=True)
     try:
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                              text=True, check=True)
@@ -153,6 +154,8 @@ def startup_subprocess(mode: str, cold: bool) -> float:
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
+        if saved is not None:   # the user's remembered verdicts come back as they were
+            gate.write_bytes(saved)
 
 
 # -- llama.cpp ---------------------------------------------------------------------------
