@@ -100,8 +100,8 @@ class GuidedCompiler:
             if kind == "json_object":
                 return c.compile_builtin_json_grammar()
             if kind == "json_schema":
-                return c.compile_json_schema(spec, any_whitespace=False, strict_mode=True)
-            if kind == "regex":
+                grammar = c.compile_json_schema(spec, any_whitespace=False, strict_mode=True)
+            elif kind == "regex":
                 grammar = c.compile_regex(spec)
             elif kind == "choice":
                 grammar = c.compile_grammar(_choice_grammar(json.loads(spec)))
@@ -110,7 +110,7 @@ class GuidedCompiler:
         except Exception as e:  # noqa: BLE001 - the engine's parse errors are the user's
             raise GuidedError(f"{param} is not a valid {_KIND_NAMES[kind]}: "
                               f"{_engine_message(e)}", param) from None
-        if kind in ("regex", "grammar") and _matches_nothing(grammar, self.vocab_size):
+        if _matches_nothing(grammar, self.vocab_size):
             raise GuidedError(f"{param} cannot match any text", param)
         return grammar
 
