@@ -17,7 +17,11 @@ def __getattr__(name: str):
         from tokenloom.actors.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "GuidedDecoding":
+        from tokenloom.actors.sampling_params import GuidedDecoding
+
+        return GuidedDecoding
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "GuidedDecoding", "__version__"]
