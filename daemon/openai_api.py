@@ -223,7 +223,7 @@ class _CallStream:
 
     def __init__(self, fmt: "_Formatter", spec: T.ToolSpec):
         self.fmt, self.spec = fmt, spec
-        self.held: dict[int, str] = {}
+        self.held: dict[int, tuple[str, list]] = {}   # index -> (text, logprobs) held back
         self.passing: set[int] = set()
 
     def feed(self, d: Delta, final_of: Generation | None) -> list[bytes]:
@@ -232,19 +232,18 @@ class _CallStream:
             if d.finish_reason is None and not d.text:
                 return []
             return [fmt.chunk_frame(d, final_of)]
-        text = self.held.get(d.index, "") + d.text
+        text, lps = self.held.pop(d.index, ("", []))
+        text, lps = text + d.text, lps + list(d.logprobs or ())
         if d.finish_reason is None:
             if self.spec.forced or text.lstrip()[:1] in ("", "{"):
-                self.held[d.index] = text
+                self.held[d.index] = (text, lps)
                 return []
             self.passing.add(d.index)
-            self.held.pop(d.index, None)
-            return [fmt.chunk_frame(Delta(d.index, text, d.token_ids, d.logprobs), None)]
-        self.held.pop(d.index, None)
+            return [fmt.chunk_frame(Delta(d.index, text, d.token_ids, lps), None)]
         call = T.parse_call(text, self.spec) if d.finish_reason == "stop" else None
         if call is None:
-            return [fmt.chunk_frame(Delta(d.index, text, d.token_ids, d.logprobs,
-                                          d.finish_reason), final_of)]
+            return [fmt.chunk_frame(Delta(d.index, text, d.token_ids, lps, d.finish_reason),
+                                    final_of)]
         chunk = fmt.chunk(Delta(d.index, "", [], []), None)
         chunk["choices"][0]["delta"] = {"tool_calls": [{"index": 0, **call}]}
         end = fmt.chunk(Delta(d.index, "", [], [], "tool_calls"), final_of)

@@ -198,7 +198,9 @@ def test_tool_choice_none_and_auto_answers_are_plain_content(client, model_name)
         assert len(_words(r.choices[0].message.content)) == 4
         stream = client.chat.completions.create(
             model=model_name, max_tokens=4, temperature=0, stream=True, tools=tools,
-            tool_choice=choice, messages=[{"role": "user", "content": "w5"}],
+            tool_choice=choice, messages=[{"role": "user", "content": "w5"}], logprobs=True,
             extra_body={"ignore_eos": True})
-        text = "".join(c.delta.content or "" for chunk in stream for c in chunk.choices)
-        assert text == r.choices[0].message.content
+        chunks = [c for chunk in stream for c in chunk.choices]
+        assert "".join(c.delta.content or "" for c in chunks) == r.choices[0].message.content
+        # Every token's logprob arrives, held-back ones included.
+        assert sum(len(c.logprobs.content) for c in chunks if c.logprobs) == 4
