@@ -17,6 +17,7 @@ from typing import AsyncIterator
 import structlog
 import torch
 
+from tokenloom.actors.compute_thread import ComputeThread
 from tokenloom.actors.kv_actor import KVManagerActor
 from tokenloom.actors.kv_manager import KVCacheManager
 from tokenloom.actors.messages import (AbortRequest, EngineStats, GenerateRequest,
@@ -201,6 +202,19 @@ class Engine:
 
     @classmethod
     def build(cls, config: EngineConfig) -> "Engine":
+        """Load the model and make the actors, on the engine's compute thread, which then
+        runs every step (actors/compute_thread.py says why one thread matters)."""
+        compute = ComputeThread()
+        try:
+            engine = compute.call(cls._build, config)
+        except BaseException:
+            compute.stop()
+            raise
+        engine.runner.compute = compute
+        return engine
+
+    @classmethod
+    def _build(cls, config: EngineConfig) -> "Engine":
         device = pick_device(config.model.device)
         dtype = pick_dtype(config.model.dtype, device)
         if config.model.num_threads:

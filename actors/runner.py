@@ -55,6 +55,10 @@ class RunnerActor(Actor):
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # read by the compute thread
         self.scheduler_inbox: asyncio.Queue | None = None    # wired by the engine
         self._loop: asyncio.AbstractEventLoop | None = None
+        # The thread the engine was built on (Engine.build sets it): the loop runs there,
+        # so that one OpenMP team does all the work (see actors/compute_thread.py). None:
+        # a thread of its own.
+        self.compute = None
         # Graph/eager counters for /metrics and admin stats, refreshed by the compute thread
         # (a reference swap: readers on the event loop never wait behind a step).
         self.graph_snapshot: dict = runner.graph_stats()
@@ -67,13 +71,18 @@ class RunnerActor(Actor):
         self._loop = asyncio.get_running_loop()
         freeze_startup_objects()
         done = self._loop.create_future()
-        thread = threading.Thread(target=self._thread_main, args=(done,),
-                                  name="tokenloom-runner", daemon=True)
-        thread.start()
+        if self.compute is not None:
+            self.compute.submit(self._thread_main, done)
+        else:
+            threading.Thread(target=self._thread_main, args=(done,), name="tokenloom-runner",
+                             daemon=True).start()
         try:
             await done
         finally:
             thaw_objects()
+            if self.compute is not None:
+                self.compute.stop()
+                await asyncio.to_thread(self.compute.join, 10.0)
 
     # -- the compute thread --------------------------------------------------------------
     def _thread_main(self, done: asyncio.Future) -> None:
