@@ -196,8 +196,9 @@ class ExecuteBatch(_Msg):
     sequences: list[ScheduledSequence]   # decodes first, then prefill chunks
     num_decodes: int
     finished_ids: list[str] = []         # runner may drop their per-request state
-    block_copies: list[tuple[int, int]] = []  # (src, dst): copy-on-write before the forward
-    # Swap preemption, before the copies and the forward, in this order:
+    # Applied in this order, before the forward: the fork copies (decided first), then swap
+    # preemption's copies out and in. A batch may carry only these (no sequences).
+    block_copies: list[tuple[int, int]] = []  # (src, dst): copy-on-write of forked siblings
     swap_out: list[tuple[int, int]] = []      # (device block, host slot)
     swap_in: list[tuple[int, int]] = []       # (host slot, device block)
 

@@ -205,6 +205,13 @@ class ModelRunner:
             if s.new is not None:
                 self._register(s.request_id, s.new)
         patch = self._resolve_inputs(batch, prev)
+        # In the order the KV manager decided them: a fork's copy-on-write comes from the
+        # round trip before this iteration's swaps (a swap-in may refill a block a copy
+        # targeted for a sibling preempted since).
+        if batch.block_copies:  # copy-on-write of forked siblings' partial blocks
+            self.kv.copy_blocks(batch.block_copies)
+            if hasattr(self.proposer, "copy_blocks"):
+                self.proposer.copy_blocks(batch.block_copies)
         swap_seconds = 0.0
         if batch.swap_out or batch.swap_in:  # swap preemption, before anything reuses blocks
             t_swap = time.perf_counter()
@@ -215,10 +222,6 @@ class ModelRunner:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             swap_seconds = time.perf_counter() - t_swap
-        if batch.block_copies:  # copy-on-write of forked siblings' partial blocks
-            self.kv.copy_blocks(batch.block_copies)
-            if hasattr(self.proposer, "copy_blocks"):
-                self.proposer.copy_blocks(batch.block_copies)
         launched = LaunchedStep(batch=batch, t0=t0, swap_seconds=swap_seconds)
         if not batch.sequences:
             return launched

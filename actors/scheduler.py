@@ -120,9 +120,7 @@ class SchedulerActor(Actor):
         self.in_flight: deque[LaunchedStep] = deque()
         self._step_outputs: dict[int, StepOutput] = {}
         self._pending_commits: list[KVCommit] = []
-        self._pending_copies: list[tuple[int, int]] = []   # fork copy-on-write, next batch
-        self._pending_swap_out: list[tuple[int, int]] = []  # resolved in a step that ran
-        self._pending_swap_in: list[tuple[int, int]] = []   # nothing: go with the next batch
+        self._pending_copies: list[tuple[int, int]] = []   # fork copy-on-write, this batch
         self._runner_finished: list[str] = []
         self._arrivals = 0
         self._step = 0
@@ -265,24 +263,25 @@ class SchedulerActor(Actor):
         d.decodes = [w for w in d.decodes if not w.request.is_finished]
         d.prefills = [w for w in d.prefills if not w.request.is_finished]
         if d.empty:
-            # Copies the KV manager resolved still have to run, before any later forward
-            # reuses the blocks they read: they go with the next batch.
-            self._pending_swap_out.extend(grant.swap_out)
-            self._pending_swap_in.extend(grant.swap_in)
-            if (not self.running and self.waiting and not grant.freed and not self.in_flight
-                    and not self.view.has_pending_frees):
-                self._handle(await self.inbox.get())  # nothing fits or runs: wait for news
-            return None
-        start_works(d, time.monotonic())
-        self.observer.count_skips(d, self.running)
+            if not (grant.swap_out or grant.swap_in or self._pending_copies):
+                if (not self.running and self.waiting and not grant.freed
+                        and not self.in_flight and not self.view.has_pending_frees):
+                    self._handle(await self.inbox.get())  # nothing fits or runs: wait
+                return None
+            # The copies this iteration resolved (fork copy-on-write, swaps) still have to
+            # run, in this order, before a later forward reuses the blocks: a batch with no
+            # sequences carries them. (Carried over to a later batch, they were once applied
+            # after that batch's own copies, and a fork's copy landed in a block a swap-in
+            # had just refilled.)
+        else:
+            start_works(d, time.monotonic())
+            self.observer.count_skips(d, self.running)
         self._step += 1
         finished, self._runner_finished = self._runner_finished, []
         copies, self._pending_copies = self._pending_copies, []
-        swap_out, self._pending_swap_out = self._pending_swap_out + grant.swap_out, []
-        swap_in, self._pending_swap_in = self._pending_swap_in + grant.swap_in, []
         batch, works, starts, epochs = build_batch(d, grant.tables, ExecuteBatch(
             step=self._step, sequences=[], num_decodes=len(d.decodes), finished_ids=finished,
-            block_copies=copies, swap_out=swap_out, swap_in=swap_in), self.spec)
+            block_copies=copies, swap_out=grant.swap_out, swap_in=grant.swap_in), self.spec)
         serial = any(s.num_draft or s.propose for s in batch.sequences)
         return LaunchedStep(d, batch, works, starts, epochs, time.perf_counter() - t0,
                             kv_seconds, continues, serial)

@@ -287,7 +287,8 @@ class FakeRunner:
         seqs = batch.sequences
         rids = [s.request_id for s in seqs]
         num_tokens = sum(len(s.token_ids) for s in seqs)
-        _check(seqs, f"step {step} is empty")
+        _check(seqs or batch.swap_out or batch.swap_in or batch.block_copies,
+               f"step {step} is empty (no sequences and no KV copies)")
         _check(len(set(rids)) == len(rids), f"step {step} has a request twice: {rids}")
         _check(len(seqs) <= lim.max_num_seqs,
                f"step {step}: {len(seqs)} sequences > max_num_seqs {lim.max_num_seqs}")
@@ -303,6 +304,10 @@ class FakeRunner:
         _check(not leaked, f"step {step}: the runner still holds the state of finished "
                            f"requests {sorted(leaked)} (never named in finished_ids)")
         blank = [None] * self.bs
+        # In the runner's order: fork copies (decided first), swap-outs, swap-ins.
+        for src, dst in batch.block_copies:
+            self.kv[dst] = list(self.kv.get(src, blank))
+            self.num_copies += 1
         for blk, slot in dropped_swap_outs + batch.swap_out:
             self.host[slot] = list(self.kv.get(blk, blank))
         for slot, blk in batch.swap_in:
@@ -310,9 +315,6 @@ class FakeRunner:
                                       f"swap-out wrote")
             self.kv[blk] = self.host.pop(slot)
             self.num_swapped_in += 1
-        for src, dst in batch.block_copies:
-            self.kv[dst] = list(self.kv.get(src, blank))
-            self.num_copies += 1
         sampled, spec = [], []
         for i, s in enumerate(seqs):
             toks = self._run_sequence(step, i < batch.num_decodes, s)
