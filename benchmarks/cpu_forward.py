@@ -58,11 +58,19 @@ OUT = 64
 
 
 def read_bandwidth_gbs() -> float:
-    """Multi-threaded read bandwidth: sum a 1 GiB fp32 tensor (best of 5)."""
-    a = torch.ones(256 * 1024 * 1024)
-    a.sum()
-    best = min(_timed(a.sum) for _ in range(5))
-    return a.numel() * 4 / best / 1e9
+    """Multi-threaded read bandwidth: sum a 1 GiB fp32 tensor (best of 5). In a child
+    process: OpenMP work on this thread would give the process a second OpenMP team beside
+    the engine's compute thread, and libgomp then stops busy-waiting (actors/compute_thread.py),
+    doubling the engine's step time."""
+    code = ("import time, torch\n"
+            "a = torch.ones(256 * 1024 * 1024); a.sum()\n"
+            "best = float('inf')\n"
+            "for _ in range(5):\n"
+            "    t = time.perf_counter(); a.sum(); best = min(best, time.perf_counter() - t)\n"
+            "print(a.numel() * 4 / best / 1e9)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=300)
+    return float(out.stdout.strip().splitlines()[-1])
 
 
 def _timed(fn) -> float:
