@@ -239,7 +239,7 @@ class SchedulerActor(Actor):
         drafts = self.spec.plan_step(self.running) if self.spec is not None else None
         d = schedule(self.running, waiting, self.view.num_free_blocks, self.view.held,
                      self.limits, self.view.freeable,
-                     prefill_budget=self.chunks.prefill_budget(self.running, waiting),
+                     prefill_budget=self.chunks.prefill_budget(self.running, waiting, drafts),
                      admission=self._admission_params(),
                      preempt_mode=self.preemptor.mode_fn(self.view),
                      drafts=drafts, spec_lookahead=self.spec_lookahead)

@@ -167,3 +167,30 @@ def test_new_requests_inherit_the_workloads_acceptance():
     blind = SpecController("ngram", k=2)
     c = Candidate("r0", blind.new_state("auto"), num_proposed=2, max_drafts=10, context=200)
     assert blind.plan([c], 1, 200, ctl.cost) == {"r0": 2}
+
+
+def test_slo_chunks_leave_room_for_the_drafts_a_step_verifies():
+    """The SLO chunker prices the iteration with its verification tokens: the same decodes
+    verifying 4 drafts each leave fewer prefill tokens within the ITL target."""
+    from tokenloom.actors.chunk_sizing import ChunkSizer
+    from tokenloom.actors.request import Request
+    from tokenloom.actors.sampling_params import SamplingParams
+    from tokenloom.config.schema import SchedulerConfig
+    cost = fitted(c0=0.010, per_token=0.0005, per_row=0.0003)
+    decodes = []
+    for i in range(4):
+        r = Request(f"d{i}", list(range(3, 53)), SamplingParams(max_tokens=64))
+        r.append_token(7, 0.0)
+        r.num_computed_tokens = r.num_tokens - 1
+        assert r.is_decode
+        decodes.append(r)
+    waiting = [Request("w", list(range(3, 1003)), SamplingParams())]
+    cfg = SchedulerConfig(chunking="slo", target_itl_ms=60.0, min_prefill_chunk=8)
+    drafts = {r.request_id: 4 for r in decodes}
+    sizers = ChunkSizer(cfg, 2048, cost), ChunkSizer(cfg, 2048, cost)
+    for _ in range(12):   # the budget at most doubles per iteration: let both settle
+        plain = sizers[0].prefill_budget(decodes, waiting)
+        speculating = sizers[1].prefill_budget(decodes, waiting, drafts)
+    assert plain is not None and speculating is not None
+    # 16 more tokens and rows cost 12.8 ms at these prices: ~16 tokens' worth of prefill
+    assert 8 <= speculating < plain, (speculating, plain)
