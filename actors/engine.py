@@ -20,9 +20,10 @@ import torch
 from tokenloom.actors.compute_thread import ComputeThread
 from tokenloom.actors.kv_actor import KVManagerActor
 from tokenloom.actors.kv_manager import KVCacheManager
-from tokenloom.actors.messages import (AbortRequest, EngineStats, GenerateRequest,
-                                       GetKVStats, GetRouterStats, GetSchedulerStats, GetTrace,
-                                       RequestFinished, RequestOutput, Shutdown)
+from tokenloom.actors.messages import (AbortRequest, EngineStats, FlushPrefixCache,
+                                       GenerateRequest, GetKVStats, GetRouterStats,
+                                       GetSchedulerStats, GetTrace, RequestFinished,
+                                       RequestOutput, Shutdown)
 from tokenloom.actors.output_processor import OutputProcessor
 from tokenloom.actors.model_runner import ModelRunner
 from tokenloom.actors.block_hash import model_fingerprint
@@ -323,6 +324,10 @@ class Engine:
         if len(traces) == 1 and traces[0]["request_id"] == request_id:
             return traces[0]
         return {"request_id": request_id, "choices": traces}
+
+    async def flush_prefix_cache(self, force: bool = False):
+        """Admin `flush`: drop the cached prefix blocks -> FlushResult."""
+        return await self.ask(self.kv_manager, FlushPrefixCache(force=force))
 
     async def stats(self) -> EngineStats:
         """One typed snapshot of the engine for admin `stats` and /metrics."""

@@ -371,3 +371,50 @@ class EngineStats(_Msg):
     # The graph dispatcher's counters (ModelRunner.graph_stats), as of the runner's latest
     # snapshot (at most ~0.25 s old while it works).
     graphs: dict = {}
+
+
+# -- worker processes: the front's router <- the worker pool (daemon/workers/) -----------
+class RequestStarted(_Msg):
+    """A routed request's first token arrived: its prefill is no longer queued."""
+    request_id: str
+
+
+class WorkerUp(_Msg):
+    """Worker `worker` (re)started and serves; it holds no cached blocks yet."""
+    worker: int
+
+
+class WorkerDown(_Msg):
+    """Worker `worker` died: its requests were ended with an error by the pool."""
+    worker: int
+
+
+class WorkerReport(_Msg):
+    """A worker's KV pool as it last reported it."""
+    worker: int
+    free_blocks: int
+    kv_usage: float
+
+
+class WorkerKVEvents(_Msg):
+    """KV cache events (actors/kv_events.py) from worker `worker`, in emission order."""
+    worker: int
+    events: list[Any]
+
+
+class GetRoutingStats(_Query):
+    """-> RoutingStats"""
+
+
+class RoutingStats(_Msg):
+    """Per worker (index = worker), since start-up unless noted."""
+    policy: str
+    up: list[bool]
+    in_flight: list[int]                 # now
+    queued_prefill_blocks: list[int]     # now
+    decoding: list[int]                  # now
+    kv_usage: list[float]                # last report
+    routed: list[int]
+    prompt_blocks: list[int]
+    expected_hit_blocks: list[int]
+    num_rejected: int = 0                # no worker was up

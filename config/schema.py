@@ -34,6 +34,7 @@ __all__ = [
     "ServerConfig",
     "SpeculativeConfig",
     "KVEventsConfig",
+    "WorkersConfig",
     "check_field",
     "field_types",
     "resolve_cache_dir",
@@ -394,6 +395,30 @@ class KVEventsConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=
                                   key=f"kv_events.{name}")
 
 
+class WorkersConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Engine worker processes behind the HTTP front (`tokenloom serve --workers N`; see
+    daemon/workers/). 1 keeps the single in-process engine."""
+
+    section: ClassVar[str] = "workers"
+
+    # Worker processes: on CUDA one per GPU (worker i on cuda:i); on CPU each gets its share
+    # of model.num_threads (or of the host's cores when that is 0).
+    count: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
+    # Which worker a request goes to: "prefix" scores expected prefix-cache overlap against
+    # load, "round_robin" takes turns, "least_load" ignores prefixes (README, Workers).
+    routing: Literal["prefix", "round_robin", "least_load"] = "prefix"
+    # Prefix routing's price of one decoding request, in prefill blocks (the alpha of
+    # cost = blocks to prefill + alpha * decode load).
+    decode_weight: Annotated[float, msgspec.Meta(ge=0.0, le=1000.0)] = 1.0
+    # Routed prompts count as held by their worker for this long before its KV events
+    # confirm them (and for good when a worker publishes none, e.g. no prefix caching).
+    routed_prefix_ttl_seconds: Annotated[float, msgspec.Meta(gt=0.0, le=86400.0)] = 120.0
+    # A worker that dies is restarted after this, doubling on each crash within a minute.
+    restart_backoff_seconds: Annotated[float, msgspec.Meta(ge=0.0, le=600.0)] = 1.0
+    # A worker must load its model and warm up within this, or start-up fails.
+    start_timeout_seconds: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)] = 600.0
+
+
 DEFAULT_ADMIN_SOCKET = "/run/tokenloom/admin.sock"
 
 
@@ -439,6 +464,7 @@ class EngineConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     admin: AdminConfig = AdminConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
     kv_events: KVEventsConfig = KVEventsConfig()
+    workers: WorkersConfig = WorkersConfig()
 
 
 def resolve_cache_dir(

@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     s.add_argument("--host", help="address to bind (default: server.host, 127.0.0.1)")
     s.add_argument("--port", type=int, help="TCP port (default: server.port, 8000; 0 = any free)")
+    s.add_argument("--workers", type=int, metavar="N",
+                   help="engine worker processes (default: workers.count, 1 = in-process)")
     _common(s)
     from tokenloom.daemon import admin_cli
     admin_cli.add_parser(sub)
@@ -80,6 +82,8 @@ def cmd_serve(args) -> int:
         overrides["server.host"] = args.host
     if args.port is not None:
         overrides["server.port"] = args.port
+    if args.workers is not None:
+        overrides["workers.count"] = args.workers
     config = load_config(args.config, overrides=overrides)  # ConfigError: exit 2, before loading
     logs.configure(config.server.log_level)
     from tokenloom.daemon import lifecycle

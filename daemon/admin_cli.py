@@ -175,6 +175,13 @@ def _render_stats(r: P.StatsReply) -> str:
                                  f"over the cap, {p.header_timeouts} header timeouts, "
                                  f"{p.slow_readers_cut} slow readers cut"),
         ]
+    for w in r.workers:
+        rows.append((f"worker {w.worker}", (
+            f"up, pid {w.pid}" if w.up else f"DOWN (last exit {w.last_exit_code})")
+            + (", draining" if w.draining else "")
+            + f", {w.restarts} restarts, {w.in_flight} in flight, {w.routed} routed "
+              f"({w.expected_hit_blocks} blocks expected cached), KV {100 * w.kv_usage:.1f}%, "
+              f"prefix hit rate {100 * w.prefix_cache_hit_rate:.1f}%"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 

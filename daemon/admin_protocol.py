@@ -93,6 +93,22 @@ class ProcessStats(msgspec.Struct, kw_only=True):
     streams_open: int = 0               # the engine's output streams
 
 
+class WorkerInfo(msgspec.Struct, kw_only=True):
+    """One engine worker process (`workers.count` > 1): its state, the router's account
+    and its own prefix-cache hit rate."""
+    worker: int
+    up: bool
+    pid: int | None = None
+    restarts: int = 0
+    last_exit_code: int | None = None
+    draining: bool = False
+    in_flight: int = 0
+    routed: int = 0
+    expected_hit_blocks: int = 0
+    kv_usage: float = 0.0
+    prefix_cache_hit_rate: float = 0.0
+
+
 class StatsReply(_Reply, tag="stats", kw_only=True):
     model: str
     ready: bool
@@ -132,6 +148,8 @@ class StatsReply(_Reply, tag="stats", kw_only=True):
     step_timings: StepTimings = StepTimings()
     # The process (for leak checks: benchmarks/soak.py) and the HTTP connections.
     process: ProcessStats | None = None
+    # Engine worker processes, one entry each (empty with the in-process engine).
+    workers: list[WorkerInfo] = []
 
 
 class FlushCacheReply(_Reply, tag="flush-cache", kw_only=True):

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import structlog
 
-from tokenloom.actors.messages import FlushPrefixCache
 from tokenloom.config.schema import DEFAULT_ADMIN_SOCKET, AdminConfig
 from tokenloom.daemon import admin_paths
 from tokenloom.daemon import admin_protocol as P
@@ -253,7 +252,27 @@ class AdminServer:
             admission_paused=sched.admission_paused, prefill_budget=sched.prefill_budget,
             cost_model=sched.cost_model, goodput_requests=sched.num_slo_good,
             slo_evaluated_requests=sched.num_slo_evaluated, overlap=sched.overlap,
-            step_timings=sched.timings, process=self.process_stats(), graphs=s.graphs)
+            step_timings=sched.timings, process=self.process_stats(), graphs=s.graphs,
+            workers=await self.worker_infos(engine))
+
+    async def worker_infos(self, engine) -> list[P.WorkerInfo]:
+        """Per worker process (none with the in-process engine)."""
+        if not hasattr(engine, "worker_stats"):
+            return []
+        statuses, routing, stats = await asyncio.wait_for(engine.worker_stats(), QUERY_TIMEOUT)
+        out = []
+        for st in statuses:
+            w = st["worker"]
+            pc = stats[w].kv.prefix_cache if w in stats else None
+            out.append(P.WorkerInfo(
+                worker=w, up=st["up"], pid=st["pid"], restarts=st["restarts"],
+                last_exit_code=st["last_exit_code"], draining=st["draining"],
+                in_flight=routing.in_flight[w], routed=routing.routed[w],
+                expected_hit_blocks=routing.expected_hit_blocks[w],
+                kv_usage=routing.kv_usage[w],
+                prefix_cache_hit_rate=(round(pc.hit_tokens / pc.queried_tokens, 6)
+                                       if pc is not None and pc.queried_tokens else 0.0)))
+        return out
 
     def process_stats(self) -> P.ProcessStats:
         """Read from /proc and the event loop: cheap, and meaningful for leak checks."""
@@ -278,7 +297,7 @@ class AdminServer:
             streams_open=len(engine.streams) if engine is not None else 0)
 
     async def flush_cache(self, force: bool) -> P.FlushCacheReply:
-        r = await self._ask(self._engine().kv_manager, FlushPrefixCache(force=force))
+        r = await asyncio.wait_for(self._engine().flush_prefix_cache(force), QUERY_TIMEOUT)
         if r.refused_reason:
             raise _Refused("refused", f"cache flush refused: {r.refused_reason}")
         log.info("prefix cache flushed", freed_blocks=r.freed, force=force)

@@ -88,11 +88,22 @@ def engine_problem(state: ServerState) -> str | None:
 
 async def health(request: web.Request) -> web.Response:
     """Liveness: the event loop answers, the engine's actors are alive, and the engine loop
-    makes progress while it has work."""
-    problem = engine_problem(request.app[STATE])
+    makes progress while it has work. With worker processes the body lists each worker
+    (up, pid, restarts, last exit status): "degraded" while one is down and restarting,
+    503 only when none is up."""
+    state = request.app[STATE]
+    problem = engine_problem(state)
     if problem is not None:
         raise APIError(503, problem)
-    return web.Response(status=200)
+    workers = getattr(state.engine, "worker_status", None)
+    if workers is None:
+        return web.Response(status=200)
+    status = workers()
+    up = sum(w["up"] for w in status)
+    if state.ready and up == 0:
+        raise APIError(503, f"no engine worker is up (0/{len(status)}; restarting)")
+    return web.json_response({"status": "ok" if up == len(status) else "degraded",
+                              "workers": status})
 
 
 async def ready(request: web.Request) -> web.Response:
@@ -101,7 +112,14 @@ async def ready(request: web.Request) -> web.Response:
         raise APIError(503, "draining")
     if not state.ready:
         raise APIError(503, "loading")
-    return openai_api.struct_response(ReadyResponse(status="ready"))
+    counts = getattr(state.engine, "worker_counts", None)
+    if counts is None:
+        return openai_api.struct_response(ReadyResponse(status="ready"))
+    up, total = counts()
+    if up == 0:
+        raise APIError(503, f"no engine worker is up (0/{total})")
+    return openai_api.struct_response(ReadyResponse(status="ready", workers_up=up,
+                                                    workers=total))
 
 
 async def openapi_json(request: web.Request) -> web.Response:
@@ -149,8 +167,12 @@ async def _start_engine(state: ServerState):
 
         model = state.config.model.model
         startup_log.info(f"loading model {model}", model=model)
-        loop = asyncio.get_running_loop()
-        state.engine = await loop.run_in_executor(None, Engine.build, state.config)
+        if state.config.workers.count > 1:   # worker processes (daemon/workers/)
+            from tokenloom.daemon.workers.pool import WorkerPool
+            state.engine = await WorkerPool.start(state.config)
+        else:
+            loop = asyncio.get_running_loop()
+            state.engine = await loop.run_in_executor(None, Engine.build, state.config)
     engine = state.engine
     state.engine_task = asyncio.create_task(engine.run(), name="engine")
     state.engine_task.add_done_callback(lambda task: _engine_stopped(state, task))

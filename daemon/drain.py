@@ -40,6 +40,7 @@ class DrainController:
         self._task: asyncio.Task | None = None
         self._done = asyncio.Event()
         self.num_waiting = 0                # callers inside wait() (tests wait on this)
+        self._worker_tasks: set[asyncio.Task] = set()
 
     def begin(self, timeout: float | None, exiting: bool = False,
               reason: str = "admin") -> DrainProgress:
@@ -49,6 +50,7 @@ class DrainController:
             self.state.draining = True
             log.info("draining", reason=reason, in_flight=len(self.state.inflight),
                      timeout_seconds=timeout)
+            self._tell_workers(True)
         if timeout is not None:
             self.deadline = min(now + timeout, self.deadline or float("inf"))
         self.exiting = self.exiting or exiting
@@ -68,12 +70,28 @@ class DrainController:
             self._task.cancel()
             self._task = None
         self.state.draining = False
+        self._tell_workers(False)
         self.started = self.deadline = None
         self.timed_out = False
         self._done.set()  # wake `drain --wait` callers: the drain is over
         log.info("resumed: admitting requests")
         self.state.notifier.status("ready: admitting requests")
         return True
+
+    def _tell_workers(self, draining: bool) -> None:
+        """With worker processes, every worker drains (refuses requests still on their way
+        to it) and resumes with the front."""
+        set_draining = getattr(self.state.engine, "set_draining", None)
+        if set_draining is None:
+            return
+        task = asyncio.get_running_loop().create_task(set_draining(draining))
+        self._worker_tasks.add(task)
+        task.add_done_callback(self._worker_done)
+
+    def _worker_done(self, task: asyncio.Task) -> None:
+        self._worker_tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("telling the workers to drain/resume failed", error=repr(task.exception()))
 
     async def wait(self) -> DrainProgress:
         self.num_waiting += 1

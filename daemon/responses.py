@@ -128,5 +128,7 @@ class DetokenizeResponse(msgspec.Struct, kw_only=True):
     prompt: str
 
 
-class ReadyResponse(msgspec.Struct, kw_only=True):
+class ReadyResponse(msgspec.Struct, kw_only=True, omit_defaults=True):
     status: str
+    workers_up: int | None = None       # with worker processes: how many serve
+    workers: int | None = None

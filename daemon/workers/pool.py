@@ -1,0 +1,499 @@
+"""The front's engine when requests run in worker processes: `WorkerPool`.
+
+It offers the HTTP layer the interface of `actors.engine.Engine` (submit, generate, abort,
+streams, tokenizer, info, stats, trace, stalled_seconds, run, shutdown,
+flush_prefix_cache), so nothing above it knows about processes:
+
+    submit -> tokenizer actor (validates, in order) -> WorkerRouterActor (chooses a worker)
+           -> Submit on worker i's socket ... Outputs from any worker -> streams
+
+Supervision: each worker slot runs one loop — start an incarnation, wait for its Hello
+(start-up) and then for its exit. A worker that exits while the daemon is not stopping is
+a crash: the router stops routing to it (WorkerDown), every stream it held ends at once
+with an error output (an HTTP client gets an error event and [DONE], never a hang), its
+pending control queries fail, and it is restarted after `workers.restart_backoff_seconds`
+(doubling while it keeps dying within a minute of starting). `/health` lists each worker's
+state and last exit; `/ready` counts the workers up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import itertools
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import AsyncIterator
+
+import msgspec
+import structlog
+import zmq
+import zmq.asyncio
+
+from tokenloom.actors.messages import (ERROR_INTERNAL, AbortRequest, AddRequest, EngineStats,
+                                       GenerateRequest, GetRouterStats, GetRoutingStats,
+                                       RequestFinished, RequestOutput, RequestStarted,
+                                       RoutingStats, Shutdown, WorkerDown, WorkerKVEvents,
+                                       WorkerReport, WorkerUp)
+from tokenloom.actors.prefix_cache import FlushResult
+from tokenloom.actors.routing import RouteDecision, RoutingCore
+from tokenloom.actors.streams import StreamRegistry
+from tokenloom.config.schema import EngineConfig
+from tokenloom.daemon.workers import aggregate, supervisor, wire
+
+log = structlog.get_logger("tokenloom.workers")
+
+TRACE_HISTORY = 4096     # routing decisions kept for traces
+STOP_SECONDS = 20.0      # a stopping worker gets this long before SIGKILL
+
+
+class WorkerStartError(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass
+class _Slot:
+    index: int
+    config: EngineConfig
+    incarnation: int = 0
+    proc: asyncio.subprocess.Process | None = None
+    sock: zmq.Socket | None = None            # PUSH to the current incarnation
+    up: bool = False
+    hello: asyncio.Future | None = None
+    restarts: int = 0
+    last_exit: int | None = None
+    last_exit_time: float | None = None
+    started_at: float = 0.0
+    report: wire.Report | None = None
+    replies: dict[int, asyncio.Future] = dataclasses.field(default_factory=dict)
+
+    def status(self) -> dict:
+        r = self.report
+        return {"worker": self.index, "up": self.up,
+                "pid": self.proc.pid if self.proc is not None and self.up else None,
+                "incarnation": self.incarnation, "restarts": self.restarts,
+                "last_exit_code": self.last_exit,
+                "seconds_since_exit": (None if self.last_exit_time is None
+                                       else round(time.monotonic() - self.last_exit_time, 3)),
+                "device": self.config.model.device,
+                "threads": self.config.model.num_threads or None,
+                "kv_usage": r.kv_usage if r is not None and self.up else None,
+                "draining": r.draining if r is not None and self.up else False}
+
+
+@dataclasses.dataclass
+class _Route:
+    worker: int
+    started: bool = False
+
+
+class WorkerPool:
+    """Build with `await WorkerPool.start(config)` (every worker up and warm, or it raises),
+    then run `await pool.run()` like an Engine."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.streams = StreamRegistry()
+        self.streams.on_delivery_failure = self.abort
+        self._dir = Path(tempfile.mkdtemp(prefix="tokenloom-workers-"))
+        self._out_addr = f"ipc://{self._dir}/out"
+        self._ctx = zmq.asyncio.Context()
+        self._sync_ctx = zmq.Context.shadow(self._ctx.underlying)
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.bind(self._out_addr)
+        self.slots = [_Slot(i, c) for i, c in enumerate(supervisor.worker_configs(config))]
+        self._routes: dict[str, _Route] = {}
+        self._decisions: collections.OrderedDict[str, dict] = collections.OrderedDict()
+        self._query_ids = itertools.count()
+        self._tasks: set[asyncio.Task] = set()
+        self._stopping = asyncio.Event()
+        self._ids = itertools.count()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        # Set by _build_front from worker 0's Hello:
+        self.info = self.tokenizer = self.tokenizer_actor = self.router = None
+        self.eos_token_ids: tuple[int, ...] = ()
+
+    # -- start-up ------------------------------------------------------------------------
+    @classmethod
+    async def start(cls, config: EngineConfig) -> "WorkerPool":
+        pool = cls(config)
+        pool.loop = asyncio.get_running_loop()
+        pool._spawn(pool._receive(), "workers-receive")
+        firsts = [asyncio.get_running_loop().create_future() for _ in pool.slots]
+        for slot, first in zip(pool.slots, firsts):
+            pool._spawn(pool._supervise(slot, first), f"worker-{slot.index}")
+        try:
+            hellos = await asyncio.wait_for(asyncio.gather(*firsts),
+                                            config.workers.start_timeout_seconds)
+        except BaseException as e:
+            await pool.close()
+            if isinstance(e, asyncio.TimeoutError):
+                raise WorkerStartError(
+                    f"the engine workers did not start within "
+                    f"{config.workers.start_timeout_seconds:g} s "
+                    f"(workers.start_timeout_seconds)") from None
+            raise
+        await asyncio.get_running_loop().run_in_executor(None, pool._build_front, hellos[0])
+        for slot in pool.slots:
+            pool.router.send(WorkerUp(worker=slot.index))
+        return pool
+
+    def _build_front(self, hello: wire.Hello) -> None:
+        """The front's tokenizer (validation, chat templates, guided checks) and router,
+        from what worker 0 measured; heavy imports, so off the loop."""
+        import torch
+        from transformers import AutoTokenizer
+
+        from tokenloom.actors.engine import RuntimeInfo
+        from tokenloom.actors.guided import GuidedCompiler
+        from tokenloom.actors.router import WorkerRouterActor
+        from tokenloom.actors.tokenizer import TokenizerActor
+        from tokenloom.kernels.loader import load_spec
+
+        model_dir = Path(hello.model_dir)
+        spec = load_spec(model_dir)
+        self.info = RuntimeInfo(model_dir=model_dir, spec=spec,
+                                device=torch.device(hello.device),
+                                dtype=getattr(torch, hello.dtype),
+                                num_blocks=hello.num_blocks, block_size=hello.block_size,
+                                kv_bytes_per_token=hello.kv_bytes_per_token,
+                                max_model_len=hello.max_model_len,
+                                attention_backend=hello.attention_backend,
+                                weights_digest=hello.weights_digest)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.eos_token_ids = tuple(hello.eos_token_ids)
+        guided = GuidedCompiler(self.tokenizer, spec.vocab_size, self.eos_token_ids)
+        self.tokenizer_actor = TokenizerActor(self.tokenizer, hello.max_model_len,
+                                              self.streams.emit, guided=guided)
+        w = self.config.workers
+        core = RoutingCore(len(self.slots), w.routing, w.decode_weight,
+                           w.routed_prefix_ttl_seconds)
+        self.router = WorkerRouterActor(core, self._send_to_worker, self.streams.emit,
+                                        hello.fingerprint, hello.block_size,
+                                        self.config.cache.enable_prefix_caching)
+        self.tokenizer_actor.next_inbox = self.router.inbox
+
+    def _spawn(self, coro, name: str) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # -- supervision ---------------------------------------------------------------------
+    async def _supervise(self, slot: _Slot, first: asyncio.Future) -> None:
+        try:
+            await self._supervise_loop(slot, first)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:   # a bug here must not silently end supervision
+            log.exception("worker supervision failed", worker=slot.index, error=repr(e))
+            if not first.done():
+                first.set_exception(e)
+            raise
+
+    async def _supervise_loop(self, slot: _Slot, first: asyncio.Future) -> None:
+        backoff = self.config.workers.restart_backoff_seconds
+        while not self._stopping.is_set():
+            try:
+                await self._start_incarnation(slot)
+            except WorkerStartError as e:
+                if not first.done():
+                    first.set_exception(e)
+                    return
+                log.error("worker restart failed", worker=slot.index, error=str(e))
+            else:
+                if not first.done():
+                    first.set_result(slot.hello.result())
+                else:
+                    self.router.send(WorkerUp(worker=slot.index))
+                    log.warning("worker restarted", worker=slot.index, pid=slot.proc.pid,
+                                incarnation=slot.incarnation)
+                code = await slot.proc.wait()
+                if self._stopping.is_set():
+                    return
+                self._worker_died(slot, code)
+            if time.monotonic() - slot.started_at > 60:
+                backoff = self.config.workers.restart_backoff_seconds
+            try:
+                await asyncio.wait_for(self._stopping.wait(), backoff)
+                return
+            except asyncio.TimeoutError:
+                pass
+            backoff = min(max(backoff * 2, 0.5), 30.0)
+            slot.restarts += 1
+
+    async def _start_incarnation(self, slot: _Slot) -> None:
+        slot.incarnation += 1
+        in_addr = f"ipc://{self._dir}/in-{slot.index}-{slot.incarnation}"
+        sock = self._sync_ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)       # bounded by the admission gates, not here
+        sock.bind(in_addr)
+        slot.sock = sock
+        slot.hello = asyncio.get_running_loop().create_future()
+        slot.started_at = time.monotonic()
+        slot.proc = await supervisor.spawn(slot.config, slot.index, slot.incarnation, in_addr,
+                                           self._out_addr)
+        exited = asyncio.ensure_future(slot.proc.wait())
+        done, _ = await asyncio.wait({slot.hello, exited}, return_when=asyncio.FIRST_COMPLETED)
+        if slot.hello in done and slot.hello.exception() is None:
+            exited.cancel()
+            slot.up = True
+            log.info("worker up", worker=slot.index, pid=slot.proc.pid,
+                     incarnation=slot.incarnation, device=slot.config.model.device)
+            return
+        error = (str(slot.hello.exception()) if slot.hello.done()
+                 else f"worker {slot.index} exited with status {exited.result()} during start-up")
+        if not exited.done():
+            await asyncio.wait({exited}, timeout=STOP_SECONDS)
+        self._close_socket(slot)
+        raise WorkerStartError(error)
+
+    def _worker_died(self, slot: _Slot, code: int) -> None:
+        slot.up = False
+        slot.last_exit, slot.last_exit_time = code, time.monotonic()
+        self.router.send(WorkerDown(worker=slot.index))
+        self._close_socket(slot)
+        lost = [rid for rid, r in self._routes.items() if r.worker == slot.index]
+        message = (f"engine worker {slot.index} died (exit status {code}) while serving this "
+                   f"request; it is being restarted, retry")
+        for rid in lost:
+            del self._routes[rid]
+            self.streams.fail(rid, message, ERROR_INTERNAL)
+        for reply in slot.replies.values():
+            if not reply.done():
+                reply.set_exception(RuntimeError(message))
+        slot.replies.clear()
+        log.error("worker died", worker=slot.index, exit_status=code, requests_ended=len(lost),
+                  pid=slot.proc.pid if slot.proc else None)
+
+    def _close_socket(self, slot: _Slot) -> None:
+        if slot.sock is not None:
+            slot.sock.close(linger=0)
+            slot.sock = None
+
+    # -- the transport -------------------------------------------------------------------
+    def _send_to_worker(self, w: int, msg, decision: RouteDecision | None) -> None:
+        """The router's way out: a request (with the decision) or an abort to worker w."""
+        slot = self.slots[w]
+        if isinstance(msg, AddRequest):
+            rid = msg.request_id
+            self._decisions[rid] = decision.as_dict()
+            if len(self._decisions) > TRACE_HISTORY:
+                self._decisions.popitem(last=False)
+            if not slot.up or not self._send(slot, wire.Submit(request=msg)):
+                # Died between the router's choice and now: it learns from WorkerDown.
+                self.streams.fail(rid, f"engine worker {w} is restarting; retry",
+                                  ERROR_INTERNAL)
+                return
+            self._routes[rid] = _Route(w)
+        elif slot.up:
+            self._send(slot, wire.Abort(abort=msg))
+
+    def _send(self, slot: _Slot, envelope) -> bool:
+        try:
+            slot.sock.send(wire.encode(envelope), zmq.NOBLOCK)
+            return True
+        except (zmq.ZMQError, AttributeError) as e:
+            log.warning("send to worker failed", worker=slot.index, error=str(e))
+            return False
+
+    async def _receive(self) -> None:
+        while True:
+            try:
+                msg = wire.decode_from_worker(await self._pull.recv())
+            except zmq.ZMQError:
+                return   # closed
+            slot = self.slots[msg.worker]
+            if msg.incarnation != slot.incarnation:
+                continue   # left in flight by a dead incarnation
+            match msg:
+                case wire.Outputs(outputs=outputs):
+                    for out in outputs:
+                        self._output(out)
+                case wire.KVEvents(events=events) if self.router is not None:
+                    self.router.send(WorkerKVEvents(worker=msg.worker, events=events))
+                case wire.Report():
+                    slot.report = msg
+                    if self.router is not None:
+                        self.router.send(WorkerReport(worker=msg.worker,
+                                                      free_blocks=msg.free_blocks,
+                                                      kv_usage=msg.kv_usage))
+                case wire.Reply(id=qid):
+                    reply = slot.replies.pop(qid, None)
+                    if reply is not None and not reply.done():
+                        if msg.error is not None:
+                            reply.set_exception(RuntimeError(f"worker {slot.index}: {msg.error}"))
+                        else:
+                            reply.set_result(msg.payload)
+                case wire.Hello():
+                    if slot.hello is not None and not slot.hello.done():
+                        slot.hello.set_result(msg)
+                case wire.Failed(error=error):
+                    if slot.hello is not None and not slot.hello.done():
+                        slot.hello.set_exception(WorkerStartError(
+                            f"engine worker {msg.worker} failed to start: {error}"))
+
+    def _output(self, out: RequestOutput) -> None:
+        route = self._routes.get(out.request_id)
+        if route is not None:
+            if not route.started and out.new_token_ids:
+                route.started = True
+                self.router.send(RequestStarted(request_id=out.request_id))
+            if out.finished:
+                del self._routes[out.request_id]
+                self.router.send(RequestFinished(request_id=out.request_id))
+                trace = out.timings.trace if out.timings is not None else None
+                if trace is not None:
+                    trace["routing"] = self._decisions.get(out.request_id)
+        self.streams.emit(out)
+
+    # -- control queries -----------------------------------------------------------------
+    async def ask_worker(self, w: int, op: str, result_type=None, **fields):
+        """One control query to worker w; its answer decoded as `result_type`."""
+        slot = self.slots[w]
+        if not slot.up:
+            raise RuntimeError(f"engine worker {w} is not up")
+        qid = next(self._query_ids)
+        reply = asyncio.get_running_loop().create_future()
+        slot.replies[qid] = reply
+        if not self._send(slot, wire.Control(id=qid, op=op, **fields)):
+            slot.replies.pop(qid, None)
+            raise RuntimeError(f"engine worker {w} is not reachable")
+        raw = await reply
+        return msgspec.msgpack.decode(raw, type=result_type) if result_type else \
+            msgspec.msgpack.decode(raw)
+
+    async def ask_all(self, op: str, result_type=None, **fields) -> list:
+        """The same query to every worker up, answers in worker order."""
+        up = [s.index for s in self.slots if s.up]
+        return list(await asyncio.gather(*(self.ask_worker(w, op, result_type, **fields)
+                                           for w in up)))
+
+    async def stats(self) -> EngineStats:
+        per_worker = await self.ask_all("stats", EngineStats)
+        router = await self._ask_router(GetRouterStats())
+        if not per_worker:
+            raise RuntimeError("no engine worker is up")
+        return aggregate.engine_stats(per_worker, router)
+
+    async def worker_stats(self) -> tuple[list[dict], RoutingStats, dict[int, EngineStats]]:
+        """Per worker: status, the router's account, and each live worker's stats."""
+        up = [s.index for s in self.slots if s.up]
+        stats = await asyncio.gather(*(self.ask_worker(w, "stats", EngineStats) for w in up),
+                                     return_exceptions=True)
+        by_worker = {w: s for w, s in zip(up, stats) if isinstance(s, EngineStats)}
+        return ([s.status() for s in self.slots], await self._ask_router(GetRoutingStats()),
+                by_worker)
+
+    async def flush_prefix_cache(self, force: bool = False) -> FlushResult:
+        results = await self.ask_all("flush", FlushResult, force=force)
+        refused = [f"worker {i}: {r.refused_reason}" for i, r in enumerate(results)
+                   if r.refused_reason]
+        return FlushResult(freed=sum(r.freed for r in results),
+                           refused_reason="; ".join(refused) or None)
+
+    async def set_draining(self, draining: bool) -> list[bool]:
+        """Drain (or resume) every worker up; the front has stopped routing already."""
+        return await self.ask_all("drain" if draining else "resume", bool)
+
+    async def trace(self, request_id: str) -> dict | None:
+        """A recent request's trace from the worker that ran it, with the routing decision
+        (`routing`: worker, policy, reason, prompt and expected hit blocks, costs)."""
+        found = None
+        for t in await self.ask_all("trace", request_id=request_id):
+            if t is not None:
+                found = t
+                break
+        if found is None:
+            return None
+        for t in found.get("choices", [found]):
+            t["routing"] = self._decisions.get(t.get("request_id"))
+        return found
+
+    async def _ask_router(self, query):
+        query.reply = asyncio.get_running_loop().create_future()
+        self.router.send(query)
+        return await query.reply
+
+    def stalled_seconds(self) -> float:
+        return max((s.report.stalled_seconds for s in self.slots if s.up and s.report),
+                   default=0.0)
+
+    def worker_counts(self) -> tuple[int, int]:
+        return sum(s.up for s in self.slots), len(self.slots)
+
+    def worker_status(self) -> list[dict]:
+        return [s.status() for s in self.slots]
+
+    # -- the Engine interface ------------------------------------------------------------
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def submit(self, request: GenerateRequest,
+               queue: asyncio.Queue[RequestOutput] | None = None) -> asyncio.Queue:
+        queue = self.streams.open(request.request_id, queue)
+        if not request.arrival_time:
+            request.arrival_time = time.monotonic()
+        self.tokenizer_actor.send(request)
+        return queue
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        queue = self.submit(request)
+        finished = False
+        try:
+            while True:
+                out = await queue.get()
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request.request_id)
+            self.streams.close(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        self.tokenizer_actor.send(AbortRequest(request_id=request_id))
+
+    async def run(self) -> None:
+        """The front's actors until shutdown; then the workers are stopped."""
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self.tokenizer_actor.run(), name="tokenizer")
+                tg.create_task(self.router.run(), name="router")
+        finally:
+            await self.close()
+
+    def shutdown(self) -> None:
+        self.tokenizer_actor.send(Shutdown())
+        self.router.send(Shutdown())
+
+    async def close(self) -> None:
+        """Stop every worker (Stop, then SIGKILL after STOP_SECONDS) and the transport."""
+        self._stopping.set()
+        procs = []
+        for slot in self.slots:
+            if slot.proc is not None and slot.proc.returncode is None:
+                if slot.sock is not None:
+                    self._send(slot, wire.Stop())
+                procs.append(slot.proc)
+        if procs:
+            _, pending = await asyncio.wait([asyncio.ensure_future(p.wait()) for p in procs],
+                                            timeout=STOP_SECONDS)
+            for p in procs:
+                if p.returncode is None:
+                    p.kill()
+            if pending:
+                await asyncio.wait(pending, timeout=5)
+        for slot in self.slots:
+            slot.up = False
+            self._close_socket(slot)
+        for task in list(self._tasks):
+            task.cancel()
+        self._pull.close(linger=0)
+        shutil.rmtree(self._dir, ignore_errors=True)

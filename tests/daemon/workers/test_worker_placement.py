@@ -1,0 +1,87 @@
+"""Worker placement and the stats aggregate: pure, no processes."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from tokenloom.actors.messages import (EngineStats, KVStats, RouterStats, SchedulerStats,
+                                       StepTimings)
+from tokenloom.actors.prefix_cache import PrefixCacheStats
+from tokenloom.config.load import load_config
+from tokenloom.config.schema import ConfigError
+from tokenloom.daemon.workers import aggregate
+from tokenloom.daemon.workers.supervisor import offset_endpoint, worker_configs, worker_env
+
+
+def cfg(**overrides):
+    return load_config(overrides=overrides, env=None)
+
+
+def test_count_is_validated_with_field_and_range():
+    with pytest.raises(ConfigError, match=r"workers\.count must be >= 1 and <= 64, got 0"):
+        cfg(**{"workers.count": 0})
+    with pytest.raises(ConfigError, match=r"workers\.routing must be one of"):
+        cfg(**{"workers.routing": "random"})
+
+
+def test_cpu_workers_share_the_threads():
+    configs = worker_configs(cfg(**{"workers.count": 2, "model.device": "cpu",
+                                    "model.num_threads": 5}))
+    assert [c.model.num_threads for c in configs] == [2, 2]
+    assert all(c.model.device == "cpu" and c.workers.count == 1 for c in configs)
+    assert worker_env(configs[0])["OMP_NUM_THREADS"] == "2"
+    # 0 threads: the host's cores, at least one each.
+    configs = worker_configs(cfg(**{"workers.count": 3, "model.device": "cpu"}), num_cpus=2)
+    assert [c.model.num_threads for c in configs] == [1, 1, 1]
+
+
+def test_cuda_workers_get_one_gpu_each():
+    configs = worker_configs(cfg(**{"workers.count": 2, "model.device": "cuda"}), num_gpus=4)
+    assert [c.model.device for c in configs] == ["cuda:0", "cuda:1"]
+    configs = worker_configs(cfg(**{"workers.count": 2}), num_gpus=2)   # auto with GPUs
+    assert [c.model.device for c in configs] == ["cuda:0", "cuda:1"]
+    with pytest.raises(ConfigError, match=r"workers\.count must be <= 2 .*got 3"):
+        worker_configs(cfg(**{"workers.count": 3, "model.device": "cuda"}), num_gpus=2)
+    with pytest.raises(ConfigError, match=r"model\.device 'cuda:1' pins one GPU"):
+        worker_configs(cfg(**{"workers.count": 2, "model.device": "cuda:1"}), num_gpus=2)
+
+
+def test_kv_event_endpoints_are_offset_per_worker():
+    assert offset_endpoint("tcp://*:5557", 2) == "tcp://*:5559"
+    assert offset_endpoint("ipc:///run/kv", 1) == "ipc:///run/kv-1"
+    assert offset_endpoint("", 1) == ""
+    configs = worker_configs(cfg(**{"workers.count": 2, "model.device": "cpu",
+                                    "kv_events.enable_kv_cache_events": True,
+                                    "kv_events.replay_endpoint": "tcp://*:6000"}))
+    assert [(c.kv_events.endpoint, c.kv_events.replay_endpoint) for c in configs] == [
+        ("tcp://*:5557", "tcp://*:6000"), ("tcp://*:5558", "tcp://*:6001")]
+
+
+def _stats(used, hits, skip, timing):
+    pc = PrefixCacheStats(queried_tokens=100, hit_tokens=hits, missed_tokens={"cold": 1})
+    sched = SchedulerStats(waiting=1, running=2, in_flight_steps=0, overlap=True, num_steps=10,
+                           num_forks=0, num_preemptions=1, num_swap_preemptions=0,
+                           num_free_blocks=5, max_decode_skip=skip, admission_paused=False,
+                           prefill_budget=None, cost_model=[1.0, 2.0], swap_free_slots=None,
+                           num_slo_evaluated=0, num_slo_good=0,
+                           timings=StepTimings(steps=3, forward_ms=timing))
+    kv = KVStats(num_blocks=10, free=10 - used, used=used, usage=used / 10, block_size=16,
+                 cached_blocks=1, prefix_cache=pc)
+    return EngineStats(scheduler=sched, kv=kv, router=RouterStats(in_flight=0, capacity=1,
+                                                                  num_rejected=0))
+
+
+def test_aggregate_sums_counts_and_recomputes_ratios():
+    total = aggregate.engine_stats([_stats(2, 30, 1, 4.0), _stats(6, 50, 3, 8.0)],
+                                   RouterStats(in_flight=7, capacity=0, num_rejected=1))
+    assert total.scheduler.running == 4 and total.scheduler.num_steps == 20
+    assert total.scheduler.max_decode_skip == 3
+    assert total.scheduler.timings.forward_ms == 6.0 and total.scheduler.timings.steps == 6
+    assert total.scheduler.cost_model == [1.0, 2.0]
+    assert (total.kv.num_blocks, total.kv.used, total.kv.block_size) == (20, 8, 16)
+    assert total.kv.usage == pytest.approx(0.4)
+    assert total.kv.prefix_cache.hit_tokens == 80
+    assert total.kv.prefix_cache.missed_tokens == {"cold": 2}
+    assert total.router.in_flight == 7
+    msgspec.msgpack.encode(total)   # still a valid message
