@@ -199,6 +199,9 @@ class Metrics:
         m = ["model_name"]
         self.engine = _EngineCollector(model_name)
         r.register(self.engine)
+        from tokenloom.daemon.workers.metrics import WorkerCollector
+        self.workers = WorkerCollector(model_name)   # worker processes only
+        r.register(self.workers)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
                                      m, registry=r).labels(model_name)
         self.generation_tokens = Counter("vllm:generation_tokens",
@@ -252,6 +255,8 @@ class Metrics:
     async def refresh(self, engine) -> None:
         """Read the actors' current state for the collector (at scrape time)."""
         self.engine.stats = await engine.stats()
+        if hasattr(engine, "worker_stats"):   # worker processes: per-worker series
+            self.workers.snapshot = await engine.worker_stats()
         self.engine.prefix_caching = engine.config.cache.enable_prefix_caching
         self.engine.updated_at = time.time()
 

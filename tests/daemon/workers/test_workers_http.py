@@ -1,0 +1,188 @@
+"""`tokenloom serve --workers 2` as a real process (tiny model): routing, parity, admin,
+supervision. One server for the module; the kill test runs last (it restarts a worker).
+
+The routed-prefix TTL is set to a millisecond, so the router's expected overlap can only come
+from the workers' KV events (not from its memory of where it sent a prompt).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from servers import ServerProcess, wait_for
+from sse import parse_sse
+
+BLOCK = 8
+MODEL = ""   # the served model name (the model directory's), set by the fixture
+PREFIX = " ".join(f"w{10 + (i * 7) % 200}" for i in range(8 * BLOCK))   # 8 full blocks
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("workers")
+    admin = str(tmp / "admin.sock")
+    s = ServerProcess(
+        "--workers", "2", "--model", str(tiny_model_dir),
+        "--set", "model.device=cpu", "--set", "model.dtype=float32",
+        "--set", f"model.cache_dir={tmp / 'cache'}", "--set", f"cache.block_size={BLOCK}",
+        "--set", "cache.num_blocks=512", "--set", f"admin.socket_path={admin}",
+        "--set", "workers.routed_prefix_ttl_seconds=0.001",
+        "--set", "workers.restart_backoff_seconds=0.1", timeout=180)
+    s.admin = admin
+    global MODEL
+    MODEL = tiny_model_dir.name
+    yield s
+    assert s.stop() == 0
+    lines = s.json_lines()
+    assert not [l for l in lines if l.get("event") == "worker supervision failed"]
+
+
+def get(server, path):
+    try:
+        with urllib.request.urlopen(server.url + path, timeout=30) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def post(url, body, timeout=60):
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def complete(url, prompt, max_tokens=8, **extra):
+    return post(url, {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
+                      "temperature": 0, **extra})
+
+
+def admin(server, cmd: dict) -> dict:
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(30)
+        s.connect(server.admin)
+        s.sendall(json.dumps(cmd).encode() + b"\n")
+        buf = b""
+        while not buf.endswith(b"\n"):
+            buf += s.recv(65536)
+    return json.loads(buf)
+
+
+def trace(server, rid):
+    status, t = get(server, f"/v1/requests/{rid}/trace")
+    assert status == 200, t
+    return t
+
+
+def test_ready_and_health_count_the_workers(cluster):
+    assert get(cluster, "/ready") == (200, {"status": "ready", "workers_up": 2, "workers": 2})
+    status, health = get(cluster, "/health")
+    assert status == 200 and health["status"] == "ok"
+    assert [(w["worker"], w["up"], w["threads"]) for w in health["workers"]] == [
+        (0, True, 1), (1, True, 1)]
+    assert len({w["pid"] for w in health["workers"]} | {cluster.proc.pid}) == 3
+
+
+def test_greedy_output_matches_one_engine(cluster, server):
+    """Token for token what the in-process engine (`server`: --workers 1) answers, for
+    requests spread over both workers."""
+    prompts = [" ".join(f"w{3 + (i * j) % 250}" for j in range(5 + i)) for i in range(6)]
+    for p in prompts:
+        a = complete(cluster.url, p, max_tokens=12)["choices"][0]["text"]
+        b = complete(server.url, p, max_tokens=12)["choices"][0]["text"]
+        assert a == b, p
+
+
+def test_routing_follows_the_prefix_from_kv_events(cluster):
+    """1. a long prompt runs on some worker; its KV events say which blocks it holds
+    2. prompts sharing that prefix go to the same worker, expecting the 8 blocks, and hit
+    3. the trace records the decision."""
+    first = post(cluster.url, {"model": MODEL, "prompt": PREFIX + " w3", "max_tokens": 2,
+                               "temperature": 0})
+    home = trace(cluster, first["id"])["routing"]["worker"]
+    time.sleep(0.3)   # the KV events of its blocks reach the front
+    for i in range(4):
+        out = post(cluster.url, {"model": MODEL, "prompt": f"{PREFIX} w{40 + i} w{50 + i}",
+                                 "max_tokens": 2, "temperature": 0})
+        routing = trace(cluster, out["id"])["routing"]
+        assert routing["worker"] == home, routing
+        assert routing["reason"] == "prefix" and routing["expected_hit_blocks"] == 8, routing
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 8 * BLOCK
+    metrics = urllib.request.urlopen(cluster.url + "/metrics").read().decode()
+    expected = {line.split('worker="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+                for line in metrics.splitlines()
+                if line.startswith("tokenloom:worker_expected_hit_blocks_total{")}
+    assert expected[str(home)] >= 4 * 8 and set(expected) == {"0", "1"}
+    assert "tokenloom:worker_prefix_cache_hit_rate{" in metrics
+
+
+def test_admin_reaches_every_worker(cluster):
+    stats = admin(cluster, {"cmd": "stats"})
+    assert [w["worker"] for w in stats["workers"]] == [0, 1]
+    assert all(w["up"] and w["pid"] for w in stats["workers"])
+    assert sum(w["routed"] for w in stats["workers"]) >= 10
+    assert admin(cluster, {"cmd": "flush-cache"})["freed"] > 0
+    admin(cluster, {"cmd": "drain"})
+    assert wait_for(lambda: all(w["draining"] for w in get(cluster, "/health")[1]["workers"]))
+    assert get(cluster, "/ready")[0] == 503
+    admin(cluster, {"cmd": "resume"})
+    assert wait_for(lambda: not any(w["draining"]
+                                    for w in get(cluster, "/health")[1]["workers"]))
+    assert complete(cluster.url, "w5 w6")["choices"][0]["finish_reason"] == "length"
+    # Nothing in flight: no KV block is held by a request on either worker.
+    assert wait_for(lambda: admin(cluster, {"cmd": "stats"})["kv_blocks_used"] == 0)
+
+
+def test_killed_worker_ends_its_streams_and_restarts(cluster):
+    """1. a stream runs on each worker  2. SIGKILL worker 0  3. its stream ends with an error
+    event and [DONE] within 5 s, the other finishes  4. /health says degraded, /ready 1/2
+    5. it restarts and serves again."""
+    import threading
+
+    results = {}
+
+    def stream(i):
+        req = urllib.request.Request(cluster.url + "/v1/completions", data=json.dumps({
+            "model": MODEL, "prompt": f"w{60 + i} w{70 + i}", "max_tokens": 1500,
+            "ignore_eos": True, "temperature": 0, "stream": True}).encode(),
+            headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            results[i] = (r.read(), time.monotonic())
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    pid = get(cluster, "/health")[1]["workers"][0]["pid"]
+    assert wait_for(lambda: get(cluster, "/health")[1]["workers"][0]["kv_usage"], 10)
+    killed = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    for t in threads:
+        t.join(60)
+    events = [parse_sse(results[i][0]) for i in range(2)]
+    failed = [e for e in events if any(isinstance(x, dict) and "error" in x for x in e)]
+    assert len(failed) == 1, "exactly the killed worker's stream fails"
+    assert "engine worker 0 died" in failed[0][-2]["error"]["message"]
+    ended = min(results[i][1] for i in range(2) if events[i] is failed[0])
+    assert ended - killed < 5.0
+    status, health = get(cluster, "/health")
+    w0 = health["workers"][0]
+    if not w0["up"]:   # (it may already be back on a fast machine)
+        assert status == 200 and health["status"] == "degraded"
+        assert w0["last_exit_code"] == -signal.SIGKILL
+        assert get(cluster, "/ready")[1]["workers_up"] == 1
+    assert wait_for(lambda: get(cluster, "/ready")[1].get("workers_up") == 2, 60)
+    health = get(cluster, "/health")[1]
+    assert health["workers"][0]["restarts"] == 1 and health["workers"][0]["pid"] != pid
+    for i in range(4):   # both workers serve (the restarted one is idle: it gets some)
+        complete(cluster.url, f"w{80 + i}")
+    stats = admin(cluster, {"cmd": "stats"})
+    assert wait_for(lambda: admin(cluster, {"cmd": "stats"})["kv_blocks_used"] == 0)
+    assert stats["workers"][0]["routed"] >= 1
