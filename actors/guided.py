@@ -15,6 +15,12 @@ Contract:
   (False: the token is not allowed, the request must end), `fill(bitmask, row)` writes the
   allowed-next-token bits. `replay(tokens)` brings a fresh matcher to a request's output so
   far (a request registered after preemption, or forked).
+- Speculative decoding: `fill_drafts(bitmask, row, drafts)` writes one mask per
+  verification row (row j: the state after drafts 0..j-1) and `legal_prefix(drafts)` says
+  how many of a proposal the grammar allows. Both advance the matcher through the drafts
+  and roll it back before returning, so the matcher only ever follows the request's
+  output: the runner accepts the verified tokens afterwards as it accepts any sampled
+  token (a preempted request has nothing speculative to undo).
 - The grammar's end allows only the engine's EOS tokens, so a finished constraint ends the
   request with finish_reason "stop".
 """
@@ -163,10 +169,72 @@ class GuidedMatcher:
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
+    def legal_prefix(self, drafts) -> int:
+        """How many leading drafts the grammar allows, stopping before one that ends it
+        (EOS is left to the sampler: nothing follows it to verify). The rest would be
+        rejected for certain, so they are not worth verifying. The matcher is left as it
+        was."""
+        if self.error is not None:
+            return 0
+        n = 0
+        for d in drafts:
+            if self._matcher.is_terminated() or not self._matcher.accept_token(int(d)):
+                break
+            if self._matcher.is_terminated():
+                self._matcher.rollback(1)
+                break
+            n += 1
+        if n:
+            self._matcher.rollback(n)
+        return n
+
+    def fill_drafts(self, bitmask: torch.Tensor, row: int, drafts) -> int | None:
+        """Masks for a speculative verification: bitmask row `row + j` is the allowed-next
+        set after drafts[:j]. A draft the grammar refuses truncates the proposal there, so
+        `kept` drafts are verified, over rows row..row+kept. Returns kept, or None when the
+        grammar allows nothing at all (row `row` empty: no legal token). The matcher is
+        left as it was."""
+        if self.error is not None or self._matcher.is_terminated():
+            return None
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+        if not bool(bitmask[row].any()):
+            return None
+        kept = 0
+        for d in drafts:
+            if self._matcher.is_terminated() or not self._matcher.accept_token(int(d)):
+                break
+            if self._matcher.is_terminated():   # EOS drafted: left to the sampler
+                self._matcher.rollback(1)
+                break
+            self._matcher.fill_next_token_bitmask(bitmask, row + kept + 1)
+            if not bool(bitmask[row + kept + 1].any()):   # a dead end: not a prefix
+                self._matcher.rollback(1)
+                break
+            kept += 1
+        if kept:
+            self._matcher.rollback(kept)
+        return kept
+
 
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     import xgrammar as xgr
     return xgr.allocate_token_bitmask(rows, vocab_size)
+
+
+def restrict_draft_probs(probs: torch.Tensor, bitmask: torch.Tensor, row: int,
+                         kept: int) -> torch.Tensor:
+    """A draft model's distributions q_0..q_{kept-1} [kept, V] (of a proposal cut to its
+    `kept` legal drafts by `fill_drafts`), each restricted to what the grammar allows at
+    its verification row (`bitmask` rows row..row+kept-1) and renormalised.
+
+    Why: the drafts that get verified are the ones the grammar allows, so each is drawn
+    from q_j conditioned on being allowed, which is this q'_j; verified with q'_j, the
+    rejection rule's output is distributed as the masked target row. (Verified with q_j,
+    its residual max(p - q_j, 0) would also correct for the refused drafts that were cut
+    before verification, and the output would be skewed.)"""
+    logq = probs[:kept].float().log()
+    apply_bitmask(logq, bitmask[row:row + kept].to(logq.device), list(range(kept)))
+    return logq.softmax(-1)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:

@@ -17,7 +17,8 @@ import time
 import torch
 
 from tokenloom.actors.batch_inputs import build_batch_inputs
-from tokenloom.actors.guided import GuidedMatcher, allocate_bitmask, apply_bitmask
+from tokenloom.actors.guided import (GuidedMatcher, allocate_bitmask, apply_bitmask,
+                                     restrict_draft_probs)
 from tokenloom.actors.guided import FIELD_OF_KIND
 from tokenloom.graphs.capture import DecodeGraphs
 from tokenloom.graphs.dispatch import GRAPH, Dispatcher
@@ -114,23 +115,40 @@ class ModelRunner:
             matcher.error = _no_token_error(p)
         return matcher
 
-    def _apply_guided(self, logits: torch.Tensor, sample_ids: list[str]) -> torch.Tensor:
+    def _apply_guided(self, logits: torch.Tensor, sample_ids: list[str],
+                      drafts: dict[str, list[int]] | None = None) -> torch.Tensor:
         """Mask the logits rows of guided requests to their grammar's allowed tokens; rows
         without a constraint are untouched (and cost nothing when no row has one). A row
-        whose grammar allows no token keeps its logits; `finish` ends that request."""
-        rows = [i for i, rid in enumerate(sample_ids) if self._seqs[rid].matcher is not None]
-        if not rows:
+        whose grammar allows no token keeps its logits; `finish` ends that request.
+
+        `drafts`: the proposals this step verifies (a request's len + 1 rows are
+        consecutive). A guided one's verification row j gets the mask of the state after
+        drafts 0..j-1; its list is cut, in place, before the first draft the grammar
+        refuses (that draft would be rejected for certain; the rows after it are left
+        unmasked and unused)."""
+        if not any(self._seqs[rid].matcher is not None for rid in sample_ids):
             return logits
+        drafts = drafts or {}
         bitmask = allocate_bitmask(len(sample_ids), self.guided.vocab_size)
-        masked = []
-        for i in rows:
-            matcher = self._seqs[sample_ids[i]].matcher
-            if matcher.error is None and not matcher.terminated:
-                matcher.fill(bitmask, i)
-                if bool(bitmask[i].any()):
-                    masked.append(i)
-                    continue
-                matcher.error = _no_token_error(self._seqs[sample_ids[i]].row.params)
+        masked, i = [], 0
+        while i < len(sample_ids):
+            state = self._seqs[sample_ids[i]]
+            d = drafts.get(sample_ids[i])
+            span = 1 if d is None else len(d) + 1
+            matcher, kept = state.matcher, 0   # (ended or failed: `finish` drops or
+            if matcher is not None and matcher.error is None and not matcher.terminated:
+                kept = matcher.fill_drafts(bitmask, i, d or ())   # reports what comes)
+                if kept is None:
+                    matcher.error = _no_token_error(state.row.params)
+                    kept = 0
+                else:
+                    masked.extend(range(i, i + kept + 1))
+                    if kept and state.draft_probs is not None:
+                        state.draft_probs = restrict_draft_probs(state.draft_probs, bitmask,
+                                                                 i, kept)
+            if matcher is not None and d is not None:
+                del d[kept:]
+            i += span
         if not masked:
             return logits
         if logits.dtype != torch.float32:
@@ -231,11 +249,13 @@ class ModelRunner:
                          prev.token_ids[torch.tensor(patch[1], dtype=torch.int64,
                                                      device=self.device)])
         logits, sample_ids = self._forward(batch, patch_src)          # [S, vocab]
+        drafts = {s.request_id: s.token_ids[len(s.token_ids) - s.num_draft:]
+                  for s in batch.sequences if s.num_draft}
         if self.guided is not None and sample_ids:
-            logits = self._apply_guided(logits, sample_ids)
-        if sample_ids and any(s.num_draft for s in batch.sequences):
+            logits = self._apply_guided(logits, sample_ids, drafts)
+        if sample_ids and drafts:
             launched.sample_ids = list(dict.fromkeys(sample_ids))     # each request once
-            launched.emitted = self._sample_speculative(batch, logits, sample_ids)
+            launched.emitted = self._sample_speculative(batch, logits, sample_ids, drafts)
         elif sample_ids:
             rows = [self._seqs[rid].row for rid in sample_ids]
             launched.sample_ids = sample_ids
@@ -289,11 +309,13 @@ class ModelRunner:
                           draft_seconds=draft_seconds)
 
     def _sample_speculative(self, batch: ExecuteBatch, logits: torch.Tensor,
-                            sample_ids: list[str]) -> dict[str, list[Sample]]:
+                            sample_ids: list[str],
+                            drafts: dict[str, list[int]]) -> dict[str, list[Sample]]:
         """A step with drafts to verify: plain rows sample as usual; each speculative
-        sequence's k + 1 rows go through the rejection rule (kernels/spec_verify.py)."""
-        drafts = {s.request_id: s.token_ids[len(s.token_ids) - s.num_draft:]
-                  for s in batch.sequences if s.num_draft}
+        sequence's rows go through the rejection rule (kernels/spec_verify.py): its first
+        len(drafts[rid]) + 1 of the num_draft + 1 computed (fewer when a grammar cut the
+        proposal)."""
+        spans = {s.request_id: s.num_draft + 1 for s in batch.sequences if s.num_draft}
         plain_rows, plain_ids, proposals, spec_rows, spec_ids = [], [], [], [], []
         i = 0
         while i < len(sample_ids):
@@ -312,7 +334,7 @@ class ModelRunner:
             proposals.append(Proposal(expand_rows(state.row, d), d, probs))
             spec_rows.extend(range(i, i + len(d) + 1))
             spec_ids.append(rid)
-            i += len(d) + 1
+            i += spans[rid]
         out: dict[str, list[Sample]] = {}
         if plain_rows:
             index = torch.tensor(plain_rows, dtype=torch.int64, device=logits.device)
@@ -342,6 +364,8 @@ class ModelRunner:
             states = [self._seqs[s.request_id] for s in wanted]
             for s, state, (tokens, probs) in zip(wanted, states,
                                                  self.proposer.propose(wanted, states)):
+                if state.matcher is not None:   # drafts the grammar refuses: not verified
+                    tokens = tokens[:state.matcher.legal_prefix(tokens)]
                 state.draft_probs = probs
                 r = results.setdefault(s.request_id, SpecResult(request_id=s.request_id))
                 r.proposals = tokens

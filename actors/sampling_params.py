@@ -181,5 +181,3 @@ def _check_guided(params: SamplingParams) -> None:
     if params.ignore_eos:
         # The grammar's end allows only EOS; ignoring it would leave no legal token.
         raise ValueError("ignore_eos cannot be combined with guided decoding")
-    if params.speculative == "on":
-        raise ValueError("speculative must be auto or off with guided decoding, got 'on'")

@@ -170,8 +170,7 @@ class SchedulerActor(Actor):
                       arrival_seq=self._arrivals)
         req.trace = RequestTrace(req.request_id, msg.arrival_time, msg.routed_time,
                                  priority=msg.priority, tenant=msg.tenant)
-        # Constrained (guided) requests never speculate: drafts are verified without masks.
-        if self.spec is not None and msg.sampling_params.guided is None:
+        if self.spec is not None:
             req.spec = self.spec.new_state(msg.sampling_params.speculative)
             if req.spec is not None:
                 req.trace.speculation = (self.spec.method, req.spec)

@@ -45,7 +45,6 @@ def test_guided_params_round_trip_through_msgpack():
     (dict(guided=GuidedDecoding("choice", '["a", ""]')), "guided.spec"),
     (dict(guided=GuidedDecoding("choice", "not json")), "guided.spec"),
     (dict(guided=GuidedDecoding("regex", "a"), ignore_eos=True), "ignore_eos"),
-    (dict(guided=GuidedDecoding("regex", "a"), speculative="on"), "speculative"),
 ])
 def test_bad_guided_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError) as e:
@@ -131,3 +130,123 @@ def test_forked_sibling_replays_its_output(compiler):
     runner._register("s2", _new([14, 15, 16]))
     out = runner._apply_guided(torch.zeros(1, VOCAB), ["s2"])
     assert out[0].isfinite().nonzero()[:, 0].tolist() == [EOS]
+
+
+# -- speculative verification --------------------------------------------------------------
+# After w4: w5 or w6; after w5: w6 or w7; after w6: w4; then EOS.
+PAIRS = GuidedDecoding("grammar", 'root ::= "w4" ("w5" | "w6") | "w5" ("w6" | "w7") | "w6" "w4"')
+
+
+def _matcher(compiler, guided=PAIRS):
+    from tokenloom.actors.guided import GuidedMatcher
+    return GuidedMatcher(compiler.compile(guided))
+
+
+def test_draft_masks_follow_the_drafts_and_leave_the_matcher_alone(compiler):
+    """Row j is the mask after drafts 0..j-1; a refused draft cuts the proposal; a draft
+    that ends the grammar (EOS) is left to the sampler; the matcher is not moved."""
+    from tokenloom.actors.guided import allocate_bitmask
+    m = _matcher(compiler)
+    mask = allocate_bitmask(4, VOCAB)
+    assert m.fill_drafts(mask, 0, [4, 5, EOS]) == 2
+    assert [allowed(mask[j]) for j in range(3)] == [[4, 5, 6], [5, 6], [EOS]]
+    assert m.fill_drafts(mask, 1, [4, 7, 6]) == 1          # w7 cannot follow w4
+    assert [allowed(mask[j]) for j in (1, 2)] == [[4, 5, 6], [5, 6]]
+    assert m.fill_drafts(mask, 0, [9]) == 0
+    assert m.num_accepted == 0 and m.legal_prefix([6, 4, EOS, 5]) == 2
+    assert m.accept(5) and m.legal_prefix([7, EOS]) == 1 and m.legal_prefix([4]) == 0
+    assert m.num_accepted == 1 and m.accept(7) and m.accept(EOS) and m.terminated
+    assert m.fill_drafts(mask, 0, [EOS]) is None and m.legal_prefix([EOS]) == 0
+
+
+def test_runner_masks_verification_rows_and_cuts_refused_drafts(compiler):
+    """A guided request verifying drafts [w4, w7, w6] (w7 is refused after w4) in a step
+    with a plain request: its rows 0 and 1 are masked by state, the proposal is cut to
+    [w4], the plain row is untouched."""
+    runner = _runner(compiler)
+    runner._register("g", _new([], PAIRS))
+    runner._register("plain", NewSequence(prompt_token_ids=[5], output_token_ids=[],
+                                          sampling_params=SamplingParams(temperature=0)))
+    logits = torch.randn(5, VOCAB)
+    before = logits.clone()
+    drafts = {"g": [4, 7, 6]}
+    out = runner._apply_guided(logits, ["plain", "g", "g", "g", "g"], drafts)
+    assert drafts == {"g": [4]}
+    assert torch.equal(out[0], before[0])
+    assert out[1].isfinite().nonzero()[:, 0].tolist() == [4, 5, 6]
+    assert out[2].isfinite().nonzero()[:, 0].tolist() == [5, 6]
+    assert runner._seqs["g"].matcher.num_accepted == 0
+
+
+def _pair_counts(compiler, logits, params, draws, proposer):
+    """First two tokens of `draws` seeded runs of a guided request that speculates two
+    drafts (masks by state, a refused draft cut, a draft model's q restricted to the
+    grammar as the runner does it), then, if verification emitted one token,
+    the next step's plain masked sample from row 1."""
+    from collections import Counter
+
+    from tokenloom.actors.guided import allocate_bitmask, apply_bitmask, restrict_draft_probs
+    from tokenloom.kernels.sampling import SamplingRow, make_generator, sample
+    from tokenloom.kernels.spec_verify import Proposal, expand_rows, verify
+    counts, drafter = Counter(), torch.Generator().manual_seed(1)
+    q = torch.zeros(2, VOCAB)
+    q[0, [4, 5, 9]] = torch.tensor([0.5, 0.3, 0.2])   # w9 is never allowed: cut at 0
+    q[1, [5, 6, 7]] = torch.tensor([0.3, 0.3, 0.4])   # w7 is refused after w4
+    for seed in range(draws):
+        m = _matcher(compiler)
+        row = SamplingRow(params, make_generator(seed, "cpu"), [1, 3], [], (EOS,))
+        if proposer == "point-mass":
+            drafts, probs = [4, 7], None
+        else:
+            drafts, probs = [int(torch.multinomial(q[j], 1, generator=drafter))
+                             for j in range(2)], q
+        mask = allocate_bitmask(3, VOCAB)
+        kept = m.fill_drafts(mask, 0, drafts)
+        rows = logits.clone()
+        apply_bitmask(rows, mask, list(range(kept + 1)))
+        if probs is not None and kept:   # as the runner does
+            probs = restrict_draft_probs(probs, mask, 0, kept)
+        prop = Proposal(expand_rows(row, drafts[:kept]), drafts[:kept],
+                        None if probs is None else probs[:kept])
+        tokens = [s.token_id for s in verify(rows[:kept + 1], [prop])[0]]
+        if len(tokens) < 2:
+            assert m.accept(tokens[0])
+            m.fill(mask, 1)
+            nxt = logits[1:2].clone()
+            apply_bitmask(nxt, mask[1:2], [0])
+            tokens.append(sample(nxt, [expand_rows(row, tokens)[1]])[0].token_id)
+        counts[tuple(tokens[:2])] += 1
+    return counts
+
+
+def _masked_pairs(logits):
+    """The exact distribution of the first two tokens of PAIRS under these target rows."""
+    follow = {4: [5, 6], 5: [6, 7], 6: [4]}
+    p0 = logits[0, [4, 5, 6]].softmax(-1)
+    out = {}
+    for a, pa in zip([4, 5, 6], p0.tolist()):
+        p1 = logits[1, follow[a]].softmax(-1)
+        for b, pb in zip(follow[a], p1.tolist()):
+            out[(a, b)] = pa * pb
+    return out
+
+
+@pytest.mark.parametrize("proposer", ["point-mass", "draft-model"])
+def test_guided_speculation_keeps_the_constrained_distribution(compiler, proposer):
+    """Sampled at temperature 1 with drafts verified on masked rows (drafts the grammar
+    refuses cut): the first two tokens follow the grammar-masked target distribution,
+    whose second token depends on the first (chi-square, 4 degrees of freedom)."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, VOCAB, generator=g)
+    logits[:, 4:8] = torch.tensor([[0.8, 0.2, -0.3, 1.5], [0.1, 1.0, -0.6, 0.9],
+                                   [0.0, 0.0, 0.0, 0.0]])
+    draws = 1200
+    counts = _pair_counts(compiler, logits, SamplingParams(temperature=1.0), draws, proposer)
+    assert set(counts) <= set(_masked_pairs(logits))
+
+    def chi2(probs):
+        return sum((counts.get(k, 0) - draws * p) ** 2 / (draws * p) for k, p in probs.items())
+
+    assert chi2(_masked_pairs(logits)) < 18.47      # 0.999 quantile, 4 degrees of freedom
+    # Guard: the statistic tells a wrong distribution apart at this many draws.
+    assert chi2(_masked_pairs(logits * 2)) > 3 * 18.47

@@ -92,7 +92,6 @@ def test_streamed_chat_deltas_follow_the_constraint(client, model_name):
     ({"guided_grammar": "root ::= missing"}, "guided_grammar"),
     ({"guided_choice": []}, "guided_choice"),
     ({"guided_regex": "w5", "guided_choice": ["w6"]}, "guided_choice"),   # two constraints
-    ({"guided_regex": "w5", "speculative": "on"}, "speculative"),
     ({"guided_regex": "w5", "ignore_eos": True}, "ignore_eos"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
                                                                  "schema": {"type": "bogus"}}}},
