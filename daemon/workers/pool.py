@@ -286,9 +286,10 @@ class WorkerPool:
             if len(self._decisions) > TRACE_HISTORY:
                 self._decisions.popitem(last=False)
             if not slot.up or not self._send(slot, wire.Submit(request=msg)):
-                # Died between the router's choice and now: it learns from WorkerDown.
+                # Died between the router's choice and now: the request never ran.
                 self.streams.fail(rid, f"engine worker {w} is restarting; retry",
                                   ERROR_INTERNAL)
+                self.router.send(RequestFinished(request_id=rid))
                 return
             self._routes[rid] = _Route(w)
         elif slot.up:
@@ -404,16 +405,18 @@ class WorkerPool:
     async def trace(self, request_id: str) -> dict | None:
         """A recent request's trace from the worker that ran it, with the routing decision
         (`routing`: worker, policy, reason, prompt and expected hit blocks, costs)."""
-        found = None
+        traces = []   # the choices of one HTTP request may have run on several workers
         for t in await self.ask_all("trace", request_id=request_id):
             if t is not None:
-                found = t
-                break
-        if found is None:
+                traces += t.get("choices", [t])
+        if not traces:
             return None
-        for t in found.get("choices", [found]):
+        for t in traces:
             t["routing"] = self._decisions.get(t.get("request_id"))
-        return found
+        if len(traces) == 1 and traces[0]["request_id"] == request_id:
+            return traces[0]
+        return {"request_id": request_id,
+                "choices": sorted(traces, key=lambda t: _choice_index(t["request_id"]))}
 
     async def _ask_router(self, query):
         query.reply = asyncio.get_running_loop().create_future()
@@ -497,3 +500,9 @@ class WorkerPool:
             task.cancel()
         self._pull.close(linger=0)
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _choice_index(engine_request_id: str) -> int:
+    """Choice i of a request runs as "<id>-<i>" (output_processor.choice_request_id)."""
+    tail = engine_request_id.rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else 0

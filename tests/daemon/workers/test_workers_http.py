@@ -124,6 +124,17 @@ def test_routing_follows_the_prefix_from_kv_events(cluster):
     assert "tokenloom:worker_prefix_cache_hit_rate{" in metrics
 
 
+def test_siblings_share_a_worker_and_the_trace_has_every_choice(cluster):
+    out = post(cluster.url, {"model": MODEL, "prompt": ["w5 w6 w7", "w8 w9 w10"], "n": 2,
+                             "max_tokens": 4, "temperature": 0})
+    assert len(out["choices"]) == 4
+    choices = trace(cluster, out["id"])["choices"]
+    assert len(choices) == 4
+    routing = [c["routing"] for c in choices]
+    assert routing[0]["worker"] == routing[1]["worker"] and routing[1]["reason"] == "sibling"
+    assert routing[2]["worker"] == routing[3]["worker"] and routing[3]["reason"] == "sibling"
+
+
 def test_admin_reaches_every_worker(cluster):
     stats = admin(cluster, {"cmd": "stats"})
     assert [w["worker"] for w in stats["workers"]] == [0, 1]
