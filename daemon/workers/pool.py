@@ -43,45 +43,11 @@ from tokenloom.actors.routing import RouteDecision, RoutingCore
 from tokenloom.actors.streams import StreamRegistry
 from tokenloom.config.schema import EngineConfig
 from tokenloom.daemon.workers import aggregate, supervisor, wire
+from tokenloom.daemon.workers.slot import STOP_SECONDS, WorkerSlot, WorkerStartError
 
 log = structlog.get_logger("tokenloom.workers")
 
 TRACE_HISTORY = 4096     # routing decisions kept for traces
-STOP_SECONDS = 20.0      # a stopping worker gets this long before SIGKILL
-
-
-class WorkerStartError(RuntimeError):
-    pass
-
-
-@dataclasses.dataclass
-class _Slot:
-    index: int
-    config: EngineConfig
-    incarnation: int = 0
-    proc: asyncio.subprocess.Process | None = None
-    sock: zmq.Socket | None = None            # PUSH to the current incarnation
-    up: bool = False
-    hello: asyncio.Future | None = None
-    restarts: int = 0
-    last_exit: int | None = None
-    last_exit_time: float | None = None
-    started_at: float = 0.0
-    report: wire.Report | None = None
-    replies: dict[int, asyncio.Future] = dataclasses.field(default_factory=dict)
-
-    def status(self) -> dict:
-        r = self.report
-        return {"worker": self.index, "up": self.up,
-                "pid": self.proc.pid if self.proc is not None and self.up else None,
-                "incarnation": self.incarnation, "restarts": self.restarts,
-                "last_exit_code": self.last_exit,
-                "seconds_since_exit": (None if self.last_exit_time is None
-                                       else round(time.monotonic() - self.last_exit_time, 3)),
-                "device": self.config.model.device,
-                "threads": self.config.model.num_threads or None,
-                "kv_usage": r.kv_usage if r is not None and self.up else None,
-                "draining": r.draining if r is not None and self.up else False}
 
 
 @dataclasses.dataclass
@@ -105,7 +71,7 @@ class WorkerPool:
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.bind(self._out_addr)
-        self.slots = [_Slot(i, c) for i, c in enumerate(supervisor.worker_configs(config))]
+        self.slots = [WorkerSlot(i, c) for i, c in enumerate(supervisor.worker_configs(config))]
         self._routes: dict[str, _Route] = {}
         self._decisions: collections.OrderedDict[str, dict] = collections.OrderedDict()
         self._query_ids = itertools.count()
@@ -184,7 +150,7 @@ class WorkerPool:
         return task
 
     # -- supervision ---------------------------------------------------------------------
-    async def _supervise(self, slot: _Slot, first: asyncio.Future) -> None:
+    async def _supervise(self, slot: WorkerSlot, first: asyncio.Future) -> None:
         try:
             await self._supervise_loop(slot, first)
         except asyncio.CancelledError:
@@ -195,11 +161,11 @@ class WorkerPool:
                 first.set_exception(e)
             raise
 
-    async def _supervise_loop(self, slot: _Slot, first: asyncio.Future) -> None:
+    async def _supervise_loop(self, slot: WorkerSlot, first: asyncio.Future) -> None:
         backoff = self.config.workers.restart_backoff_seconds
         while not self._stopping.is_set():
             try:
-                await self._start_incarnation(slot)
+                await slot.start(self._sync_ctx, self._dir, self._out_addr)
             except WorkerStartError as e:
                 if not first.done():
                     first.set_exception(e)
@@ -226,38 +192,11 @@ class WorkerPool:
             backoff = min(max(backoff * 2, 0.5), 30.0)
             slot.restarts += 1
 
-    async def _start_incarnation(self, slot: _Slot) -> None:
-        slot.incarnation += 1
-        in_addr = f"ipc://{self._dir}/in-{slot.index}-{slot.incarnation}"
-        sock = self._sync_ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)       # bounded by the admission gates, not here
-        sock.bind(in_addr)
-        slot.sock = sock
-        slot.hello = asyncio.get_running_loop().create_future()
-        slot.started_at = time.monotonic()
-        slot.proc = await supervisor.spawn(slot.config, slot.index, slot.incarnation, in_addr,
-                                           self._out_addr)
-        exited = asyncio.ensure_future(slot.proc.wait())
-        done, _ = await asyncio.wait({slot.hello, exited}, return_when=asyncio.FIRST_COMPLETED)
-        if slot.hello in done and slot.hello.exception() is None:
-            exited.cancel()
-            slot.up = True
-            log.info("worker up", worker=slot.index, pid=slot.proc.pid,
-                     incarnation=slot.incarnation, device=slot.config.model.device)
-            return
-        error = (str(slot.hello.exception()) if slot.hello.done()
-                 else f"worker {slot.index} exited with status {exited.result()} during start-up")
-        if not exited.done():
-            await asyncio.wait({exited}, timeout=STOP_SECONDS)
-        self._close_socket(slot)
-        raise WorkerStartError(error)
-
-    def _worker_died(self, slot: _Slot, code: int) -> None:
+    def _worker_died(self, slot: WorkerSlot, code: int) -> None:
         slot.up = False
         slot.last_exit, slot.last_exit_time = code, time.monotonic()
         self.router.send(WorkerDown(worker=slot.index))
-        self._close_socket(slot)
+        slot.close_socket()
         lost = [rid for rid, r in self._routes.items() if r.worker == slot.index]
         message = (f"engine worker {slot.index} died (exit status {code}) while serving this "
                    f"request; it is being restarted, retry")
@@ -271,11 +210,6 @@ class WorkerPool:
         log.error("worker died", worker=slot.index, exit_status=code, requests_ended=len(lost),
                   pid=slot.proc.pid if slot.proc else None)
 
-    def _close_socket(self, slot: _Slot) -> None:
-        if slot.sock is not None:
-            slot.sock.close(linger=0)
-            slot.sock = None
-
     # -- the transport -------------------------------------------------------------------
     def _send_to_worker(self, w: int, msg, decision: RouteDecision | None) -> None:
         """The router's way out: a request (with the decision) or an abort to worker w."""
@@ -285,7 +219,7 @@ class WorkerPool:
             self._decisions[rid] = decision.as_dict()
             if len(self._decisions) > TRACE_HISTORY:
                 self._decisions.popitem(last=False)
-            if not slot.up or not self._send(slot, wire.Submit(request=msg)):
+            if not slot.up or not slot.send(wire.Submit(request=msg)):
                 # Died between the router's choice and now: the request never ran.
                 self.streams.fail(rid, f"engine worker {w} is restarting; retry",
                                   ERROR_INTERNAL)
@@ -293,15 +227,7 @@ class WorkerPool:
                 return
             self._routes[rid] = _Route(w)
         elif slot.up:
-            self._send(slot, wire.Abort(abort=msg))
-
-    def _send(self, slot: _Slot, envelope) -> bool:
-        try:
-            slot.sock.send(wire.encode(envelope), zmq.NOBLOCK)
-            return True
-        except (zmq.ZMQError, AttributeError) as e:
-            log.warning("send to worker failed", worker=slot.index, error=str(e))
-            return False
+            slot.send(wire.Abort(abort=msg))
 
     async def _receive(self) -> None:
         while True:
@@ -362,7 +288,7 @@ class WorkerPool:
         qid = next(self._query_ids)
         reply = asyncio.get_running_loop().create_future()
         slot.replies[qid] = reply
-        if not self._send(slot, wire.Control(id=qid, op=op, **fields)):
+        if not slot.send(wire.Control(id=qid, op=op, **fields)):
             slot.replies.pop(qid, None)
             raise RuntimeError(f"engine worker {w} is not reachable")
         raw = await reply
@@ -483,7 +409,7 @@ class WorkerPool:
         for slot in self.slots:
             if slot.proc is not None and slot.proc.returncode is None:
                 if slot.sock is not None:
-                    self._send(slot, wire.Stop())
+                    slot.send(wire.Stop())
                 procs.append(slot.proc)
         if procs:
             _, pending = await asyncio.wait([asyncio.ensure_future(p.wait()) for p in procs],
@@ -495,7 +421,7 @@ class WorkerPool:
                 await asyncio.wait(pending, timeout=5)
         for slot in self.slots:
             slot.up = False
-            self._close_socket(slot)
+            slot.close_socket()
         for task in list(self._tasks):
             task.cancel()
         self._pull.close(linger=0)
