@@ -216,15 +216,24 @@ async def _stream(request: web.Request, gen: Generation, fmt: "_Formatter",
 
 
 class _CallStream:
-    """Streamed chat with tools: a choice's text is held back while it may be a tool call
-    (forced: always; auto: while it is empty or starts with "{"), then sent as one
-    `tool_calls` delta and finish_reason "tool_calls" if it parses as a call, else as
-    content."""
+    """Streamed chat with tools. A forced tool_choice's answer is a call by construction (an
+    output constraint): its calls are streamed as generated, in OpenAI's incremental shape
+    (daemon/tools.py CallDeltas). With "auto" the text is held back while it may be a call
+    (while it is empty or starts with "{" or "["); when it ends as a call, its calls are
+    sent in the same shape, one argument fragment per generated piece, else it is sent as
+    content. Either way the finish chunk says "tool_calls" for a call."""
 
     def __init__(self, fmt: "_Formatter", spec: T.ToolSpec):
         self.fmt, self.spec = fmt, spec
-        self.held: dict[int, tuple[str, list]] = {}   # index -> (text, logprobs) held back
+        # index -> (text pieces, logprobs) held back (auto), or the text so far (forced)
+        self.held: dict[int, tuple[list[str], list]] = {}
+        self.calls: dict[int, T.CallDeltas] = {}
         self.passing: set[int] = set()
+
+    def _frame(self, index: int, entries: list[dict]) -> bytes:
+        chunk = self.fmt.chunk(Delta(index, "", [], []), None)
+        chunk["choices"][0]["delta"] = {"tool_calls": entries}
+        return sse.frame(chunk)
 
     def feed(self, d: Delta, final_of: Generation | None) -> list[bytes]:
         fmt = self.fmt
@@ -232,22 +241,35 @@ class _CallStream:
             if d.finish_reason is None and not d.text:
                 return []
             return [fmt.chunk_frame(d, final_of)]
-        text, lps = self.held.pop(d.index, ("", []))
-        text, lps = text + d.text, lps + list(d.logprobs or ())
+        pieces, lps = self.held.pop(d.index, ([], []))
+        pieces, lps = pieces + [d.text], lps + list(d.logprobs or ())
+        text = "".join(pieces)
+        if self.spec.forced:
+            calls = self.calls.setdefault(d.index, T.CallDeltas())
+            self.held[d.index] = ([text], [])
+            entries = calls.feed(text)
+            out = [self._frame(d.index, entries)] if entries else []
+            if d.finish_reason is not None:
+                reason = "tool_calls" if d.finish_reason == "stop" else d.finish_reason
+                out.append(fmt.chunk_frame(Delta(d.index, "", [], [], reason), final_of))
+            return out
         if d.finish_reason is None:
-            if self.spec.forced or text.lstrip()[:1] in ("", "{"):
-                self.held[d.index] = (text, lps)
+            if text.lstrip()[:1] in ("", "{", "["):
+                self.held[d.index] = (pieces, lps)
                 return []
             self.passing.add(d.index)
             return [fmt.chunk_frame(Delta(d.index, text, d.token_ids, lps), None)]
-        call = T.parse_call(text, self.spec) if d.finish_reason == "stop" else None
-        if call is None:
+        if d.finish_reason != "stop" or T.parse_calls(text, self.spec) is None:
             return [fmt.chunk_frame(Delta(d.index, text, d.token_ids, lps, d.finish_reason),
                                     final_of)]
-        chunk = fmt.chunk(Delta(d.index, "", [], []), None)
-        chunk["choices"][0]["delta"] = {"tool_calls": [{"index": 0, **call}]}
-        end = fmt.chunk(Delta(d.index, "", [], [], "tool_calls"), final_of)
-        return [sse.frame(chunk), sse.frame(end)]
+        calls, so_far, out = T.CallDeltas(), "", []
+        for piece in pieces:
+            so_far += piece
+            entries = calls.feed(so_far)
+            if entries:
+                out.append(self._frame(d.index, entries))
+        out.append(fmt.chunk_frame(Delta(d.index, "", [], [], "tool_calls"), final_of))
+        return out
 
 
 def _dumps(obj) -> str:
@@ -312,13 +334,13 @@ class _Formatter:
         items = []
         for c in choices:
             lps = self._logprobs(c.index, c.logprobs)
-            call = None
+            calls = None
             if self.calls_tools and c.finish_reason == "stop":
-                call = T.parse_call(c.full_text, self.parsed.tools)
-            if call is not None:
+                calls = T.parse_calls(c.full_text, self.parsed.tools)
+            if calls is not None:
                 items.append({"index": c.index,
                               "message": {"role": "assistant", "content": None,
-                                          "refusal": None, "tool_calls": [call]},
+                                          "refusal": None, "tool_calls": calls},
                               "logprobs": lps, "finish_reason": "tool_calls"})
             elif self.chat:
                 items.append({"index": c.index,

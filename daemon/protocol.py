@@ -96,7 +96,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict | None = None
-    parallel_tool_calls: bool | None = None   # accepted; at most one call is made
+    parallel_tool_calls: bool | None = None   # false: at most one call per answer
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -297,11 +297,12 @@ def chat_messages(messages: list[ChatMessage], param: str = "messages") -> list[
                 texts.append(part.text)
             content = "".join(texts)
         if not content and m.tool_calls:
-            # Earlier calls, written the way the model is asked to make them.
-            content = "\n".join(json.dumps({
-                "name": (c.get("function") or {}).get("name"),
-                "arguments": _arguments((c.get("function") or {}).get("arguments"))})
-                for c in m.tool_calls if isinstance(c, dict))
+            # Earlier calls, written the way the model is asked to make them (several: an
+            # array).
+            calls = [{"name": (c.get("function") or {}).get("name"),
+                      "arguments": _arguments((c.get("function") or {}).get("arguments"))}
+                     for c in m.tool_calls if isinstance(c, dict)]
+            content = json.dumps(calls[0] if len(calls) == 1 else calls)
         msg = {"role": m.role, "content": content or ""}
         if m.name is not None:
             msg["name"] = m.name
@@ -322,7 +323,8 @@ def parse_chat(body: bytes, limits: Limits) -> ParsedRequest:
     req = decode(body, ChatCompletionRequest)
     _check_model(req, limits)
     messages = chat_messages(req.messages)
-    tools = parse_tools(req.tools, req.tool_choice, _unsupported_keyword)
+    tools = parse_tools(req.tools, req.tool_choice, _unsupported_keyword,
+                        req.parallel_tool_calls)
     max_tokens, field = req.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None:
         max_tokens, field = req.max_tokens, "max_tokens"
@@ -335,7 +337,8 @@ def parse_chat(body: bytes, limits: Limits) -> ParsedRequest:
         if guided is not None:
             raise APIError(400, "a forced tool_choice cannot be combined with another output "
                                 "constraint", param="tool_choice")
-        # The answer is one call of an allowed function (daemon/tools.py).
+        # The answer is in the call format: one call, or an array of calls when parallel
+        # calls are allowed (daemon/tools.py).
         guided = GuidedDecoding("json_schema", json.dumps(tools.call_schema()))
     params = _sampling_params(req, limits, max_tokens, field, logprobs, "top_logprobs",
                               default_max_tokens=limits.max_model_len, guided=guided)

@@ -116,38 +116,62 @@ TIME = {"type": "function", "function": {
 ASK = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
 
 
+def _check_calls(calls) -> None:
+    tools = {"get_weather": WEATHER, "get_time": TIME}
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments),
+                            tools[call.function.name]["function"]["parameters"])
+
+
+def _reassembled(stream):
+    """The streamed chunks put together by the openai client's own stream state, and how
+    many chunks carried tool-call deltas."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    state, with_calls = ChatCompletionStreamState(), 0
+    for chunk in stream:
+        state.handle_chunk(chunk)
+        with_calls += any(c.delta.tool_calls for c in chunk.choices)
+    return state.get_final_completion(), with_calls
+
+
 def test_required_tool_call_is_parsed_by_the_client_types(client):
     r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME],
                                        tool_choice="required", temperature=0.8, seed=5,
                                        max_tokens=80)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
-    (call,) = choice.message.tool_calls
-    assert call.type == "function" and call.id.startswith("call_")
-    tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
-    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    assert len(choice.message.tool_calls) >= 1
+    _check_calls(choice.message.tool_calls)
+    one = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME],
+                                         tool_choice="required", parallel_tool_calls=False,
+                                         temperature=0.8, seed=5, max_tokens=80)
+    assert len(one.choices[0].message.tool_calls) == 1
+    _check_calls(one.choices[0].message.tool_calls)
 
 
-def test_named_tool_call_streams_as_one_delta_that_reassembles(client):
-    named = {"type": "function", "function": {"name": "get_time"}}
-    full = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME],
-                                          tool_choice=named, temperature=0, max_tokens=80)
-    (call,) = full.choices[0].message.tool_calls
-    assert call.function.name == "get_time"
-    jsonschema.validate(json.loads(call.function.arguments), TIME["function"]["parameters"])
-    stream = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME],
-                                            tool_choice=named, temperature=0, max_tokens=80,
-                                            stream=True)
-    name, arguments, reasons, content = "", "", [], ""
-    for chunk in stream:
-        for c in chunk.choices:
-            content += c.delta.content or ""
-            for tc in c.delta.tool_calls or ():
-                assert tc.index == 0
-                name += tc.function.name or ""
-                arguments += tc.function.arguments or ""
-            if c.finish_reason:
-                reasons.append(c.finish_reason)
-    assert reasons == ["tool_calls"] and content == ""
-    assert (name, json.loads(arguments)) == (call.function.name,
-                                             json.loads(call.function.arguments))
+TWO_CITIES = [{"role": "user", "content": "What is the weather in Paris and in Tokyo? Call "
+                                          "get_weather once for each city."}]
+
+
+@pytest.mark.parametrize("messages, choice", [
+    (ASK, {"type": "function", "function": {"name": "get_time"}}),
+    (TWO_CITIES, "required"),
+])
+def test_streamed_tool_calls_are_incremental_and_reassemble(client, messages, choice):
+    """Streamed in OpenAI's incremental shape (a first delta with id, type and name, then
+    argument fragments as they are generated), reassembled by the openai client's stream
+    state: the same calls as the non-streamed answer (greedy)."""
+    kwargs = dict(model=MODEL, messages=messages, tools=[WEATHER, TIME], tool_choice=choice,
+                  temperature=0, max_tokens=120)
+    full = client.chat.completions.create(**kwargs).choices[0]
+    assert full.finish_reason == "tool_calls"
+    _check_calls(full.message.tool_calls)
+    if isinstance(choice, dict):
+        assert [c.function.name for c in full.message.tool_calls] == ["get_time"]
+    streamed, with_calls = _reassembled(client.chat.completions.create(**kwargs, stream=True))
+    got = streamed.choices[0]
+    assert got.finish_reason == "tool_calls" and not got.message.content
+    assert [(c.function.name, c.function.arguments) for c in got.message.tool_calls] == \
+        [(c.function.name, c.function.arguments) for c in full.message.tool_calls]
+    assert with_calls > 2 * len(full.message.tool_calls)   # fragments, not a call per delta
