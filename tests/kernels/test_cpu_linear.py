@@ -106,3 +106,42 @@ def test_forced_plan_dispatches_by_rows(monkeypatch):
         for rows in (1, 2, 3, 8, 30):
             layer(torch.randn(rows, 64))
     assert calls == ["mkl", "mkl", "onednn", "onednn", "onednn"]
+
+
+# -- oneDNN's per-shape primitives stay bounded ----------------------------------------------
+def test_onednn_rows_pads_at_most_an_eighth_and_bounds_the_shapes():
+    """Exact up to 16 rows; above, rounded up by less than 1/8; 72 shapes up to 2,048."""
+    for rows in range(1, 5000):
+        padded = cpu_linear.onednn_rows(rows)
+        assert padded >= rows and (padded == rows if rows <= 16 else padded - rows < rows / 8)
+        assert cpu_linear.onednn_rows(padded) == padded        # a bucket maps to itself
+    assert len({cpu_linear.onednn_rows(r) for r in range(1, 2049)}) == 72
+    for rows in (1, 2, 4, 8, 16, 64, 256):                     # the planner's ladder: unpadded
+        assert cpu_linear.onednn_rows(rows) == rows
+
+
+def test_onednn_calls_at_every_row_count_build_a_bounded_set_of_primitives(monkeypatch):
+    """oneDNN keeps a JIT-compiled primitive (~280 KiB of native memory) per input shape in
+    its process-wide cache: a server sending every row count grew by ~0.8 KiB a request (the
+    soak). Calls from 1 to 400 rows reach oneDNN at 16 + 8 per doubling distinct row counts,
+    and give the same values as unpadded calls."""
+    (w, b), = _weights(5, shapes=((48, 32),))
+    onednn = cpu_linear._candidates(w, b, "float", torch.float32, {"onednn"})["onednn"]
+    real = torch.ops.mkldnn._linear_pointwise
+    seen = set()
+
+    def spy(x, *args):
+        seen.add(x.shape[0])
+        return real(x, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for rows in range(1, 401):
+            x = torch.randn(rows, 32, generator=g)
+            y = onednn(x)
+            assert y.shape == (rows, 48) and y.is_contiguous()
+            torch.testing.assert_close(y, torch.nn.functional.linear(x, w, b),
+                                       rtol=1e-4, atol=1e-4)
+    assert seen == {cpu_linear.onednn_rows(r) for r in range(1, 401)}
+    assert len(seen) == 16 + 8 * 4 + 5      # (16, 32], ..., (128, 256]: 8 each; 5 to 416
