@@ -41,6 +41,9 @@ class GenerateRequest(_Msg):
     # names such as "interactive" / "batch" to numbers); `tenant` is the fair-share key.
     priority: int = 0
     tenant: str | None = None
+    # With worker processes: requests with the same key stay on one worker when costs tie
+    # (prompt_cache_key, X-Session-Id or the tenant; actors/routing.py).
+    affinity: str | None = None
 
 
 class AddRequest(_Msg):
@@ -53,6 +56,7 @@ class AddRequest(_Msg):
     priority: int = 0
     tenant: str | None = None
     routed_time: float | None = None   # when the router forwarded it (for the trace)
+    affinity: str | None = None
 
 
 class AbortRequest(_Msg):

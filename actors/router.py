@@ -154,7 +154,7 @@ class WorkerRouterActor(Actor):
         need = -(-(len(msg.prompt_token_ids) + msg.sampling_params.max_tokens)
                  // self.block_size)
         leader = self._requests.get(msg.group_id) if msg.group_id else None
-        key = msg.tenant
+        key = msg.affinity or msg.tenant
         if leader is not None and self.core.loads[leader.worker].up:
             w = leader.worker
             decision = RouteDecision(w, self.core.policy, "sibling", len(hashes),

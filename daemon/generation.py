@@ -61,7 +61,7 @@ class Generation:
     def __init__(self, engine, request_id: str, prompts: list[str | list[int] | None],
                  messages: list[dict] | None, params: SamplingParams, fit_max_tokens: bool,
                  metrics=None, log=None, cache_salt: str | None = None,
-                 priority: int = 0, tenant: str | None = None,
+                 priority: int = 0, tenant: str | None = None, affinity: str | None = None,
                  tools: list[dict] | None = None):
         self.engine = engine
         self.request_id = request_id
@@ -74,7 +74,7 @@ class Generation:
         self._requests: list[GenerateRequest] = fan_out(
             request_id, prompts, params, arrival_time=self.arrival, messages=messages,
             fit_max_tokens=fit_max_tokens, cache_salt=cache_salt, priority=priority,
-            tenant=tenant, tools=tools)
+            tenant=tenant, tools=tools, affinity=affinity)
         for index, req in enumerate(self._requests):
             self.choices[req.request_id] = Choice(index, req.request_id)
         self._open: set[str] = set()

@@ -98,7 +98,10 @@ async def _serve(request: web.Request, state: ServerState, parsed: protocol.Pars
     gen = Generation(state.engine, request_id, prompts, messages, parsed.params,
                      parsed.fit_max_tokens, metrics=state.metrics, log=log,
                      cache_salt=parsed.cache_salt, priority=priority, tenant=tenant,
-                     tools=template_tools)
+                     tools=template_tools,
+                     affinity=protocol.resolve_affinity(parsed.prompt_cache_key,
+                                                        request.headers.get("X-Session-Id"),
+                                                        tenant))
     state.inflight.add(request_id, gen)  # drain waits for it; admin cancel/trace find it
     fmt = _Formatter(state, request_id, parsed, chat)
     log.info("request", endpoint="chat" if chat else "completions", stream=parsed.stream,

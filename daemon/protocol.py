@@ -52,6 +52,9 @@ class _Sampling(msgspec.Struct, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # OpenAI's prompt-caching hint: requests with the same key share a prefix. With worker
+    # processes it is the routing affinity key (README, Worker processes).
+    prompt_cache_key: str | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     cache_salt: str | None = None
@@ -136,6 +139,7 @@ class ParsedRequest:
     cache_salt: str | None = None               # prefix-cache isolation (tenant)
     priority: int | str | None = None           # as given; see resolve_priority
     user: str | None = None                     # the fair-share tenant unless X-Tenant says
+    prompt_cache_key: str | None = None         # routing affinity (see resolve_affinity)
     tools: ToolSpec | None = None               # chat: tools and tool_choice (daemon/tools.py)
 
 
@@ -275,7 +279,7 @@ def parse_completion(body: bytes, limits: Limits) -> ParsedRequest:
                          stream=req.stream, include_usage=_include_usage(req),
                          return_metrics=req.return_metrics, logprobs=req.logprobs,
                          model=req.model, cache_salt=req.cache_salt, priority=req.priority,
-                         user=req.user)
+                         user=req.user, prompt_cache_key=req.prompt_cache_key)
 
 
 def chat_messages(messages: list[ChatMessage], param: str = "messages") -> list[dict]:
@@ -347,7 +351,7 @@ def parse_chat(body: bytes, limits: Limits) -> ParsedRequest:
                          include_usage=_include_usage(req), return_metrics=req.return_metrics,
                          logprobs=logprobs, model=req.model, max_tokens_field=field,
                          cache_salt=req.cache_salt, priority=req.priority, user=req.user,
-                         tools=tools)
+                         prompt_cache_key=req.prompt_cache_key, tools=tools)
 
 
 # JSON-schema keywords the grammar engine cannot enforce: refused (400) rather than ignored,
@@ -473,6 +477,14 @@ def resolve_tenant(user: str | None, header: str | None) -> str | None:
     if header:
         return header.strip()[:256]
     return user[:256] if user else None
+
+
+def resolve_affinity(prompt_cache_key: str | None, session: str | None,
+                     tenant: str | None) -> str | None:
+    """The key whose requests the router keeps on one worker when costs tie:
+    `prompt_cache_key`, else the X-Session-Id header, else the tenant (`user`)."""
+    key = prompt_cache_key or (session.strip() if session else None) or tenant
+    return key[:256] if key else None
 
 
 def _include_usage(req: _Sampling) -> bool:

@@ -135,6 +135,26 @@ def test_siblings_share_a_worker_and_the_trace_has_every_choice(cluster):
     assert routing[2]["worker"] == routing[3]["worker"] and routing[3]["reason"] == "sibling"
 
 
+def test_affinity_key_breaks_ties(cluster):
+    """Short prompts (no full block: no overlap anywhere) on idle workers tie; the same
+    prompt_cache_key (or X-Session-Id header) keeps them on one worker."""
+    for body_key, header in (({"prompt_cache_key": "conversation-1"}, {}),
+                             ({}, {"X-Session-Id": "session-7"})):
+        workers = []
+        for i in range(4):
+            req = urllib.request.Request(
+                cluster.url + "/v1/completions",
+                data=json.dumps({"model": MODEL, "prompt": f"w{90 + i}", "max_tokens": 2,
+                                 "temperature": 0, **body_key}).encode(),
+                headers={"Content-Type": "application/json", **header})
+            with urllib.request.urlopen(req, timeout=60) as r:
+                routing = trace(cluster, json.loads(r.read())["id"])["routing"]
+            workers.append(routing["worker"])
+            if i:
+                assert routing["reason"] == "affinity", routing
+        assert len(set(workers)) == 1
+
+
 def test_admin_reaches_every_worker(cluster):
     stats = admin(cluster, {"cmd": "stats"})
     assert [w["worker"] for w in stats["workers"]] == [0, 1]
