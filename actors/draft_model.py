@@ -51,7 +51,7 @@ class DraftModelProposer:
         model, spec = load_model(model_dir, info.dtype, info.device,
                                  max_positions=info.max_model_len)
         select_decode_backend(model, attention_backend, info.device,
-                              max_model_len=info.max_model_len)
+                              max_model_len=info.max_model_len, block_size=info.block_size)
         kv = KVCache.allocate(spec.num_layers, info.num_blocks, info.block_size,
                               spec.num_kv_heads, spec.head_dim, info.dtype, info.device)
         return cls(model, kv, info.device)

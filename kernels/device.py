@@ -47,11 +47,11 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def select_decode_backend(model, wanted: str, device: torch.device,
-                          max_model_len: int = 0) -> str:
+                          max_model_len: int = 0, block_size: int = 16) -> str:
     """Pick the decode-attention implementation; falls back to the torch reference with a
     stated reason when the wanted kernel is unavailable."""
     if device.type == "cuda":
-        return _select_cuda_backend(model, wanted, max_model_len)
+        return _select_cuda_backend(model, wanted, max_model_len, block_size)
     if wanted == "triton":
         raise ConfigError("model.attention_backend 'triton' needs model.device cuda "
                           "(on CPU: auto, torch or cpu_kernel)", key="model.attention_backend")
@@ -87,31 +87,44 @@ def log_cpu_features(dtype: torch.dtype) -> None:
                             "may be faster", features=f.summary())
 
 
-def _select_cuda_backend(model, wanted: str, max_model_len: int) -> str:
-    """On CUDA: Triton paged decode (auto/triton), else the torch reference. The Triton KV
-    store (skips padded slots without a host sync, which CUDA graphs need) is used whenever
-    Triton works, whatever the attention backend."""
+def _select_cuda_backend(model, wanted: str, max_model_len: int, block_size: int) -> str:
+    """On CUDA: Triton kernels (paged decode attention for auto/triton; the graph-safe KV
+    store and the fused RMSNorm, SiLU*mul and RoPE+store always) when every one of them
+    passes a smoke test in the model's dtype and shapes; otherwise the torch reference for
+    all of them, graphs and eager alike, with the reason logged."""
     if wanted == "cpu_kernel":
         raise ConfigError("model.attention_backend 'cpu_kernel' needs model.device cpu",
                           key="model.attention_backend")
+    spec = model.spec
+    head_dim = spec.head_dim
+    max_len = max_model_len or spec.max_position_embeddings
     reason = None
-    head_dim = model.spec.head_dim
     try:
-        from tokenloom.kernels.triton_attention import (make_decode_kernel, smoke_test,
+        from tokenloom.kernels import triton_fused
+        from tokenloom.kernels.triton_attention import (make_decode_kernel, partition_for,
                                                         store_kv_triton)
     except Exception as e:  # triton missing or broken: the reference still works
         reason = f"{type(e).__name__}: {e}"
     if reason is None and torch.cuda.is_available():
-        reason = smoke_test("cuda")
-    if reason is None:
-        model.set_kv_store_kernel(store_kv_triton)
-        if head_dim < 16 or head_dim & (head_dim - 1):
-            reason = f"head dim {head_dim} is not a power of two >= 16"
+        reason = triton_fused.smoke_test(
+            "cuda", model.embed_tokens.weight.dtype, num_heads=spec.num_heads,
+            num_kv_heads=spec.num_kv_heads, head_dim=head_dim, hidden_size=spec.hidden_size,
+            intermediate_size=spec.intermediate_size, block_size=block_size,
+            partition=partition_for(max_len))
+    if reason is not None:
+        startup_log.warning(f"Triton kernels off ({reason}); attention, KV store and layer ops "
+                            "run the torch reference", backend="torch", reason=reason)
+        return "torch"
+    pow2 = head_dim >= 16 and head_dim & (head_dim - 1) == 0
+    model.set_kv_store_kernel(store_kv_triton)
+    model.set_fused_kernels(triton_fused.rms_norm_triton, triton_fused.silu_mul_triton,
+                            triton_fused.rope_store_triton if pow2 else None)
     if wanted == "torch":
         return "torch"
-    if reason is not None:
-        startup_log.info("decode attention: torch reference "
-                         f"(Triton kernel unavailable: {reason})", backend="torch", reason=reason)
+    if not pow2:
+        reason = f"head dim {head_dim} is not a power of two >= 16"
+        startup_log.info(f"decode attention: torch reference (Triton kernel unavailable: "
+                         f"{reason})", backend="torch", reason=reason)
         return "torch"
-    model.set_decode_kernel(make_decode_kernel(max_model_len or model.spec.max_position_embeddings))
+    model.set_decode_kernel(make_decode_kernel(max_len))
     return "triton"

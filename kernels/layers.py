@@ -77,7 +77,28 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def rope_and_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                   num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                              torch.Tensor]:
+    """The fused projection's output [T, (H + 2 KVH) D] -> rotated q [T, H, D], rotated k and
+    v [T, KVH, D]: q and k heads rotated in one go. The reference of
+    triton_fused.rope_store_triton, which also writes k and v into the cache."""
+    t = qkv.shape[0]
+    qk_size = (num_heads + num_kv_heads) * head_dim
+    qk = apply_rope(qkv[:, :qk_size].view(t, num_heads + num_kv_heads, head_dim), cos, sin)
+    return qk[:, :num_heads], qk[:, num_heads:], qkv[:, qk_size:].view(t, num_kv_heads, head_dim)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     # gate_up: [T, 2 * intermediate] -> [T, intermediate]
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(residual + x), residual + x): the residual stream's update and the next
+    layer's normalised input. The reference of triton_fused.rms_norm_triton with a residual
+    (which updates the residual in place, in one kernel)."""
+    residual = residual + x
+    return norm(residual), residual

@@ -182,7 +182,3 @@ def test_model_forward_with_triton_kernels(tk):
     # write to slot -1 would land in the neighbouring layer's last block).
     for a, b in zip(kv_ref.key + kv_ref.value, kv_tri.key + kv_tri.value):
         assert (a - b).abs().max().item() < 1e-5
-
-
-def test_smoke_test_passes(tk):
-    assert tk.smoke_test("cpu") is None
