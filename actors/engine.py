@@ -177,7 +177,8 @@ class Engine:
         from tokenloom.graphs.setup import build_decode_graphs
         dispatcher, graphs = build_decode_graphs(
             config.graphs, model, kv, max_num_seqs=sc.max_num_seqs,
-            max_model_len=info.max_model_len, device=info.device)
+            max_model_len=info.max_model_len, device=info.device,
+            cache_dir=resolve_cache_dir(config))
         self.runner = RunnerActor(ModelRunner(model, kv, info.device, eos, graphs, dispatcher,
                                               host_pool=host_pool, proposer=proposer,
                                               guided=self.guided))
@@ -227,8 +228,10 @@ class Engine:
         spec = load_spec(model_dir)
         max_len = config.model.max_model_len or spec.max_position_embeddings
         model, spec = load_model(model_dir, dtype, device, max_positions=max_len)
+        model.plan_cache_dir = resolve_cache_dir(config)   # the CPU kernel choice, remembered
         backend = select_decode_backend(model, config.model.attention_backend, device,
-                                        max_model_len=max_len)
+                                        max_model_len=max_len,
+                                        block_size=config.cache.block_size)
         num_blocks, per_token = size_kv_pool(config, spec, dtype, device)
         capacity = num_blocks * config.cache.block_size
         if capacity < max_len:

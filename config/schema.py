@@ -302,7 +302,8 @@ class ServerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tr
 
 
 class GraphsConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """CUDA graphs for decode batches (CUDA only; the CPU always runs eager)."""
+    """Static decode programs for bucketed batch sizes: CUDA graphs on a GPU, compiled
+    programs (torch.compile) on CPU."""
 
     section: ClassVar[str] = "graphs"
 
@@ -320,14 +321,21 @@ class GraphsConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     # Device memory the captured graphs may take; more falls back to eager. On CUDA this
     # much is held back from the KV pool.
     memory_budget_bytes: Annotated[int, msgspec.Meta(ge=0)] = 1 << 30
+    # CPU: compile a static-shape decode program per bucket at start-up (torch.compile,
+    # cached on disk under cache_dir; graphs/cpu_compile.py). false: every step runs eager.
+    cpu_compile: bool = False
+    # CPU buckets (decode batches up to the largest are padded to the next one); a CPU
+    # compiles each for tens of seconds on a cold cache, so fewer than on CUDA.
+    cpu_capture_sizes: list[int] = msgspec.field(default_factory=lambda: [1, 2, 4, 8, 16])
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        bad = [s for s in self.capture_sizes
-               if isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= 4096]
-        if bad:
-            raise ConfigError(f"graphs.capture_sizes must be integers in 1..4096, got {bad!r}",
-                              key="graphs.capture_sizes")
+        for key in ("capture_sizes", "cpu_capture_sizes"):
+            bad = [s for s in getattr(self, key)
+                   if isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= 4096]
+            if bad:
+                raise ConfigError(f"graphs.{key} must be integers in 1..4096, got {bad!r}",
+                                  key=f"graphs.{key}")
 
 
 class SpeculativeConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):

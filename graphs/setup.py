@@ -44,11 +44,15 @@ def resolve_capture_sizes(cfg: GraphsConfig, max_num_seqs: int) -> tuple[int, ..
 
 
 def build_decode_graphs(cfg: GraphsConfig, model, kv: KVCache, *, max_num_seqs: int,
-                        max_model_len: int, device: torch.device
-                        ) -> tuple[Dispatcher, DecodeGraphs | None]:
-    """Capture on CUDA (unless disabled); otherwise an eager-only dispatcher with its reason."""
+                        max_model_len: int, device: torch.device,
+                        cache_dir: Path | None = None) -> tuple[Dispatcher, DecodeGraphs | None]:
+    """Capture on CUDA, compile on CPU (unless disabled); otherwise an eager-only
+    dispatcher with its reason."""
+    if device.type == "cpu":
+        return build_cpu_programs(cfg, model, kv, max_num_seqs=max_num_seqs,
+                                  max_model_len=max_model_len, cache_dir=cache_dir)
     if device.type != "cuda":
-        return Dispatcher(None, "eager on CPU"), None
+        return Dispatcher(None, f"eager on {device.type}"), None
     if cfg.enforce_eager:
         startup_log.info("CUDA graphs off (graphs.enforce_eager); decode runs eager")
         return Dispatcher(None, "graphs.enforce_eager"), None
@@ -79,3 +83,45 @@ def build_decode_graphs(cfg: GraphsConfig, model, kv: KVCache, *, max_num_seqs: 
     # The buckets actually captured (the memory budget may stop capture early), so that a
     # batch without a graph is dispatched, and counted, as eager with its reason.
     return Dispatcher(PaddedSizeTable(graphs.sizes)), graphs
+
+
+def build_cpu_programs(cfg: GraphsConfig, model, kv: KVCache, *, max_num_seqs: int,
+                       max_model_len: int, cache_dir: Path | None):
+    """CPU: a compiled decode program per bucket (graphs/cpu_compile.py), or eager with the
+    reason logged."""
+    from tokenloom.graphs.cpu_compile import (CompiledDecode, cache_key, paged_decode_op,
+                                              store_kv_op, use_cache_dir)
+    from tokenloom.kernels.cpu_attention import cpu_kernel_status, paged_decode_cpu
+
+    reason = None
+    if cfg.enforce_eager:
+        reason = "graphs.enforce_eager"
+    elif not cfg.cpu_compile:
+        reason = "graphs.cpu_compile is off"
+    elif model.layers[0].self_attn.decode_fn is not paged_decode_cpu:
+        reason = f"needs the C++ decode kernel ({cpu_kernel_status()})"
+    sizes = tuple(s for s in sorted(set(cfg.cpu_capture_sizes)) if s <= max_num_seqs)
+    if reason is None and not sizes:
+        reason = f"no graphs.cpu_capture_sizes <= scheduler.max_num_seqs ({max_num_seqs})"
+    if reason is not None:
+        startup_log.info(f"CPU decode programs off ({reason}); decode runs eager", reason=reason)
+        return Dispatcher(None, reason), None
+    if model.plan_cache_dir is None and cache_dir is not None:
+        model.plan_cache_dir = cache_dir   # the same kernels next start: programs stay cached
+    model.prepare()   # the kernel per batch size is chosen first: each program calls it
+    # The programs call the C++ kernels as dispatcher ops (the eager path does too, so both
+    # run the same kernels).
+    model.set_decode_kernel(paged_decode_op)
+    model.set_kv_store_kernel(store_kv_op)
+    if cache_dir is not None:
+        use_cache_dir(Path(cache_dir) / "cpu_programs" / cache_key(model, kv))
+    buffers = DecodeBuffers(max(sizes), -(-max_model_len // kv.block_size), kv.block_size,
+                            model.spec.vocab_size, "cpu")
+    programs = CompiledDecode(model, kv, buffers)
+    programs.compile(sizes)
+    if not programs.sizes:
+        reason = "no CPU decode program compiled: " + "; ".join(
+            f"{k}: {v}" for k, v in sorted(programs.failed.items()))
+        startup_log.warning(f"{reason}; decode runs eager", reason=reason)
+        return Dispatcher(None, reason), None
+    return Dispatcher(PaddedSizeTable(programs.sizes)), programs

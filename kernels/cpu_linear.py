@@ -125,6 +125,7 @@ def choose(linears: list[nn.Linear], rows: tuple[int, ...] = (1, 16, 128)) -> bo
 # depends on the ISA, the caches and the core count.
 
 ROW_LADDER = (1, 2, 4, 8, 16, 64, 256)
+NOT_TRACEABLE = {"onednn"}   # kernels torch.compile cannot call (an opaque packed weight)
 HEAD_ROW_LADDER = (1, 4, 16, 64)
 INT8 = "int8"
 
@@ -175,7 +176,7 @@ def _candidates(weight: torch.Tensor, bias: torch.Tensor | None, storage: str,
         q, scale = quantize_int8(weight)
         if gemm is not None and want("small_gemm_int8"):
             sb = empty if b is None else b
-            out["small_gemm_int8"] = lambda x: gemm.small_gemm(x, q, scale, sb)
+            out["small_gemm_int8"] = lambda x: torch.ops.tokenloom.small_gemm(x, q, scale, sb)
         if has_int8_weight_op() and want("int8pack_bf16"):
             scale16 = scale.to(torch.bfloat16)
 
@@ -201,7 +202,7 @@ def _candidates(weight: torch.Tensor, bias: torch.Tensor | None, storage: str,
             log.info("oneDNN linear unavailable", dtype=str(act_dtype), reason=str(e))
     if gemm is not None and want("small_gemm"):
         sb = empty if b is None else b
-        out["small_gemm"] = lambda x: gemm.small_gemm(x, w, empty, sb)
+        out["small_gemm"] = lambda x: torch.ops.tokenloom.small_gemm(x, w, empty, sb)
     return out
 
 
@@ -235,6 +236,76 @@ class Plan:
     def kernels(self) -> set[str]:
         return {name for _, name in self.bands}
 
+    def excluding(self, names: set[str]) -> "Plan":
+        """The same measurements without these kernels: the fastest of the rest per row
+        count (e.g. for a compiled program, which cannot call oneDNN's packed weights)."""
+        if not names & self.kernels:
+            return self
+        best = []
+        for n, times in sorted(self.timings.items()):
+            allowed = {k: v for k, v in times.items() if k not in names}
+            best.append((n, min(allowed, key=allowed.get) if allowed else "mkl"))
+        if not best:
+            best = [(1, "mkl")]
+        return Plan(_merge_bands(best), self.timings)
+
+
+def _available(name: str) -> bool:
+    """Whether kernel `name` can run in this process (a remembered plan may name one that
+    cannot any more, e.g. the C++ build failed this time)."""
+    if name.startswith("small_gemm"):
+        return small_gemm_module() is not None
+    if name == "onednn":
+        return onednn_available()
+    if name == "int8pack_bf16":
+        return has_int8_weight_op()
+    return name in ("mkl", "dequant_mkl")
+
+
+def plan_cache_key(weights: list[tuple[torch.Tensor, torch.Tensor | None]], storage: str,
+                   act_dtype: torch.dtype, rows: tuple[int, ...]) -> str:
+    """What a measured plan depends on: the projections' shapes and dtypes, the storage,
+    the row ladder, this CPU, torch and the thread count."""
+    import hashlib
+
+    from tokenloom.kernels.cpu_features import detect
+
+    parts = [storage, str(act_dtype), repr(rows), detect().summary(), torch.__version__,
+             str(torch.get_num_threads())]
+    parts += [f"{tuple(w.shape)}:{w.dtype}:{b is not None}" for w, b in weights]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def cached_plan(weights: list[tuple[torch.Tensor, torch.Tensor | None]], storage: str,
+                act_dtype: torch.dtype, rows: tuple[int, ...] = ROW_LADDER,
+                cache_dir=None) -> Plan:
+    """`plan`, remembered in `cache_dir` (when given) for the next start on this machine:
+    the choice stays the same from one start to the next (measurements are noisy), so the
+    compiled decode programs that call the chosen kernels stay in their on-disk cache."""
+    import json
+    from pathlib import Path
+
+    path = None
+    if cache_dir is not None:
+        path = Path(cache_dir) / "cpu_kernel_plans" / f"{plan_cache_key(weights, storage, act_dtype, rows)}.json"
+        try:
+            raw = json.loads(path.read_text())
+            cached = Plan(tuple((int(hi), str(name)) for hi, name in raw["bands"]),
+                          {int(n): {str(k): float(v) for k, v in t.items()}
+                           for n, t in raw["timings"].items()})
+            if all(_available(name) for name in cached.kernels):
+                return cached
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass
+    chosen = plan(weights, storage, act_dtype, rows)
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"bands": chosen.bands, "timings": chosen.timings}))
+        except OSError as e:
+            log.info("could not remember the CPU kernel plan", path=str(path), reason=str(e))
+    return chosen
+
 
 def plan(weights: list[tuple[torch.Tensor, torch.Tensor | None]], storage: str,
          act_dtype: torch.dtype, rows: tuple[int, ...] = ROW_LADDER) -> Plan:
@@ -250,13 +321,18 @@ def plan(weights: list[tuple[torch.Tensor, torch.Tensor | None]], storage: str,
             timings[n] = {name: _min_ms(lambda: [c[name](x) for c, x in zip(cands, xs)])
                           for name in names}
             best.append(min(timings[n], key=timings[n].get))
+    return Plan(_merge_bands(list(zip(rows, best))), timings)
+
+
+def _merge_bands(best: list[tuple[int, str]]) -> tuple[tuple[int, str], ...]:
+    """(rows, kernel) per measured row count -> bands of consecutive equal kernels."""
     bands: list[tuple[int, str]] = []
-    for n, name in zip(rows, best):
+    for n, name in best:
         if bands and bands[-1][1] == name:
             bands[-1] = (n, name)
         else:
             bands.append((n, name))
-    return Plan(tuple(bands), timings)
+    return tuple(bands)
 
 
 class CpuLinear(nn.Module):
@@ -272,16 +348,22 @@ class CpuLinear(nn.Module):
         self.weight_bytes = (self.out_features * self.in_features
                              * (1 if storage == INT8 else torch.tensor([], dtype=act_dtype).element_size())
                              + (4 * self.out_features if storage == INT8 else 0))
-        fns = _candidates(weight, bias, storage, act_dtype, chosen.kernels)
+        # Compiled decode programs (graphs/cpu_compile.py) cannot call oneDNN's packed
+        # weights: while tracing, the fastest other kernel for the row count is used.
+        traced = chosen.excluding(NOT_TRACEABLE)
+        fns = _candidates(weight, bias, storage, act_dtype, chosen.kernels | traced.kernels)
         self._bands = [(hi, fns[name]) for hi, name in chosen.bands]
+        self._traced_bands = [(hi, fns[name]) for hi, name in traced.bands]
         self.kernel_names = tuple(name for _, name in chosen.bands)
+        self.traced_kernel_names = tuple(name for _, name in traced.bands)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        for hi, fn in self._bands:
+        bands = self._traced_bands if torch.compiler.is_compiling() else self._bands
+        for hi, fn in bands:
             if rows <= hi:
                 return fn(x)
-        return self._bands[-1][1](x)
+        return bands[-1][1](x)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

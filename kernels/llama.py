@@ -7,13 +7,16 @@ the meta device; the loader assigns real tensors.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
 from tokenloom.kernels.attention import paged_attention, with_chunk_masks
 from tokenloom.kernels.forward_context import AttentionMetadata
 from tokenloom.kernels.kv_store import KVCache, store_kv
-from tokenloom.kernels.layers import RMSNorm, RotaryEmbedding, apply_rope, silu_and_mul
+from tokenloom.kernels.layers import (RMSNorm, RotaryEmbedding, add_rms_norm, rope_and_store,
+                                      silu_and_mul)
 from tokenloom.kernels import cpu_linear
 from tokenloom.kernels.model_spec import ModelSpec
 
@@ -41,6 +44,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
         self.decode_fn = None  # None: torch reference; see LlamaForCausalLM.set_decode_kernel
         self.store_fn = None   # None: kv_store.store_kv; see LlamaForCausalLM.set_kv_store_kernel
+        # None: rope_and_store + the KV store above; else a kernel that rotates q and k and
+        # writes k and v into the cache in one launch (LlamaForCausalLM.set_fused_kernels).
+        self.rope_store_fn = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -48,14 +54,15 @@ class Attention(nn.Module):
         t = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)                                          # [T, q + 2kv]
-        # Rotate q and k heads in one go: [T, H + KVH, D].
-        qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, h + kvh, d), cos, sin)
-        q, k = qk[:, :h], qk[:, h:]
-        v = qkv[:, self.q_size + self.kv_size:].view(t, kvh, d)
-        if self.store_fn is None:
-            store_kv(k, v, key_cache, value_cache, meta.slot_mapping, meta.has_skip_slots)
+        if self.rope_store_fn is not None:
+            q, k, v = self.rope_store_fn(qkv, cos, sin, h, kvh, d, key_cache, value_cache,
+                                         meta.slot_mapping)
         else:
-            self.store_fn(k, v, key_cache, value_cache, meta.slot_mapping)
+            q, k, v = rope_and_store(qkv, cos, sin, h, kvh, d)
+            if self.store_fn is None:
+                store_kv(k, v, key_cache, value_cache, meta.slot_mapping, meta.has_skip_slots)
+            else:
+                self.store_fn(k, v, key_cache, value_cache, meta.slot_mapping)
         o = paged_attention(q, key_cache, value_cache, meta, self.scale, k, v,
                             self.decode_fn)                     # [T, H, D]
         return self.o_proj(o.reshape(t, self.q_size))
@@ -66,9 +73,10 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.act_fn = silu_and_mul   # or a fused kernel (LlamaForCausalLM.set_fused_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -91,6 +99,11 @@ class LlamaForCausalLM(nn.Module):
         self.rope: RotaryEmbedding | None = None  # built by init_rope() on the real device
         self._layer_params: int | None = None     # counted at the first forward
         self._layout_done = False                 # see _use_cpu_weight_layout
+        # (x, residual, norm) -> (norm(residual + x), residual + x); see set_fused_kernels.
+        self.add_norm_fn = add_rms_norm
+        self._norm_fn = None   # None: RMSNorm modules; else a fused rms_norm kernel
+        # Where the CPU kernel choice per batch size is remembered (None: measured each start).
+        self.plan_cache_dir = None
 
     def init_rope(self, max_positions: int, device: torch.device, dtype: torch.dtype) -> None:
         self.rope = RotaryEmbedding(self.spec.rope, self.spec.head_dim, max_positions, dtype).to(device)
@@ -106,6 +119,27 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             layer.self_attn.store_fn = store_fn
 
+    def set_fused_kernels(self, rms_norm_fn, silu_mul_fn, rope_store_fn) -> None:
+        """Route the layer's small ops through fused kernels (triton_fused's contracts):
+        `rms_norm_fn(x, weight, eps, residual=None)` (residual updated in place),
+        `silu_mul_fn(gate_up)` and `rope_store_fn(qkv, cos, sin, H, KVH, D, key_cache,
+        value_cache, slots)`, which also replaces the KV store. None restores the torch
+        reference for that op."""
+        if rms_norm_fn is None:
+            self.add_norm_fn = add_rms_norm
+        else:
+            def add_norm(x, residual, norm):
+                return rms_norm_fn(x, norm.weight, norm.eps, residual), residual
+            self.add_norm_fn = add_norm
+        self._norm_fn = rms_norm_fn
+        for layer in self.layers:
+            layer.mlp.act_fn = silu_mul_fn or silu_and_mul
+            layer.self_attn.rope_store_fn = rope_store_fn
+
+    def _norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        fn = self._norm_fn
+        return norm(x) if fn is None else fn(x, norm.weight, norm.eps)
+
     def tie_weights(self) -> None:
         if self.spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -118,26 +152,54 @@ class LlamaForCausalLM(nn.Module):
         Only the rows that will be sampled go through the LM head: for a prefill chunk
         that is its last token, if the chunk completes the prompt.
         """
+        self.prepare()
+        meta = with_chunk_masks(meta, self.embed_tokens.weight.dtype)  # once, not per layer
+        with self.layer_threads(input_ids, meta):
+            h = self.hidden_states(input_ids, positions, kv, meta)
+        return self.logits(h, logits_indices)
+
+    def prepare(self) -> None:
+        """One-time set-up before the first forward (the CPU kernels per batch size)."""
         if not self._layout_done:
             self._use_cpu_weight_layout()
-        h = self.embed_tokens(input_ids)                                # [T, hidden]
-        cos, sin = self.rope.lookup(positions)                          # [T, 1, D] each
-        meta = with_chunk_masks(meta, h.dtype)                          # once, not per layer
+
+    @contextlib.contextmanager
+    def layer_threads(self, input_ids: torch.Tensor, meta: AttentionMetadata):
+        """Run the decoder layers of a small step on one thread (see ONE_THREAD_LAYER_*)."""
         threads = torch.get_num_threads()
         narrow = (threads > 1 and input_ids.device.type == "cpu"
                   and self._layer_work(input_ids.shape[0], meta) < ONE_THREAD_LAYER_WORK)
         if narrow:
             torch.set_num_threads(1)
         try:
-            for i, layer in enumerate(self.layers):
-                h = h + layer.self_attn(layer.input_layernorm(h), cos, sin,
-                                        kv.key[i], kv.value[i], meta)
-                h = h + layer.mlp(layer.post_attention_layernorm(h))
+            yield
         finally:
             if narrow:
                 torch.set_num_threads(threads)
-        h = self.norm(h[logits_indices])
-        return self.lm_head(h).float()
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCache,
+                      meta: AttentionMetadata) -> torch.Tensor:
+        """The residual stream after the last decoder layer, [T, hidden]. Tensor code only
+        (no host-side state), so a static-shape decode program can compile it."""
+        h = self.embed_tokens(input_ids)                                # [T, hidden]
+        cos, sin = self.rope.lookup(positions)                          # [T, 1, D] each
+        add_norm = self.add_norm_fn
+        # The residual stream `h` and each sublayer's normalised input `x`: every residual
+        # add is fused into the norm that follows it.
+        x = self._norm(h, self.layers[0].input_layernorm)
+        for i, layer in enumerate(self.layers):
+            a = layer.self_attn(x, cos, sin, kv.key[i], kv.value[i], meta)
+            x, h = add_norm(a, h, layer.post_attention_layernorm)
+            m = layer.mlp(x)
+            if i + 1 < len(self.layers):
+                x, h = add_norm(m, h, self.layers[i + 1].input_layernorm)
+            else:
+                h = h + m
+        return h
+
+    def logits(self, h: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        """The sampled rows' logits (fp32) from the last residual stream."""
+        return self.lm_head(self._norm(h[logits_indices], self.norm)).float()
 
     def _use_cpu_weight_layout(self) -> None:
         """On CPU, every projection and the LM head get the kernel that measures fastest on
@@ -159,9 +221,11 @@ class LlamaForCausalLM(nn.Module):
         first = self.layers[0]
         linears = [first.self_attn.qkv_proj, first.self_attn.o_proj, first.mlp.gate_up_proj,
                    first.mlp.down_proj]
-        layer_plan = cpu_linear.plan([(lin.weight, lin.bias) for lin in linears], storage, act)
-        head_plan = cpu_linear.plan([(self.lm_head.weight, None)], storage, act,
-                                    cpu_linear.HEAD_ROW_LADDER)
+        layer_plan = cpu_linear.cached_plan([(lin.weight, lin.bias) for lin in linears], storage,
+                                             act, cache_dir=self.plan_cache_dir)
+        head_plan = cpu_linear.cached_plan([(self.lm_head.weight, None)], storage, act,
+                                           cpu_linear.HEAD_ROW_LADDER,
+                                           cache_dir=self.plan_cache_dir)
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             attn.qkv_proj = cpu_linear.CpuLinear(attn.qkv_proj.weight, attn.qkv_proj.bias,
@@ -175,6 +239,7 @@ class LlamaForCausalLM(nn.Module):
         # copy in the head's storage.
         self.lm_head = cpu_linear.CpuLinear(self.lm_head.weight, None, storage, act, head_plan)
         chosen = {"layers": layer_plan.describe(), "head": head_plan.describe()}
+        self.cpu_kernels = chosen   # part of a compiled program's cache key
         cpu_linear.log.info(f"CPU projections ({storage} weights, {str(act).removeprefix('torch.')} "
                             f"activations): layers {chosen['layers']}; head {chosen['head']}",
                             storage=storage, **chosen)

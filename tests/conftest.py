@@ -12,6 +12,11 @@ import pytest
 # Shared helpers (tinymodel, ...) are plain modules in tests/; make them importable.
 sys.path.insert(0, str(Path(__file__).parent))
 
+# Engines in tests run decode eager: compiling CPU decode programs costs tens of seconds per
+# engine on a cold cache. The tests of the compiled path (tests/graphs/test_cpu_compile.py)
+# turn it on explicitly. Inherited by the servers tests start as subprocesses.
+os.environ.setdefault("TOKENLOOM_GRAPHS__CPU_COMPILE", "false")
+
 
 def test_cache_dir() -> Path:
     env = os.environ.get("TOKENLOOM_TEST_CACHE")

@@ -12,6 +12,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -133,7 +134,49 @@ int64_t parallel_threads(int64_t n) {
   return count;
 }
 
+// Write key/value [T, KVH, D] into their cache slots; slot < 0 (a padded row of a static
+// decode program) is skipped in place, without filtering on the host.
+void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
+              torch::Tensor value_cache, torch::Tensor slots) {
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64, "slots must be int64");
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == key_cache.scalar_type(),
+              "key/value and cache dtypes differ");
+  const int64_t T = key.size(0), row = key.size(1) * key.size(2);
+  TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(2) == 1 &&
+              value.stride(1) == value.size(2), "each token's K/V rows must be contiguous");
+  slots = slots.contiguous();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t capacity = key_cache.numel() / row;
+  const int64_t elem = key.element_size();
+  char* kc = static_cast<char*>(key_cache.data_ptr());
+  char* vc = static_cast<char*>(value_cache.data_ptr());
+  const char* k = static_cast<const char*>(key.data_ptr());
+  const char* v = static_cast<const char*>(value.data_ptr());
+  for (int64_t t = 0; t < T; ++t) {
+    if (slot[t] < 0) continue;
+    TORCH_CHECK(slot[t] < capacity, "slot ", slot[t], " is outside the cache");
+    std::memcpy(kc + slot[t] * row * elem, k + t * key.stride(0) * elem, row * elem);
+    std::memcpy(vc + slot[t] * row * elem, v + t * value.stride(0) * elem, row * elem);
+  }
+}
+
+// The same kernels as dispatcher operators, so that a compiled (torch.compile) decode
+// program can call them (graphs/cpu_compile.py registers their shape functions).
+TORCH_LIBRARY_FRAGMENT(tokenloom, m) {
+  m.def("paged_decode_cpu(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+        "Tensor context_lens, float scale) -> Tensor");
+  m.def("store_kv_cpu(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+        "Tensor slots) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(tokenloom, CPU, m) {
+  m.impl("paged_decode_cpu", &paged_decode);
+  m.impl("store_kv_cpu", &store_kv);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged-attention decode over the block pool (CPU)");
+  m.def("store_kv", &store_kv, "write K/V rows into their cache slots, skipping slot < 0");
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for uses for n items");
 }

@@ -196,6 +196,15 @@ bool avx512_build() {
 #endif
 }
 
+// As a dispatcher operator too, so a compiled decode program can call it.
+TORCH_LIBRARY_FRAGMENT(tokenloom, m) {
+  m.def("small_gemm(Tensor x, Tensor w, Tensor scale, Tensor bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenloom, CPU, m) {
+  m.impl("small_gemm", &small_gemm);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_gemm", &small_gemm, "decode-sized x . W^T with fp32/bf16/int8 weights");
   m.def("avx512_build", &avx512_build, "whether the AVX-512 path was compiled");

@@ -176,9 +176,11 @@ def test_capture_is_closed_outside_start_up(tiny):
 
 def test_setup_on_cpu_is_eager_with_reason(tiny):
     model, spec, _ = tiny
-    d, graphs = graph_setup.build_decode_graphs(GraphsConfig(), model, _kv(spec), max_num_seqs=8,
-                                                max_model_len=64, device=torch.device("cpu"))
-    assert graphs is None and d.table is None and d.decide(1, 1, 1).reason == "eager on CPU"
+    d, graphs = graph_setup.build_decode_graphs(GraphsConfig(cpu_compile=False), model, _kv(spec),
+                                                max_num_seqs=8, max_model_len=64,
+                                                device=torch.device("cpu"))
+    assert graphs is None and d.table is None
+    assert d.decide(1, 1, 1).reason == "graphs.cpu_compile is off"
 
 
 def test_failed_capture_falls_back_to_eager_with_a_logged_reason(tiny, monkeypatch):

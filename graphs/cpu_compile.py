@@ -1,0 +1,234 @@
+"""Compiled static-shape decode programs on CPU: what CUDA graphs are on a GPU.
+
+An eager decode step on CPU pays Python and operator-dispatch overhead for every small op
+of every layer (~20 ops a layer, 30 layers), which at batch 1 is a large share of a step
+whose real work is streaming the weights once. Here each decode bucket (graphs/buckets.py,
+the same buckets and dispatcher as CUDA graphs) gets a program compiled by torch.compile
+(Inductor) over the same static buffers CUDA graphs read (graphs/buffers.py): the
+RMSNorm + residual, RoPE and SiLU*mul chains each become one generated C++ loop, and the
+projections, the KV store and the decode attention are called directly, with the kernel
+the per-batch-size plan chose (kernels/cpu_linear.py) for that bucket.
+
+- Compiled at start-up, largest bucket first, with a progress bar; a bucket that fails to
+  compile is dropped with the reason logged and its batches run eager.
+- Cached on disk: Inductor's FX-graph and AOT caches live under
+  `<cache_dir>/cpu_programs/<key>`, key = digest of the model's shape, dtype, torch
+  version, CPU features and the chosen kernels. A warm start only re-traces (seconds).
+- After start-up no program is ever compiled again: a step that would need a recompile
+  (it cannot, with the same shapes; this is the guard) runs eager and the reason is
+  counted, instead of stalling the server for a minute on live traffic.
+
+The decode attention must be the C++ kernel (a dispatcher op the program can call; the
+torch reference gathers a context-sized copy that a static program would size for the
+longest context).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import structlog
+import torch
+
+from tokenloom.graphs.buffers import DecodeBuffers
+from tokenloom.kernels.kv_store import KVCache
+
+if TYPE_CHECKING:
+    from tokenloom.actors.messages import ScheduledSequence
+
+startup_log = structlog.get_logger("tokenloom.startup", logger_name="tokenloom.startup")
+log = structlog.get_logger("tokenloom.graphs")
+
+_fakes_registered = False
+
+
+def register_shape_functions() -> None:
+    """Tell the compiler the output shapes of the C++ ops (kernels/csrc): it traces with
+    fake tensors and never runs them. Needs the kernels loaded (they define the ops)."""
+    global _fakes_registered
+    if _fakes_registered:
+        return
+
+    @torch.library.register_fake("tokenloom::paged_decode_cpu")
+    def _paged_decode(q, key_cache, value_cache, block_tables, context_lens, scale):
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("tokenloom::store_kv_cpu")
+    def _store_kv(key, value, key_cache, value_cache, slots):
+        return None
+
+    if hasattr(torch.ops.tokenloom, "small_gemm"):
+        @torch.library.register_fake("tokenloom::small_gemm")
+        def _small_gemm(x, w, scale, bias):
+            return x.new_empty((x.shape[0], w.shape[0]))
+
+    _fakes_registered = True
+
+
+def paged_decode_op(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_tables: torch.Tensor, context_lens: torch.Tensor,
+                    max_context: int = 0, scale: float = 1.0,
+                    mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The C++ decode kernel through the dispatcher (decode_attention's contract)."""
+    return torch.ops.tokenloom.paged_decode_cpu(q, key_cache, value_cache, block_tables,
+                                                context_lens, scale)
+
+
+def store_kv_op(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """The C++ KV store through the dispatcher: slots < 0 skipped in place."""
+    torch.ops.tokenloom.store_kv_cpu(key, value, key_cache, value_cache, slot_mapping)
+
+
+def cache_key(model, kv: KVCache) -> str:
+    """What a compiled program depends on besides the bucket (which Inductor keys itself):
+    the model's shapes and dtype, the KV layout, torch, the CPU and the chosen kernels."""
+    from tokenloom.kernels.cpu_features import detect
+
+    parts = [repr(model.spec), str(model.embed_tokens.weight.dtype), str(kv.pool.dtype),
+             str(tuple(kv.key[0].shape)), torch.__version__, detect().summary(),
+             repr(getattr(model, "cpu_kernels", None))]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def use_cache_dir(path: Path) -> None:
+    """Point Inductor's on-disk caches (FX graphs, AOT autograd, compiled C++) at `path`.
+    Read by Inductor whenever it compiles, so setting it before the first compile is enough."""
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    import torch._inductor.config as inductor_config
+    inductor_config.fx_graph_cache = True
+    try:
+        import torch._functorch.config as functorch_config
+        functorch_config.enable_autograd_cache = True
+    except (ImportError, AttributeError):
+        pass
+
+
+class CompiledDecode:
+    """One compiled program per bucket over shared static buffers; the same interface as
+    graphs.capture.DecodeGraphs (`run`, `sizes`, replay counters) so the runner and the
+    dispatcher need not know which kind of program a bucket replays."""
+
+    def __init__(self, model, kv: KVCache, buffers: DecodeBuffers):
+        self.model = model
+        self.kv = kv
+        self.buffers = buffers
+        self.compiled: set[int] = set()
+        self.failed: dict[int, str] = {}
+        self.capture_seconds = 0.0
+        self.capture_bytes = 0
+        self.num_replays = 0          # steps run by a compiled program
+        self.num_static_eager = 0     # bucketed steps run eager (no program for the bucket)
+        self._program = None
+        self._closed = False
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(sorted(self.compiled))
+
+    def _static_forward(self, size: int) -> torch.Tensor:
+        """The decode step over the first `size` static rows (what gets compiled)."""
+        b = self.buffers
+        model = self.model
+        h = model.hidden_states(b.input_ids[:size], b.positions[:size], self._pool_views(),
+                                b.meta(size))
+        return model.logits(h, b.logits_indices[:size])
+
+    def _pool_views(self) -> KVCache:
+        """The per-layer caches as views of the one pool tensor, taken inside the program:
+        the program then has a single KV input that its KV stores update in place. (Given
+        the per-layer views as separate inputs that alias one another, the compiler would
+        rebuild and copy the whole pool around every store.)"""
+        kv, pool = self.kv, self.kv.pool
+        return KVCache(key=[pool[i, 0] for i in range(pool.shape[0])],
+                       value=[pool[i, 1] for i in range(pool.shape[0])],
+                       num_blocks=kv.num_blocks, block_size=kv.block_size, pool=pool)
+
+    def _eager(self, size: int) -> torch.Tensor:
+        b = self.buffers
+        with torch.inference_mode(), self.model.layer_threads(b.input_ids[:size], b.meta(size)):
+            return self._static_forward(size)
+
+    def compile(self, sizes: tuple[int, ...], progress: bool = True) -> None:
+        """Compile every bucket, largest first. A bucket that fails is dropped (its steps
+        run eager) with the reason logged; the others are kept."""
+        import torch._dynamo
+
+        register_shape_functions()
+        # One program per bucket: room for all of them in dynamo's per-function cache.
+        limit = len(sizes) + 2
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), limit))
+        self._program = torch.compile(self._static_forward, fullgraph=True, dynamic=False)
+        order = sorted(sizes, reverse=True)
+        bar = None
+        if progress:
+            try:
+                from tqdm import tqdm
+                bar = tqdm(total=len(order), desc="compiling CPU decode programs",
+                           unit="bucket", leave=False)
+            except ImportError:
+                pass
+        b = self.buffers
+        t0 = time.perf_counter()
+        try:
+            for size in order:
+                # Padding rows only: compiling runs the program once; it writes no KV.
+                b.slot_mapping[:size].fill_(-1)
+                b.context_lens[:size].fill_(1)
+                b.input_ids[:size].zero_()
+                b.positions[:size].zero_()
+                try:
+                    with torch.inference_mode(), self.model.layer_threads(b.input_ids[:size],
+                                                                          b.meta(size)):
+                        self._program(size)
+                    self.compiled.add(size)
+                except Exception as e:  # a compiler problem: that bucket runs eager
+                    self.failed[size] = f"{type(e).__name__}: {e}"[:500]
+                    startup_log.warning(f"CPU decode program for batch {size} failed to "
+                                        f"compile; that bucket runs eager",
+                                        size=size, reason=self.failed[size])
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(batch=size)
+        finally:
+            if bar is not None:
+                bar.close()
+        self.capture_seconds = time.perf_counter() - t0
+        self._closed = True
+        if self.compiled:
+            startup_log.info(f"CPU decode programs: {len(self.compiled)} buckets "
+                             f"({min(self.compiled)}..{max(self.compiled)}) compiled in "
+                             f"{self.capture_seconds:.1f}s", sizes=sorted(self.compiled),
+                             seconds=round(self.capture_seconds, 2))
+
+    def run(self, seqs: list[ScheduledSequence], padded: int, patch=None) -> torch.Tensor:
+        """Fill the buffers and run the bucket's program (eagerly when it has none);
+        logits [padded, vocab]. `patch` as in DecodeGraphs.run."""
+        b = self.buffers
+        b.fill(seqs, padded)
+        if patch is not None:
+            b.input_ids.index_copy_(0, patch[0], patch[1])
+        if padded not in self.compiled:
+            self.num_static_eager += 1
+            return self._eager(padded)
+        try:
+            # Never compile on live traffic: a program whose guards fail raises instead.
+            with torch.compiler.set_stance("fail_on_recompile"), torch.inference_mode(), \
+                    self.model.layer_threads(b.input_ids[:padded], b.meta(padded)):
+                logits = self._program(padded)
+        except Exception as e:
+            self.compiled.discard(padded)
+            self.failed[padded] = f"{type(e).__name__}: {e}"[:500]
+            log.warning(f"CPU decode program for batch {padded} failed; that bucket runs "
+                        "eager from now on", size=padded, reason=self.failed[padded])
+            self.num_static_eager += 1
+            return self._eager(padded)
+        self.num_replays += 1
+        return logits
