@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -84,6 +85,10 @@ class ModelRunner:
         # Requests of a step that failed: later batches (already queued when steps overlap)
         # skip them until the scheduler reports them finished.
         self._failed: set[str] = set()
+        # Guided decoding's masks are filled on this thread while the forward runs (False:
+        # on the compute thread after it; benchmarks/structured.py's baseline).
+        self._guided_worker: ThreadPoolExecutor | None = None
+        self.overlap_guided_masks = True
 
     @property
     def num_tracked(self) -> int:
@@ -117,18 +122,24 @@ class ModelRunner:
 
     def _apply_guided(self, logits: torch.Tensor, sample_ids: list[str],
                       drafts: dict[str, list[int]] | None = None) -> torch.Tensor:
-        """Mask the logits rows of guided requests to their grammar's allowed tokens; rows
-        without a constraint are untouched (and cost nothing when no row has one). A row
-        whose grammar allows no token keeps its logits; `finish` ends that request.
+        """Mask the logits rows of guided requests to their grammar's allowed tokens (see
+        `_fill_guided`, then `_mask_logits`); rows without a constraint are untouched (and
+        cost nothing when no row has one)."""
+        if not any(self._seqs[rid].matcher is not None for rid in sample_ids):
+            return logits
+        return self._mask_logits(logits, self._fill_guided(sample_ids, drafts or {}))
+
+    def _fill_guided(self, sample_ids: list[str], drafts: dict[str, list[int]]):
+        """The bitmask of a step's sampled rows and the rows it applies to. Reads and writes
+        only the guided requests' grammar state, so it can run on the guided worker thread
+        while the forward runs. A row whose grammar allows no token is left out (`finish`
+        ends that request).
 
         `drafts`: the proposals this step verifies (a request's len + 1 rows are
         consecutive). A guided one's verification row j gets the mask of the state after
         drafts 0..j-1; its list is cut, in place, before the first draft the grammar
         refuses (that draft would be rejected for certain; the rows after it are left
         unmasked and unused)."""
-        if not any(self._seqs[rid].matcher is not None for rid in sample_ids):
-            return logits
-        drafts = drafts or {}
         bitmask = allocate_bitmask(len(sample_ids), self.guided.vocab_size)
         masked, i = [], 0
         while i < len(sample_ids):
@@ -149,12 +160,32 @@ class ModelRunner:
             if matcher is not None and d is not None:
                 del d[kept:]
             i += span
+        return bitmask, masked
+
+    @staticmethod
+    def _mask_logits(logits: torch.Tensor, fill) -> torch.Tensor:
+        bitmask, masked = fill
         if not masked:
             return logits
         if logits.dtype != torch.float32:
             logits = logits.float()
         apply_bitmask(logits, bitmask.to(logits.device), masked)
         return logits
+
+    def _start_guided(self, batch: ExecuteBatch, drafts: dict[str, list[int]]):
+        """Start filling the step's grammar masks on the guided worker thread, to overlap
+        the forward: every guided row's state is known before the step runs (a step with
+        guided rows is never launched ahead of the previous step's tokens, which `finish`
+        has accepted). Returns (the sampled rows' request ids as the forward will return
+        them, the future), or None when no sampled row is guided."""
+        ids = [s.request_id for s in batch.sequences if s.sample
+               for _ in range(s.num_draft + 1)]
+        if self.guided is None or not any(self._seqs[rid].matcher is not None
+                                          for rid in dict.fromkeys(ids)):
+            return None
+        if self._guided_worker is None:
+            self._guided_worker = ThreadPoolExecutor(1, thread_name_prefix="tokenloom-guided")
+        return ids, self._guided_worker.submit(self._fill_guided, ids, drafts)
 
     def forget(self, request_ids) -> None:
         """These requests have finished: drop their sampling state."""
@@ -248,10 +279,17 @@ class ModelRunner:
             patch_src = (torch.tensor(patch[0], dtype=torch.int64, device=self.device),
                          prev.token_ids[torch.tensor(patch[1], dtype=torch.int64,
                                                      device=self.device)])
-        logits, sample_ids = self._forward(batch, patch_src)          # [S, vocab]
         drafts = {s.request_id: s.token_ids[len(s.token_ids) - s.num_draft:]
                   for s in batch.sequences if s.num_draft}
-        if self.guided is not None and sample_ids:
+        guided = self._start_guided(batch, drafts) if self.overlap_guided_masks else None
+        try:
+            logits, sample_ids = self._forward(batch, patch_src)      # [S, vocab]
+        finally:   # (a failed step still waits: nothing else may touch a matcher meanwhile)
+            fill = guided[1].result() if guided is not None else None
+        if fill is not None:
+            assert sample_ids == guided[0], "guided masks filled for other rows"
+            logits = self._mask_logits(logits, fill)
+        elif self.guided is not None and sample_ids and not self.overlap_guided_masks:
             logits = self._apply_guided(logits, sample_ids, drafts)
         if sample_ids and drafts:
             launched.sample_ids = list(dict.fromkeys(sample_ids))     # each request once

@@ -95,12 +95,18 @@ SCHEDULES = {
 
 @pytest.fixture(scope="module")
 def refs(model_path, prompts, tmp_path_factory):
-    """Greedy constrained output without speculation."""
+    """Greedy constrained output without speculation; the same whether the grammar masks
+    are filled on the guided worker while the forward runs (the default) or after it."""
     llm = make_llm(model_path, tmp_path_factory.mktemp("ref"))
+    runner = llm.engine.runner.runner
     try:
         outs = llm.generate(prompts, greedy("off"))
+        assert runner._guided_worker is not None    # the masks were filled there
+        runner.overlap_guided_masks = False
+        after = llm.generate(prompts, greedy("off"))
     finally:
         llm.close()
+    assert [o.token_ids for o in after] == [o.token_ids for o in outs]
     return {tuple(p): o.token_ids for p, o in zip(prompts, outs)}
 
 
