@@ -127,21 +127,25 @@ class ModelRunner:
         cost nothing when no row has one)."""
         if not any(self._seqs[rid].matcher is not None for rid in sample_ids):
             return logits
-        return self._mask_logits(logits, self._fill_guided(sample_ids, drafts or {}))
+        bitmask = allocate_bitmask(len(sample_ids), self.guided.vocab_size)
+        fill = self._fill_guided(bitmask, sample_ids, drafts or {})
+        return self._mask_logits(logits, fill)
 
-    def _fill_guided(self, sample_ids: list[str], drafts: dict[str, list[int]]):
-        """The bitmask of a step's sampled rows and the rows it applies to. Reads and writes
-        only the guided requests' grammar state, so it can run on the guided worker thread
-        while the forward runs. A row whose grammar allows no token is left out (`finish`
-        ends that request).
+    def _fill_guided(self, bitmask: torch.Tensor, sample_ids: list[str],
+                     drafts: dict[str, list[int]]):
+        """Fill `bitmask` for a step's sampled rows; returns it with the rows it applies to
+        and the draft-model proposals to restrict to the grammar (`_mask_logits` does that).
+        Reads and writes only the guided requests' grammar state and runs no parallel torch
+        op (the engine keeps one OpenMP team, on the compute thread), so it can run on the
+        guided worker thread while the forward runs. A row whose grammar allows no token is
+        left out (`finish` ends that request).
 
         `drafts`: the proposals this step verifies (a request's len + 1 rows are
         consecutive). A guided one's verification row j gets the mask of the state after
         drafts 0..j-1; its list is cut, in place, before the first draft the grammar
         refuses (that draft would be rejected for certain; the rows after it are left
         unmasked and unused)."""
-        bitmask = allocate_bitmask(len(sample_ids), self.guided.vocab_size)
-        masked, i = [], 0
+        masked, restrict, i = [], [], 0
         while i < len(sample_ids):
             state = self._seqs[sample_ids[i]]
             d = drafts.get(sample_ids[i])
@@ -155,16 +159,17 @@ class ModelRunner:
                 else:
                     masked.extend(range(i, i + kept + 1))
                     if kept and state.draft_probs is not None:
-                        state.draft_probs = restrict_draft_probs(state.draft_probs, bitmask,
-                                                                 i, kept)
+                        restrict.append((state, i, kept))
             if matcher is not None and d is not None:
                 del d[kept:]
             i += span
-        return bitmask, masked
+        return bitmask, masked, restrict
 
     @staticmethod
     def _mask_logits(logits: torch.Tensor, fill) -> torch.Tensor:
-        bitmask, masked = fill
+        bitmask, masked, restrict = fill
+        for state, row, kept in restrict:
+            state.draft_probs = restrict_draft_probs(state.draft_probs, bitmask, row, kept)
         if not masked:
             return logits
         if logits.dtype != torch.float32:
@@ -185,7 +190,8 @@ class ModelRunner:
             return None
         if self._guided_worker is None:
             self._guided_worker = ThreadPoolExecutor(1, thread_name_prefix="tokenloom-guided")
-        return ids, self._guided_worker.submit(self._fill_guided, ids, drafts)
+        bitmask = allocate_bitmask(len(ids), self.guided.vocab_size)
+        return ids, self._guided_worker.submit(self._fill_guided, bitmask, ids, drafts)
 
     def forget(self, request_ids) -> None:
         """These requests have finished: drop their sampling state."""

@@ -155,3 +155,29 @@ def test_sampled_constrained_speculation_is_well_formed_and_seeded(model_path, p
         assert texts and all(_text_ok(t) for t in texts), texts
         assert stats.spec.num_accepted_tokens > 0, stats.spec
     assert runs[0] == runs[1]
+
+
+def test_draft_model_proposals_are_cut_and_restricted_to_the_grammar(model_path, prompts,
+                                                                      refs, tmp_path):
+    """The target as its own draft model (unconstrained: it drafts words the grammar may
+    refuse, cut; sampled requests draft from q, restricted to the grammar before
+    verification): greedy output equals the reference, sampled output is well-formed (a
+    grammar of any 4 to 8 words, so that most drafts are allowed and verified), and
+    drafts are accepted."""
+    llm = LLM(model=str(model_path), quiet=True, device="cpu", dtype="float32",
+              cache_dir=str(tmp_path), block_size=BLOCK,
+              **{"speculative.method": "draft", "speculative.draft_model": str(model_path),
+                 "speculative.num_speculative_tokens": 3})
+    try:
+        got = [o.token_ids for o in llm.generate(prompts, greedy("on"))]
+        sampled = llm.generate(prompts, SamplingParams(
+            temperature=1.0, seed=4, guided=GuidedDecoding("regex", "(w[0-9]+){4,8}"),
+            max_tokens=MAX_TOKENS, speculative="on"))
+        spec = llm.scheduler_stats().spec
+        llm.check_integrity()
+    finally:
+        llm.close()
+    assert got == [refs[tuple(p)] for p in prompts]
+    texts = [o.text.replace(" ", "") for o in sampled if o.finish_reason == "stop"]
+    assert texts and all(re.fullmatch("(w[0-9]+){4,8}", t) for t in texts), texts
+    assert spec.num_accepted_tokens > 0, spec
