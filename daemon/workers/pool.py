@@ -48,6 +48,7 @@ from tokenloom.daemon.workers.slot import STOP_SECONDS, WorkerSlot, WorkerStartE
 log = structlog.get_logger("tokenloom.workers")
 
 TRACE_HISTORY = 4096     # routing decisions kept for traces
+QUERY_SECONDS = 10.0     # a control query's answer must come within this
 
 
 @dataclasses.dataclass
@@ -103,7 +104,12 @@ class WorkerPool:
                     f"{config.workers.start_timeout_seconds:g} s "
                     f"(workers.start_timeout_seconds)") from None
             raise
-        await asyncio.get_running_loop().run_in_executor(None, pool._build_front, hellos[0])
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, pool._build_front,
+                                                             hellos[0])
+        except BaseException:
+            await pool.close()
+            raise
         for slot in pool.slots:
             pool.router.send(WorkerUp(worker=slot.index))
         return pool
@@ -291,7 +297,10 @@ class WorkerPool:
         if not slot.send(wire.Control(id=qid, op=op, **fields)):
             slot.replies.pop(qid, None)
             raise RuntimeError(f"engine worker {w} is not reachable")
-        raw = await reply
+        try:   # a wedged worker must not hang admin or /metrics (it still shows in /health)
+            raw = await asyncio.wait_for(reply, QUERY_SECONDS)
+        finally:
+            slot.replies.pop(qid, None)
         return msgspec.msgpack.decode(raw, type=result_type) if result_type else \
             msgspec.msgpack.decode(raw)
 
