@@ -43,7 +43,8 @@ from tokenloom.actors.routing import RouteDecision, RoutingCore
 from tokenloom.actors.streams import StreamRegistry
 from tokenloom.config.schema import EngineConfig
 from tokenloom.daemon.workers import aggregate, supervisor, wire
-from tokenloom.daemon.workers.slot import STOP_SECONDS, WorkerSlot, WorkerStartError
+from tokenloom.daemon.workers.slot import (STOP_SECONDS, WorkerConfigError, WorkerSlot,
+                                           WorkerStartError)
 
 log = structlog.get_logger("tokenloom.workers")
 
@@ -266,9 +267,10 @@ class WorkerPool:
                 case wire.Hello():
                     if slot.hello is not None and not slot.hello.done():
                         slot.hello.set_result(msg)
-                case wire.Failed(error=error):
+                case wire.Failed(error=error, bad_config=bad_config):
                     if slot.hello is not None and not slot.hello.done():
-                        slot.hello.set_exception(WorkerStartError(
+                        cls = WorkerConfigError if bad_config else WorkerStartError
+                        slot.hello.set_exception(cls(
                             f"engine worker {msg.worker} failed to start: {error}"))
 
     def _output(self, out: RequestOutput) -> None:
@@ -417,8 +419,10 @@ class WorkerPool:
         procs = []
         for slot in self.slots:
             if slot.proc is not None and slot.proc.returncode is None:
-                if slot.sock is not None:
+                if slot.up:
                     slot.send(wire.Stop())
+                else:              # still starting (it reads no socket yet): nothing to lose
+                    slot.proc.kill()
                 procs.append(slot.proc)
         if procs:
             _, pending = await asyncio.wait([asyncio.ensure_future(p.wait()) for p in procs],

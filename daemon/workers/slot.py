@@ -28,6 +28,11 @@ class WorkerStartError(RuntimeError):
     pass
 
 
+class WorkerConfigError(WorkerStartError, ValueError):
+    """A worker refused its configuration (or model): `tokenloom serve` reports it on one
+    line and exits 2, like the in-process engine does."""
+
+
 @dataclasses.dataclass
 class WorkerSlot:
     index: int
@@ -78,15 +83,15 @@ class WorkerSlot:
             log.info("worker up", worker=self.index, pid=self.proc.pid,
                      incarnation=self.incarnation, device=self.config.model.device)
             return
-        error = (str(self.hello.exception()) if self.hello.done()
-                 else f"worker {self.index} exited with status {exited.result()} during "
-                      f"start-up")
+        error = (self.hello.exception() if self.hello.done()
+                 else WorkerStartError(f"engine worker {self.index} exited with status "
+                                       f"{exited.result()} during start-up"))
         if not exited.done():
             await asyncio.wait({exited}, timeout=STOP_SECONDS)
             if self.proc.returncode is None:
                 self.proc.kill()
         self.close_socket()
-        raise WorkerStartError(error)
+        raise error
 
     def send(self, envelope) -> bool:
         """Queue one envelope for the current incarnation (never blocks); False if it

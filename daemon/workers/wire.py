@@ -77,6 +77,7 @@ class Hello(_FromWorker):
 class Failed(_FromWorker):
     """The worker could not start (the error, e.g. a config or model error)."""
     error: str
+    bad_config: bool = False    # a ConfigError / ValueError: the daemon exits 2, as in-process
 
 
 class Outputs(_FromWorker):

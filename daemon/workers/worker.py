@@ -175,7 +175,8 @@ async def serve(config, index: int, incarnation: int, in_addr: str, out_addr: st
     except Exception as e:  # noqa: BLE001 - reported to the front, which fails start-up
         log.exception("worker start-up failed", worker=index)
         await push.send(wire.encode(wire.Failed(worker=index, incarnation=incarnation,
-                                                error=str(e))))
+                                                error=str(e),
+                                                bad_config=isinstance(e, ValueError))))
         push.close()
         return 1
     server = WorkerServer(engine, index, incarnation, push)

@@ -85,3 +85,31 @@ def test_aggregate_sums_counts_and_recomputes_ratios():
     assert total.kv.prefix_cache.missed_tokens == {"cold": 2}
     assert total.router.in_flight == 7
     msgspec.msgpack.encode(total)   # still a valid message
+
+
+def test_a_worker_that_cannot_start_fails_serve_with_its_error(tmp_path):
+    """Like the in-process engine: one line naming the problem, exit status 2, and no
+    worker process left behind."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tokenloom = str(Path(sys.executable).with_name("tokenloom"))
+    proc = subprocess.Popen([tokenloom, "serve", "--port", "0", "--workers", "2", "--model",
+                             str(tmp_path / "missing"), "--set", "model.device=cpu",
+                             "--set", "admin.enabled=false"], stderr=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, text=True)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    assert stderr.strip().splitlines()[-1].startswith("tokenloom: engine worker ")
+    assert f"model directory '{tmp_path / 'missing'}' does not exist" in stderr
+    ps = subprocess.run(["pgrep", "-f", f"workers.worker .*--parent {proc.pid}( |$)"],
+                        capture_output=True, text=True)
+    def running(pid: str) -> bool:
+        try:
+            return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+        except OSError:   # gone meanwhile
+            return False
+
+    alive = [pid for pid in ps.stdout.split() if running(pid)]
+    assert not alive, "worker processes outlived the daemon"
