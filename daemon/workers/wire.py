@@ -32,8 +32,7 @@ class Abort(_Wire):
     abort: AbortRequest
 
 
-ControlOp = Literal["stats", "flush", "trace", "check_integrity", "is_idle", "drain",
-                    "resume"]
+ControlOp = Literal["stats", "flush", "trace", "drain", "resume"]
 
 
 class Control(_Wire):

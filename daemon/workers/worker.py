@@ -9,7 +9,7 @@ subscribe to its KV events, then say `Hello`. From then on:
   validated it), its outputs to one shared queue that a sender task drains into `Outputs`
   envelopes — every output of a burst in one message;
 - Abort: to the engine's router, behind its request;
-- Control: stats / flush / trace / integrity / idle / drain / resume, answered by `Reply`;
+- Control: stats / flush / trace / drain / resume, answered by `Reply`;
 - Stop, or the front process disappearing (the parent pid changes): shut down and exit.
 
 A draining worker refuses new requests (the front stops routing to it first; this closes
@@ -31,8 +31,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from tokenloom.actors.messages import (CheckIntegrity, FlushPrefixCache, IsIdle, RequestOutput,
-                                       SubscribeKVEvents)
+from tokenloom.actors.messages import RequestOutput, SubscribeKVEvents
 from tokenloom.daemon.workers import wire
 
 log = structlog.get_logger("tokenloom.worker")
@@ -122,13 +121,9 @@ class WorkerServer:
             case "stats":
                 return await engine.stats()
             case "flush":
-                return await engine.ask(engine.kv_manager, FlushPrefixCache(force=c.force))
+                return await engine.flush_prefix_cache(c.force)
             case "trace":
                 return await engine.trace(c.request_id)
-            case "check_integrity":
-                return await engine.ask(engine.kv_manager, CheckIntegrity())
-            case "is_idle":
-                return await engine.ask(engine.scheduler, IsIdle())
             case "drain":
                 self.draining = True
                 return True
