@@ -109,6 +109,12 @@ def use_cache_dir(path: Path) -> None:
         pass
 
 
+def _layer_step(layer, m, h, cos, sin, kv_layer, meta, add_norm):
+    """llama.decoder_layer_step with the layer's K and V given as one [2, ...] pool view."""
+    from tokenloom.kernels.llama import decoder_layer_step
+    return decoder_layer_step(layer, m, h, cos, sin, kv_layer[0], kv_layer[1], meta, add_norm)
+
+
 class CompiledDecode:
     """One compiled program per bucket over shared static buffers; the same interface as
     graphs.capture.DecodeGraphs (`run`, `sizes`, replay counters) so the runner and the
@@ -131,28 +137,27 @@ class CompiledDecode:
     def sizes(self) -> tuple[int, ...]:
         return tuple(sorted(self.compiled))
 
-    def _static_forward(self, size: int) -> torch.Tensor:
-        """The decode step over the first `size` static rows (what gets compiled)."""
+    def _static_forward(self, size: int, step) -> torch.Tensor:
+        """The decode step over the first `size` static rows, each decoder layer through
+        `step` (the compiled layer, or the eager one)."""
         b = self.buffers
         model = self.model
-        h = model.hidden_states(b.input_ids[:size], b.positions[:size], self._pool_views(),
-                                b.meta(size))
-        return model.logits(h, b.logits_indices[:size])
-
-    def _pool_views(self) -> KVCache:
-        """The per-layer caches as views of the one pool tensor, taken inside the program:
-        the program then has a single KV input that its KV stores update in place. (Given
-        the per-layer views as separate inputs that alias one another, the compiler would
-        rebuild and copy the whole pool around every store.)"""
-        kv, pool = self.kv, self.kv.pool
-        return KVCache(key=[pool[i, 0] for i in range(pool.shape[0])],
-                       value=[pool[i, 1] for i in range(pool.shape[0])],
-                       num_blocks=kv.num_blocks, block_size=kv.block_size, pool=pool)
+        meta = b.meta(size)
+        h = model.embed_tokens(b.input_ids[:size])
+        cos, sin = model.rope.lookup(b.positions[:size])
+        m = torch.zeros_like(h)
+        pool = self.kv.pool
+        for i, layer in enumerate(model.layers):
+            # The layer's K and V as one view of the pool: a single input that the KV store
+            # updates in place. (K and V as two inputs aliasing one storage would make the
+            # compiler rebuild and copy their common base around every store.)
+            m, h = step(layer, m, h, cos, sin, pool[i], meta, model.add_norm_fn)
+        return model.logits(h + m, b.logits_indices[:size])
 
     def _eager(self, size: int) -> torch.Tensor:
         b = self.buffers
         with torch.inference_mode(), self.model.layer_threads(b.input_ids[:size], b.meta(size)):
-            return self._static_forward(size)
+            return self._static_forward(size, _layer_step)
 
     def compile(self, sizes: tuple[int, ...], progress: bool = True) -> None:
         """Compile every bucket, largest first. A bucket that fails is dropped (its steps
@@ -165,7 +170,9 @@ class CompiledDecode:
         for name in ("recompile_limit", "cache_size_limit"):
             if hasattr(torch._dynamo.config, name):
                 setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), limit))
-        self._program = torch.compile(self._static_forward, fullgraph=True, dynamic=False)
+        # One compiled region per bucket, shared by every layer (they differ only in their
+        # tensors): compiling it costs one layer's trace, not the whole model's.
+        self._program = torch.compile(_layer_step, fullgraph=True, dynamic=False)
         order = sorted(sizes, reverse=True)
         bar = None
         if progress:
@@ -187,7 +194,7 @@ class CompiledDecode:
                 try:
                     with torch.inference_mode(), self.model.layer_threads(b.input_ids[:size],
                                                                           b.meta(size)):
-                        self._program(size)
+                        self._static_forward(size, self._program)
                     self.compiled.add(size)
                 except Exception as e:  # a compiler problem: that bucket runs eager
                     self.failed[size] = f"{type(e).__name__}: {e}"[:500]
@@ -222,7 +229,7 @@ class CompiledDecode:
             # Never compile on live traffic: a program whose guards fail raises instead.
             with torch.compiler.set_stance("fail_on_recompile"), torch.inference_mode(), \
                     self.model.layer_threads(b.input_ids[:padded], b.meta(padded)):
-                logits = self._program(padded)
+                logits = self._static_forward(padded, self._program)
         except Exception as e:
             self.compiled.discard(padded)
             self.failed[padded] = f"{type(e).__name__}: {e}"[:500]

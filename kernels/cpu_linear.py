@@ -158,52 +158,73 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale
 
 
-def _candidates(weight: torch.Tensor, bias: torch.Tensor | None, storage: str,
-                act_dtype: torch.dtype, only: set[str] | None = None) -> dict:
-    """name -> forward(x) for every kernel that can multiply by this weight here.
+class KernelSet(nn.Module):
+    """One projection's weight in the forms its kernels need, and the kernels by name.
 
     storage "float": the weight is kept in act_dtype (fp32 or bf16); "int8": per-channel
     int8 with fp32 scales, activations stay act_dtype. `only`: build just these (the rest
-    would hold copies of the weight for nothing)."""
-    def want(name: str) -> bool:
-        return only is None or name in only
+    would hold copies of the weight for nothing). The forms are buffers and `run` is plain
+    code, so that a compiled region (graphs/cpu_compile.py) traced for one layer serves
+    every layer: the layers differ only in their tensors."""
 
-    out: dict = {}
-    empty = torch.empty(0)
-    b = None if bias is None else bias.detach().to(act_dtype)
-    gemm = small_gemm_module()
-    if storage == INT8:
-        q, scale = quantize_int8(weight)
-        if gemm is not None and want("small_gemm_int8"):
-            sb = empty if b is None else b
-            out["small_gemm_int8"] = lambda x: torch.ops.tokenloom.small_gemm(x, q, scale, sb)
-        if has_int8_weight_op() and want("int8pack_bf16"):
-            scale16 = scale.to(torch.bfloat16)
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, storage: str,
+                 act_dtype: torch.dtype, only: set[str] | None = None):
+        super().__init__()
 
-            def int8pack(x):  # its fp32-activation path is scalar; bf16 is vectorised
-                y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), q,
-                                                       scale16).to(x.dtype)
-                return y if b is None else y + b
-            out["int8pack_bf16"] = int8pack
+        def want(name: str) -> bool:
+            return only is None or name in only
 
-        def dequant(x):  # large batches: widen once per call, then a dense matmul
-            return F.linear(x, (q.to(x.dtype) * scale[:, None].to(x.dtype)), b)
-        if want("dequant_mkl"):
-            out["dequant_mkl"] = dequant
-        return out
-    w = weight.detach().to(act_dtype).contiguous()
-    if want("mkl"):
-        out["mkl"] = lambda x: F.linear(x, w, b)
-    if onednn_available() and want("onednn"):
-        try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(w, ROWS_HINT)
-            out["onednn"] = lambda x: onednn_linear(x, packed, b)
-        except RuntimeError as e:  # a torch build without the primitive for this dtype
-            log.info("oneDNN linear unavailable", dtype=str(act_dtype), reason=str(e))
-    if gemm is not None and want("small_gemm"):
-        sb = empty if b is None else b
-        out["small_gemm"] = lambda x: torch.ops.tokenloom.small_gemm(x, w, empty, sb)
-    return out
+        names = []
+        self.register_buffer("bias", None if bias is None else bias.detach().to(act_dtype),
+                             persistent=False)
+        self.register_buffer("empty", torch.empty(0), persistent=False)
+        gemm = small_gemm_module()
+        if storage == INT8:
+            q, scale = quantize_int8(weight)
+            self.register_buffer("q", q, persistent=False)
+            self.register_buffer("scale", scale, persistent=False)
+            if gemm is not None and want("small_gemm_int8"):
+                names.append("small_gemm_int8")
+            if has_int8_weight_op() and want("int8pack_bf16"):
+                self.register_buffer("scale16", scale.to(torch.bfloat16), persistent=False)
+                names.append("int8pack_bf16")
+            if want("dequant_mkl"):
+                names.append("dequant_mkl")
+        else:
+            self.register_buffer("w", weight.detach().to(act_dtype).contiguous(),
+                                 persistent=False)
+            if want("mkl"):
+                names.append("mkl")
+            if onednn_available() and want("onednn"):
+                try:
+                    packed = torch.ops.mkldnn._reorder_linear_weight(self.w, ROWS_HINT)
+                    self.register_buffer("packed", packed, persistent=False)
+                    names.append("onednn")
+                except RuntimeError as e:  # a torch build without the primitive for this dtype
+                    log.info("oneDNN linear unavailable", dtype=str(act_dtype), reason=str(e))
+            if gemm is not None and want("small_gemm"):
+                names.append("small_gemm")
+        self.names = tuple(names)
+
+    def run(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        b = self.bias
+        if name == "mkl":
+            return F.linear(x, self.w, b)
+        if name == "onednn":
+            return onednn_linear(x, self.packed, b)
+        if name == "small_gemm":
+            return torch.ops.tokenloom.small_gemm(x, self.w, self.empty,
+                                                  self.empty if b is None else b)
+        if name == "small_gemm_int8":
+            return torch.ops.tokenloom.small_gemm(x, self.q, self.scale,
+                                                  self.empty if b is None else b)
+        if name == "int8pack_bf16":   # its fp32-activation path is scalar; bf16 is vectorised
+            y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.q,
+                                                   self.scale16).to(x.dtype)
+            return y if b is None else y + b
+        if name == "dequant_mkl":     # large batches: widen once per call, then a dense matmul
+            return F.linear(x, self.q.to(x.dtype) * self.scale[:, None].to(x.dtype), b)
+        raise ValueError(f"unknown CPU matmul kernel {name!r}")
 
 
 def _min_ms(fn, reps: int = 5) -> float:
@@ -311,14 +332,14 @@ def plan(weights: list[tuple[torch.Tensor, torch.Tensor | None]], storage: str,
          act_dtype: torch.dtype, rows: tuple[int, ...] = ROW_LADDER) -> Plan:
     """Time every candidate kernel on these projections (e.g. one decoder layer's) at each
     row count and keep the fastest per row count, merged into bands."""
-    cands = [_candidates(w, b, storage, act_dtype) for w, b in weights]
-    names = [n for n in cands[0] if all(n in c for c in cands)]
+    cands = [KernelSet(w, b, storage, act_dtype) for w, b in weights]
+    names = [n for n in cands[0].names if all(n in c.names for c in cands)]
     timings: dict[int, dict[str, float]] = {}
     best: list[str] = []
     with torch.inference_mode():
         for n in rows:
             xs = [torch.randn(n, w.shape[1]).to(act_dtype) for w, _ in weights]
-            timings[n] = {name: _min_ms(lambda: [c[name](x) for c, x in zip(cands, xs)])
+            timings[n] = {name: _min_ms(lambda: [c.run(name, x) for c, x in zip(cands, xs)])
                           for name in names}
             best.append(min(timings[n], key=timings[n].get))
     return Plan(_merge_bands(list(zip(rows, best))), timings)
@@ -351,19 +372,20 @@ class CpuLinear(nn.Module):
         # Compiled decode programs (graphs/cpu_compile.py) cannot call oneDNN's packed
         # weights: while tracing, the fastest other kernel for the row count is used.
         traced = chosen.excluding(NOT_TRACEABLE)
-        fns = _candidates(weight, bias, storage, act_dtype, chosen.kernels | traced.kernels)
-        self._bands = [(hi, fns[name]) for hi, name in chosen.bands]
-        self._traced_bands = [(hi, fns[name]) for hi, name in traced.bands]
+        self.kernels = KernelSet(weight, bias, storage, act_dtype,
+                                 chosen.kernels | traced.kernels)
+        self._bands = chosen.bands
+        self._traced_bands = traced.bands
         self.kernel_names = tuple(name for _, name in chosen.bands)
         self.traced_kernel_names = tuple(name for _, name in traced.bands)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         bands = self._traced_bands if torch.compiler.is_compiling() else self._bands
-        for hi, fn in bands:
+        for hi, name in bands:
             if rows <= hi:
-                return fn(x)
-        return bands[-1][1](x)
+                return self.kernels.run(name, x)
+        return self.kernels.run(bands[-1][1], x)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

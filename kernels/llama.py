@@ -88,6 +88,20 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
 
+def decoder_layer_step(layer: DecoderLayer, m: torch.Tensor, h: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                       meta: AttentionMetadata, add_norm) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoder layer on the residual stream `h`, given the previous layer's MLP output
+    `m` (zeros before the first layer). Each residual add is fused into the norm after it.
+    Returns (this layer's MLP output, the residual stream before it is added). Tensor code
+    only and the same for every layer: a compiled CPU decode program compiles it once per
+    batch size and runs it for all layers (graphs/cpu_compile.py)."""
+    x, h = add_norm(m, h, layer.input_layernorm)
+    a = layer.self_attn(x, cos, sin, key_cache, value_cache, meta)
+    x, h = add_norm(a, h, layer.post_attention_layernorm)
+    return layer.mlp(x), h
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
@@ -183,19 +197,11 @@ class LlamaForCausalLM(nn.Module):
         (no host-side state), so a static-shape decode program can compile it."""
         h = self.embed_tokens(input_ids)                                # [T, hidden]
         cos, sin = self.rope.lookup(positions)                          # [T, 1, D] each
-        add_norm = self.add_norm_fn
-        # The residual stream `h` and each sublayer's normalised input `x`: every residual
-        # add is fused into the norm that follows it.
-        x = self._norm(h, self.layers[0].input_layernorm)
+        m = torch.zeros_like(h)   # h + 0 == h: the first layer's input norm sees h as is
         for i, layer in enumerate(self.layers):
-            a = layer.self_attn(x, cos, sin, kv.key[i], kv.value[i], meta)
-            x, h = add_norm(a, h, layer.post_attention_layernorm)
-            m = layer.mlp(x)
-            if i + 1 < len(self.layers):
-                x, h = add_norm(m, h, self.layers[i + 1].input_layernorm)
-            else:
-                h = h + m
-        return h
+            m, h = decoder_layer_step(layer, m, h, cos, sin, kv.key[i], kv.value[i], meta,
+                                      self.add_norm_fn)
+        return h + m
 
     def logits(self, h: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         """The sampled rows' logits (fp32) from the last residual stream."""

@@ -133,6 +133,8 @@ def test_compiled_programs_match_eager_and_transformers(tiny_dir, tmp_path):
     assert warm is not None and warm.sizes == (1, 4), warm.failed
     assert counters["inductor"]["fxgraph_cache_hit"] >= 2, dict(counters["inductor"])
     assert counters["inductor"]["fxgraph_cache_miss"] == 0
+    # One compiled region per bucket serves both layers (they differ only in tensors).
+    assert counters["stats"]["unique_graphs"] == 2
 
 
 class _FakeCompile:
@@ -142,10 +144,10 @@ class _FakeCompile:
         self.fail_sizes = set(fail_sizes)
 
     def __call__(self, fn, **kwargs):
-        def program(size):
-            if size in self.fail_sizes:
-                raise RuntimeError(f"inductor failed for {size}")
-            return fn(size)
+        def program(layer, m, *rest):    # the compiled region: one decoder layer
+            if m.shape[0] in self.fail_sizes:
+                raise RuntimeError(f"inductor failed for {m.shape[0]}")
+            return fn(layer, m, *rest)
         return program
 
 

@@ -47,12 +47,12 @@ def test_every_candidate_matches_the_reference(rows, act):
     (w, b), = _weights(rows, shapes=((37, 100),))
     x = torch.randn(rows, 100).to(act)
     ref = torch.nn.functional.linear(x.float(), w.to(act).float(), b.to(act).float())
-    cands = cpu_linear._candidates(w, b, "float", act)
-    assert "mkl" in cands
+    kernels = cpu_linear.KernelSet(w, b, "float", act)
+    assert "mkl" in kernels.names
     tol = 1e-4 if act == torch.float32 else 3e-2
     with torch.inference_mode():
-        for name, fn in cands.items():
-            y = fn(x)
+        for name in kernels.names:
+            y = kernels.run(name, x)
             assert y.dtype == act and y.shape == (rows, 37), name
             torch.testing.assert_close(y.float(), ref, rtol=tol, atol=tol, msg=name)
 
@@ -66,13 +66,14 @@ def test_int8_candidates_match_dequantized_weights(act):
     assert (deq - w).abs().max() <= scale.max() / 2 + 1e-6   # half a step at most
     x = torch.randn(6, 96).to(act)
     ref = torch.nn.functional.linear(x.float(), deq, b.float())
-    cands = cpu_linear._candidates(w, b, cpu_linear.INT8, act)
-    assert "dequant_mkl" in cands
+    kernels = cpu_linear.KernelSet(w, b, cpu_linear.INT8, act)
+    assert "dequant_mkl" in kernels.names
     with torch.inference_mode():
-        for name, fn in cands.items():
+        for name in kernels.names:
             # int8pack rounds activations to bf16; bf16 activations round the output.
             tol = 1e-4 if act == torch.float32 and name != "int8pack_bf16" else 3e-2
-            torch.testing.assert_close(fn(x).float(), ref, rtol=tol, atol=tol, msg=name)
+            torch.testing.assert_close(kernels.run(name, x).float(), ref, rtol=tol, atol=tol,
+                                       msg=name)
 
 
 def test_plan_bands_cover_every_row_count_and_dispatch():
@@ -99,9 +100,8 @@ def test_forced_plan_dispatches_by_rows(monkeypatch):
     forced = cpu_linear.Plan(((2, "mkl"), (8, "onednn")), {})
     w, b = weights[0]
     layer = cpu_linear.CpuLinear(w, b, "float", torch.float32, forced)
-    names = dict(zip(layer.kernel_names, [fn for _, fn in layer._bands]))
-    layer._bands = [(hi, (lambda name: lambda x: calls.append(name) or names[name](x))(n))
-                    for (hi, _), n in zip(layer._bands, layer.kernel_names)]
+    run = layer.kernels.run
+    monkeypatch.setattr(layer.kernels, "run", lambda name, x: calls.append(name) or run(name, x))
     with torch.inference_mode():
         for rows in (1, 2, 3, 8, 30):
             layer(torch.randn(rows, 64))
@@ -126,7 +126,10 @@ def test_onednn_calls_at_every_row_count_build_a_bounded_set_of_primitives(monke
     soak). Calls from 1 to 400 rows reach oneDNN at 16 + 8 per doubling distinct row counts,
     and give the same values as unpadded calls."""
     (w, b), = _weights(5, shapes=((48, 32),))
-    onednn = cpu_linear._candidates(w, b, "float", torch.float32, {"onednn"})["onednn"]
+    kernels = cpu_linear.KernelSet(w, b, "float", torch.float32, {"onednn"})
+
+    def onednn(x):
+        return kernels.run("onednn", x)
     real = torch.ops.mkldnn._linear_pointwise
     seen = set()
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import random
 from pathlib import Path
 
@@ -246,7 +247,12 @@ def test_bf16_on_cpu_stays_close_to_transformers(tiny_model, tmp_path, name):
         logits = _forward(model, kv, [_seq("a", prompt, 0, list(range(32)), True)], 0)[0]
         assert logits.dtype == torch.float32
         fp32 = hf_last_logits(m.hf, prompt)
-        assert (logits - hf_last_logits(hf_bf16, prompt)).abs().max().item() < 0.05
+        # Within 4 bf16 steps at the logits' magnitude: which kernel each projection runs
+        # is measured at start-up (cpu_linear.plan), and the C++ one sums in fp32 and rounds
+        # once, so the last bits differ from oneDNN's by a step or two per layer.
+        ref = hf_last_logits(hf_bf16, prompt)
+        step = 2.0 ** (math.floor(math.log2(ref.abs().max().item())) - 7)
+        assert (logits - ref).abs().max().item() <= 4 * step
         assert (logits - fp32).abs().max().item() < 0.15 * fp32.abs().max().item()
 
     llm = make_llm(m, tmp_path, dtype="bfloat16", max_num_batched_tokens=16, max_num_seqs=4)
