@@ -13,8 +13,9 @@ time, the same token-id prompts, greedy, EOS ignored):
 - prefill of a 1,024-token prompt: prompt tokens/s (tokenloom: time to the first token;
   llama.cpp: `timings.prompt_per_second`);
 - batch-16 decode step vs batch-1 (16 concurrent 32-token prompts, 64 tokens each);
-- start-up: tokenloom cold (no C++ kernel build cache, no remembered quality gate) and
-  warm; llama-server until /health answers 200;
+- start-up: tokenloom cold (no C++ kernel build cache, no remembered quality gate, kernel
+  plan or compiled programs) and warm; llama-server until /health answers 200;
+- tokenloom eager and with compiled decode programs (graphs.cpu_compile) side by side;
 - the roofline next to each decode figure: bytes streamed per token (every projection
   weight once, the tied LM head once, the KV read at that context) over a measured
   multi-threaded read bandwidth; and the int8 quality gate (agreement, KL) beside its speed.
@@ -84,13 +85,13 @@ def prompts(rng: random.Random, n: int, length: int) -> list[list[int]]:
 
 
 # -- tokenloom ---------------------------------------------------------------------------
-def tokenloom_mode(mode: str, args, rng: random.Random) -> dict:
+def tokenloom_mode(mode: str, args, rng: random.Random, compiled: bool = False) -> dict:
     from tokenloom import LLM, SamplingParams
 
     options, _, _ = MODES[mode]
     t = time.perf_counter()
     llm = LLM(device="cpu", quiet=True, enable_prefix_caching=False, chunking="static",
-              max_num_batched_tokens=2048, **options)
+              max_num_batched_tokens=2048, cpu_compile=compiled, **options)
     start_s = time.perf_counter() - t
 
     def gen(ps, max_tokens):
@@ -117,6 +118,9 @@ def tokenloom_mode(mode: str, args, rng: random.Random) -> dict:
         res["batch16_step_ms"] = min(itl_ms(gen(prompts(rng, 16, 32), OUT)[1])
                                      for _ in range(max(1, args.reps - 1)))
         res["weight_bytes"] = weight_bytes(llm)
+        stats = llm.engine.runner.runner.graph_stats()
+        res["program_steps"] = stats.get("replays", 0)
+        res["eager_steps"] = stats["eager_steps"]
     finally:
         llm.close()
     return res
@@ -138,17 +142,26 @@ def weight_bytes(llm) -> int:
     return total
 
 
-def startup_subprocess(mode: str, cold: bool) -> float:
+def startup_subprocess(mode: str, cold: bool, compiled: bool = False) -> float:
     """Seconds to construct LLM in a fresh process (model already converted). Cold: empty
-    C++ kernel build cache and no remembered quality gate."""
+    C++ kernel build cache and no remembered quality gate, kernel plan or compiled decode
+    programs (moved aside and put back afterwards)."""
     options, _, _ = MODES[mode]
     env = dict(os.environ)
     tmp = None
     code = ("import time; t=time.perf_counter(); from tokenloom import LLM; "
-            f"llm=LLM(device='cpu', quiet=True, **{options!r}); "
+            f"llm=LLM(device='cpu', quiet=True, cpu_compile={compiled!r}, **{options!r}); "
             "print(time.perf_counter()-t); llm.close()")
     gate = saved = None
+    from tokenloom.config.schema import ModelConfig, resolve_cache_dir
+    caches = [Path(resolve_cache_dir(ModelConfig())) / d for d in ("cpu_programs",
+                                                                  "cpu_kernel_plans")]
+    aside = [c.with_name(c.name + ".bench-aside") for c in caches]
     if cold:
+        for c, a in zip(caches, aside):
+            if c.exists():
+                shutil.rmtree(a, ignore_errors=True)
+                c.rename(a)
         tmp = tempfile.mkdtemp(prefix="tl-cold-")
         env["TORCH_EXTENSIONS_DIR"] = tmp
         from tokenloom.config.schema import ModelConfig, resolve_cache_dir
@@ -164,6 +177,11 @@ def startup_subprocess(mode: str, cold: bool) -> float:
             shutil.rmtree(tmp, ignore_errors=True)
         if saved is not None:   # the user's remembered verdicts come back as they were
             gate.write_bytes(saved)
+        if cold:
+            for c, a in zip(caches, aside):
+                if a.exists():
+                    shutil.rmtree(c, ignore_errors=True)
+                    a.rename(c)
 
 
 # -- llama.cpp ---------------------------------------------------------------------------
@@ -224,12 +242,13 @@ def report(out: dict) -> list[str]:
              "",
              "| mode (vs llama.cpp) | figure | tokenloom | llama.cpp | ratio | tokenloom roofline |",
              "|---|---|---:|---:|---:|---:|"]
-    for mode, r in out["modes"].items():
-        ours, peer = r.get("tokenloom"), r.get("llama")
+    for (mode, r), variant in [(item, v) for item in out["modes"].items()
+                               for v in ("tokenloom", "tokenloom_compiled")]:
+        ours, peer = r.get(variant), r.get("llama")
         if not ours or not peer:
             continue
         kvb = kv_elems * MODES[mode][2]
-        label = f"{mode} (vs {MODES[mode][1]})"
+        label = f"{mode}{' compiled' if variant.endswith('compiled') else ''} (vs {MODES[mode][1]})"
         for ctx in (300, 1100):
             k = f"decode_{ctx}_ms"
             roof = roofline_ms(ours["weight_bytes"], kvb, ctx, gbs)
@@ -249,8 +268,18 @@ def report(out: dict) -> list[str]:
         if "startup_cold_s" in ours:
             start = f"cold {ours['startup_cold_s']:.1f} s, " + start
         lines.append(f"| {label} | start-up | {start} | {peer['startup_s']:.1f} s | | |")
-        if "gate" in r:
+        if "gate" in r and variant == "tokenloom":
             lines.append(f"| {label} | quality gate vs fp32 | {r['gate']} | | | |")
+    compiled = [(m, r) for m, r in out["modes"].items() if "tokenloom" in r
+                and "tokenloom_compiled" in r]
+    if compiled:
+        lines += ["", "compiled decode programs / eager (same run; > 1: compiled faster):", ""]
+        for mode, r in compiled:
+            e, c = r["tokenloom"], r["tokenloom_compiled"]
+            parts = [f"{k.replace('_ms', '')} {e[k] / c[k]:.2f}x" for k in
+                     ("decode_300_ms", "decode_1100_ms", "batch1_step_ms", "batch16_step_ms")]
+            lines.append(f"- {mode}: " + ", ".join(parts) + f" ({c.get('program_steps', 0)} "
+                         f"program steps, {c.get('eager_steps', 0)} eager)")
     return lines
 
 
@@ -261,6 +290,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--quick", action="store_true", help="one repetition, no cold start")
     ap.add_argument("--no-cold", action="store_true")
+    ap.add_argument("--cpu-compile", choices=("both", "on", "off"), default="both",
+                    help="tokenloom with compiled decode programs (graphs.cpu_compile), "
+                         "eager, or both side by side (default)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "cpu_forward.json"))
     args = ap.parse_args()
     if args.quick:
@@ -274,11 +306,14 @@ def main() -> None:
     logdir = Path(tempfile.mkdtemp(prefix="cpu-forward-"))
     for mode in args.modes:
         r = out["modes"].setdefault(mode, {})
-        print(f"[{mode}] tokenloom ...", flush=True)
-        r["tokenloom"] = tokenloom_mode(mode, args, rng)
-        if not args.no_cold and mode == args.modes[-1]:
-            r["tokenloom"]["startup_cold_s"] = startup_subprocess(mode, cold=True)
-        r["tokenloom"]["startup_warm_s"] = startup_subprocess(mode, cold=False)
+        variants = {"both": (False, True), "on": (True,), "off": (False,)}[args.cpu_compile]
+        for compiled in variants:
+            key = "tokenloom_compiled" if compiled else "tokenloom"
+            print(f"[{mode}] {key} ...", flush=True)
+            r[key] = tokenloom_mode(mode, args, rng, compiled)
+            if not args.no_cold and (compiled or mode == args.modes[-1]):
+                r[key]["startup_cold_s"] = startup_subprocess(mode, True, compiled)
+            r[key]["startup_warm_s"] = startup_subprocess(mode, False, compiled)
         if MODES[mode][0].get("weight_dtype") == "int8":
             r["gate"] = _gate_summary()
         print(f"[{mode}] llama.cpp {MODES[mode][1]} ...", flush=True)
