@@ -165,6 +165,10 @@ class CompiledDecode:
         import torch._dynamo
 
         register_shape_functions()
+        import torch._inductor.config as inductor_config
+        # Round every intermediate to the model dtype where eager does (bf16): fused loops
+        # otherwise keep fp32 in between, and programs would drift from the eager path.
+        inductor_config.emulate_precision_casts = True
         # One program per bucket: room for all of them in dynamo's per-function cache.
         limit = len(sizes) + 2
         for name in ("recompile_limit", "cache_size_limit"):

@@ -215,3 +215,25 @@ def test_cache_key_follows_dtype_and_cpu(tiny_dir, monkeypatch):
     other = dataclasses.replace(cpu_features.detect(), torch_capability="ANOTHER_CPU")
     monkeypatch.setattr(cpu_features, "detect", lambda: other)
     assert cpu_compile.cache_key(model, kv) != key
+
+
+def test_bf16_programs_round_like_eager(tiny_dir, tmp_path):
+    """In bf16 a program must round every intermediate where eager does (Inductor's fused
+    loops would otherwise keep fp32 in between): its logits equal the eager path's."""
+    spec = load_spec(tiny_dir)
+    model, _ = load_model(tiny_dir, torch.bfloat16, torch.device("cpu"),
+                          spec.max_position_embeddings)
+    model.set_decode_kernel(paged_decode_cpu)
+    kv = KVCache.allocate(spec.num_layers, NUM_BLOCKS, BS, spec.num_kv_heads, spec.head_dim,
+                          torch.bfloat16, "cpu")
+    kv.pool.normal_(generator=torch.Generator().manual_seed(0))
+    _, programs = graph_setup.build_decode_graphs(
+        GraphsConfig(cpu_compile=True, cpu_capture_sizes=[2]), model, kv, max_num_seqs=8,
+        max_model_len=MAX_LEN, device=torch.device("cpu"), cache_dir=tmp_path)
+    assert programs.sizes == (2,), programs.failed
+    seqs = [ScheduledSequence(request_id=f"r{i}", token_ids=[7 + i], start_pos=20 + i,
+                              block_table=[3 * i + 1, 3 * i + 2, 3 * i + 3], sample=True)
+            for i in range(2)]
+    compiled = programs.run(seqs, 2).clone()
+    assert programs.num_replays == 1
+    assert torch.equal(compiled, programs._eager(2))
