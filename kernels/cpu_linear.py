@@ -51,13 +51,14 @@ class PackedLinear(nn.Module):
 
 
 # oneDNN builds (JIT-compiles) a primitive for every input shape it sees and keeps it in its
-# process-wide primitive cache (1,024 entries): ~280 KiB of native memory each, mostly the
-# JIT code buffer. A server's steps have every row count from 1 to the batch-token budget,
-# so keyed by the exact count the cache grew by ~0.8 KiB a request under mixed traffic
-# (the soak: ~9 MiB a minute, toward ~280 MiB). Calls are therefore made at a bounded set
-# of row counts: exact up to ONEDNN_EXACT_ROWS (decode batches, where the weights' memory
-# traffic dominates), above it rounded up to 1/8 of the power of two below (at most 12.5%
-# padding rows, 8 shapes per doubling: 72 up to 2,048 rows).
+# process-wide primitive cache (1,024 entries): 0.3-0.6 MiB of native memory each (measured
+# on the tiny test model's shapes and SmolLM2's: benchmarks/onednn_shapes.py). A server's
+# steps have every row count from 1 to the batch-token budget, so keyed by the exact count
+# the cache grew by ~0.8 KiB a request under mixed traffic (the soak: ~9 MiB a minute,
+# until the cache is full at 0.3-0.6 GiB). Calls are therefore made at a bounded set of row counts: exact up to
+# ONEDNN_EXACT_ROWS (decode batches, where the weights' memory traffic dominates), above it
+# rounded up to 1/8 of the power of two below (at most 12.5% padding rows, 8 shapes per
+# doubling: 72 up to 2,048 rows).
 ONEDNN_EXACT_ROWS = 16
 
 
