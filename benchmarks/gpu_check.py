@@ -164,7 +164,7 @@ def build(shape: str, device: str, max_batch: int, context: int, dtype):
     model = random_model(spec, dtype, device, max_positions=max_len)
     if device == "cuda":
         from tokenloom.kernels.triton_attention import make_decode_kernel, store_kv_triton
-        model.set_decode_kernel(make_decode_kernel(max_len))
+        model.set_decode_kernel(make_decode_kernel(spec))
         model.set_kv_store_kernel(store_kv_triton)
     bps = -(-max_len // BLOCK_SIZE)
     kv = KVCache.allocate(spec.num_layers, max_batch * bps + 1, BLOCK_SIZE, spec.num_kv_heads,
@@ -267,12 +267,13 @@ def kernel_bandwidth(context: int, copy_bw: float) -> list[dict]:
     import torch
 
     from tokenloom.kernels.attention import decode_attention
+    from tokenloom.kernels.random_model import SHAPES
     from tokenloom.kernels.triton_attention import make_decode_kernel
 
     heads, kvh, d = 32, 8, 128
     nb = -(-context // BLOCK_SIZE)
     rows = []
-    fn = make_decode_kernel(context)
+    fn = make_decode_kernel(SHAPES["llama3-8b"])   # the split sized per call by the SMs
     for b in (1, 8, 32):
         kc = torch.randn(b * nb + 1, BLOCK_SIZE, kvh, d, device="cuda", dtype=torch.bfloat16)
         vc = torch.randn_like(kc)

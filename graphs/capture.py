@@ -116,6 +116,11 @@ class DecodeGraphs:
         # Padding rows only: warm-up and capture write no KV (slot -1) and read block 0.
         b.slot_mapping[:size].fill_(-1)
         b.context_lens[:size].fill_(1)
+        # The warm-up runs eagerly (the eager split); compile the graph's own decode-attention
+        # variant outside the capture too (kernels/triton_attention.SplitDecode).
+        prepare = getattr(self.model.layers[0].self_attn.decode_fn, "prepare_capture", None)
+        if prepare is not None:
+            prepare(size, b.max_context, self.kv)
         with torch.inference_mode():
             for _ in range(warmup):
                 self.forward_static(size)

@@ -9,6 +9,7 @@ serving on the eager path.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import structlog
@@ -53,6 +54,11 @@ def build_decode_graphs(cfg: GraphsConfig, model, kv: KVCache, *, max_num_seqs: 
                                   max_model_len=max_model_len, cache_dir=cache_dir)
     if device.type != "cuda":
         return Dispatcher(None, f"eager on {device.type}"), None
+    width = -(-max_model_len // kv.block_size) * kv.block_size
+    graphs_possible = not cfg.enforce_eager and model.layers[0].self_attn.store_fn is not None
+    precompile_decode(model, kv, max_num_seqs=max_num_seqs, width=width,
+                      graph_sizes=resolve_capture_sizes(cfg, max_num_seqs) if graphs_possible
+                      else ())
     if cfg.enforce_eager:
         startup_log.info("CUDA graphs off (graphs.enforce_eager); decode runs eager")
         return Dispatcher(None, "graphs.enforce_eager"), None
@@ -60,7 +66,6 @@ def build_decode_graphs(cfg: GraphsConfig, model, kv: KVCache, *, max_num_seqs: 
         reason = "no graph-safe KV store kernel (Triton unavailable)"
         startup_log.info(f"CUDA graphs disabled: {reason}; decode runs eager", reason=reason)
         return Dispatcher(None, reason), None
-    width = -(-max_model_len // kv.block_size) * kv.block_size
     if model.layers[0].self_attn.decode_fn is None and width > REFERENCE_MAX_CONTEXT:
         # The reference decode gathers every row's whole block table inside the graph.
         reason = (f"the torch reference attention would gather {width} tokens per row in every "
@@ -83,6 +88,35 @@ def build_decode_graphs(cfg: GraphsConfig, model, kv: KVCache, *, max_num_seqs: 
     # The buckets actually captured (the memory budget may stop capture early), so that a
     # batch without a graph is dispatched, and counted, as eager with its reason.
     return Dispatcher(PaddedSizeTable(graphs.sizes)), graphs
+
+
+def precompile_decode(model, kv: KVCache, *, max_num_seqs: int, width: int,
+                      graph_sizes: tuple[int, ...]) -> None:
+    """Compile every Triton decode-attention variant this server can meet (each partition
+    the split rule can pick for 1..max_num_seqs rows up to `width` tokens, and for each graph
+    bucket), so none compiles on live traffic. If one fails, decode attention falls back to
+    the torch reference, for graphs and eager alike, with the reason logged."""
+    decode_fn = model.layers[0].self_attn.decode_fn
+    if not hasattr(decode_fn, "server_variants"):   # not the Triton split kernel
+        return
+    variants = decode_fn.server_variants(max_num_seqs, width, graph_sizes)
+    t0 = time.perf_counter()
+    try:
+        decode_fn.precompile(variants, kv.key[0].dtype, kv.block_size, kv.key[0].device)
+        if kv.key[0].is_cuda:
+            torch.cuda.synchronize()
+    except Exception as e:  # a variant the smoke test did not cover failed to build or run
+        reason = f"precompiling its variants failed: {type(e).__name__}: {e}"
+        startup_log.warning(f"Triton decode attention off ({reason}); decode attention runs "
+                            "the torch reference", backend="torch", reason=reason)
+        model.set_decode_kernel(None)
+        return
+    seconds = time.perf_counter() - t0
+    parts = sorted({v.partition for v in variants})
+    startup_log.info(f"decode attention: {len(variants)} Triton variants compiled in "
+                     f"{seconds:.1f}s (partitions {parts[0]}..{parts[-1]} tokens, "
+                     f"{decode_fn.rule.sm_count} SMs)", variants=len(variants),
+                     seconds=round(seconds, 2), partitions=parts)
 
 
 def build_cpu_programs(cfg: GraphsConfig, model, kv: KVCache, *, max_num_seqs: int,

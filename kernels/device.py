@@ -97,12 +97,10 @@ def _select_cuda_backend(model, wanted: str, max_model_len: int, block_size: int
                           key="model.attention_backend")
     spec = model.spec
     head_dim = spec.head_dim
-    max_len = max_model_len or spec.max_position_embeddings
     reason = None
     try:
         from tokenloom.kernels import triton_fused
-        from tokenloom.kernels.triton_attention import (make_decode_kernel, partition_for,
-                                                        store_kv_triton)
+        from tokenloom.kernels.triton_attention import make_decode_kernel, store_kv_triton
     except Exception as e:  # triton missing or broken: the reference still works
         reason = f"{type(e).__name__}: {e}"
     if reason is None and torch.cuda.is_available():
@@ -110,7 +108,7 @@ def _select_cuda_backend(model, wanted: str, max_model_len: int, block_size: int
             "cuda", model.embed_tokens.weight.dtype, num_heads=spec.num_heads,
             num_kv_heads=spec.num_kv_heads, head_dim=head_dim, hidden_size=spec.hidden_size,
             intermediate_size=spec.intermediate_size, block_size=block_size,
-            partition=partition_for(max_len))
+            partition=64)   # the smallest partition: two of them and the reduce
     if reason is not None:
         startup_log.warning(f"Triton kernels off ({reason}); attention, KV store and layer ops "
                             "run the torch reference", backend="torch", reason=reason)
@@ -126,5 +124,6 @@ def _select_cuda_backend(model, wanted: str, max_model_len: int, block_size: int
         startup_log.info(f"decode attention: torch reference (Triton kernel unavailable: "
                          f"{reason})", backend="torch", reason=reason)
         return "torch"
-    model.set_decode_kernel(make_decode_kernel(max_len))
+    # Partitions sized per step from the batch and the SM count (kernels/decode_split.py).
+    model.set_decode_kernel(make_decode_kernel(spec))
     return "triton"

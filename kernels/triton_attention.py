@@ -14,8 +14,11 @@ only through the block tables. Two kernels, flash-decoding style:
 2. `_decode_reduce`: grid (B, H). Combines a row's partials weighted by exp(lse - max).
 
 With a single partition the first kernel writes the output directly. Partition boundaries
-depend only on PARTITION, never on the batch, so a sequence's result does not depend on what
-else is in the batch (graph and eager steps agree bit for bit).
+depend only on PARTITION: at a given partition a sequence's result does not depend on what
+else is in the batch. `SplitDecode` picks the partition per call from the batch and the SM
+count (kernels/decode_split.py), so two steps of different shape may round a row differently.
+Integer arguments that vary with the batch (table width, scratch strides) are not
+specialized, so the compiled variants are exactly the constexpr ones (`precompile`).
 
 `store_kv_triton` writes each token's K/V rows into its slot; slot < 0 is skipped in the
 kernel, without a host sync, which is what padded rows of a captured graph need.
@@ -25,17 +28,21 @@ On CPU these run under the Triton interpreter (TRITON_INTERPRET=1) for tests onl
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from tokenloom.kernels.decode_split import SplitRule, Variant
+
 DEFAULT_PARTITION = 512
-MAX_PARTITIONS = 64
+REDUCE_CHUNK = 16   # partitions the reduce merges per step (any count, constant registers)
+
+# Shape-dependent integers and small pointers: one compiled variant serves every batch.
+_VARYING = ["stride_tb", "stride_ob", "stride_oh", "stride_lb", "stride_lh"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_VARYING,
+            do_not_specialize_on_alignment=["tables_ptr", "lens_ptr"])
 def _decode_partition(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr, scale,
                       stride_qb, stride_qh,
                       stride_kb, stride_ks, stride_kh,
@@ -91,35 +98,39 @@ def _decode_partition(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, lse_pt
                      mask=gmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_pb", "stride_ph", "stride_lb", "stride_lh"],
+            do_not_specialize_on_alignment=["lens_ptr"])
 def _decode_reduce(part_ptr, lse_ptr, lens_ptr, out_ptr,
                    stride_pb, stride_ph, stride_ps,
                    stride_lb, stride_lh,
                    stride_ob, stride_oh,
-                   HEAD_DIM: tl.constexpr, PARTITION: tl.constexpr, BLOCK_P: tl.constexpr):
+                   HEAD_DIM: tl.constexpr, PARTITION: tl.constexpr, CHUNK: tl.constexpr):
+    """Online log-sum-exp merge of the row's partitions, CHUNK at a time (up to
+    decode_split's max_partitions per row without a register array that grows with it)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     ctx = tl.load(lens_ptr + b).to(tl.int32)
     n_parts = (ctx + PARTITION - 1) // PARTITION
-    p = tl.arange(0, BLOCK_P)
     d = tl.arange(0, HEAD_DIM)
-    pmask = p < n_parts
-    lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + p, mask=pmask, other=float("-inf"))
-    w = tl.exp(lse - tl.max(lse, axis=0))
-    w = tl.where(pmask, w, 0.0)
-    parts = tl.load(part_ptr + b * stride_pb + h * stride_ph + p[:, None] * stride_ps + d[None, :],
-                    mask=pmask[:, None], other=0.0)                         # [BLOCK_P, D] fp32
-    out = tl.sum(parts * w[:, None], axis=0) / tl.sum(w, axis=0)
+    lse_row = lse_ptr + b * stride_lb + h * stride_lh
+    part_row = part_ptr + b * stride_pb + h * stride_ph
+    m = tl.full([1], float("-inf"), tl.float32)
+    total = tl.zeros([1], tl.float32)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    for p0 in range(0, n_parts, CHUNK):
+        p = p0 + tl.arange(0, CHUNK)
+        pmask = p < n_parts
+        lse = tl.load(lse_row + p, mask=pmask, other=float("-inf"))      # [CHUNK]
+        m_new = tl.maximum(m, tl.max(lse, axis=0))                       # finite: p0 < n_parts
+        alpha = tl.exp(m - m_new)
+        w = tl.where(pmask, tl.exp(lse - m_new), 0.0)
+        parts = tl.load(part_row + p[:, None] * stride_ps + d[None, :], mask=pmask[:, None],
+                        other=0.0)                                        # [CHUNK, D] fp32
+        acc = acc * alpha + tl.sum(parts * w[:, None], axis=0)
+        total = total * alpha + tl.sum(w, axis=0)
+        m = m_new
+    out = acc / total
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
-
-
-def partition_for(max_model_len: int) -> int:
-    """The partition size that keeps the scratch space bounded (<= MAX_PARTITIONS per row)
-    for a given context length: DEFAULT_PARTITION, doubled as needed."""
-    part = DEFAULT_PARTITION
-    while -(-max_model_len // part) > MAX_PARTITIONS:
-        part *= 2
-    return part
 
 
 def paged_decode_triton(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -128,7 +139,13 @@ def paged_decode_triton(q: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                         partition: int = DEFAULT_PARTITION, block_n: int = 64) -> torch.Tensor:
     """q: [B, H, D] -> [B, H, D]; same contract as attention.decode_attention (`mask` is
     not needed: the kernel stops at each context length). Every context length must be
-    >= 1 and <= max_context."""
+    >= 1 and <= max_context. The grid covers max_context in partitions of `partition`."""
+    return _launch(q, key_cache, value_cache, block_tables, context_lens, scale,
+                   partition, max(1, -(-max_context // partition)), block_n)
+
+
+def _launch(q, key_cache, value_cache, block_tables, context_lens, scale: float,
+            partition: int, num_parts: int, block_n: int) -> torch.Tensor:
     b, h, d = q.shape
     bs, kvh = key_cache.shape[1], key_cache.shape[2]
     assert h % kvh == 0, f"{h} query heads do not group over {kvh} KV heads"
@@ -140,7 +157,6 @@ def paged_decode_triton(q: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     out = torch.empty((b, h, d), dtype=q.dtype, device=q.device)
     if b == 0:
         return out
-    num_parts = max(1, -(-max_context // partition))
     direct = num_parts == 1
     if direct:
         partials, lse = out.view(b, h, 1, d), out   # lse unused
@@ -165,14 +181,68 @@ def paged_decode_triton(q: torch.Tensor, key_cache: torch.Tensor, value_cache: t
             partials.stride(0), partials.stride(1), partials.stride(2),
             lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1),
-            HEAD_DIM=d, PARTITION=partition, BLOCK_P=triton.next_power_of_2(num_parts),
-            num_warps=4)
+            HEAD_DIM=d, PARTITION=partition, CHUNK=REDUCE_CHUNK, num_warps=4)
     return out
 
 
-def make_decode_kernel(max_model_len: int):
-    """paged_decode_triton with the partition size for this context length."""
-    return functools.partial(paged_decode_triton, partition=partition_for(max_model_len))
+class SplitDecode:
+    """The decode-attention callable the model uses on CUDA (decode_attention's contract):
+    each call picks its partition with `rule` (kernels/decode_split.py) from the batch's
+    rows and longest context; inside a CUDA graph capture, from the graph rule (fixed at
+    capture, grid over the whole table width)."""
+
+    def __init__(self, rule: SplitRule):
+        self.rule = rule
+
+    def variant(self, rows: int, max_context: int, capturing: bool) -> Variant:
+        if capturing:
+            return self.rule.graph(rows, max_context)
+        return self.rule.eager(rows, max_context)
+
+    def __call__(self, q, key_cache, value_cache, block_tables, context_lens, max_context: int,
+                 scale: float, mask=None) -> torch.Tensor:
+        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+        v = self.variant(q.shape[0], max_context, capturing)
+        num_parts = 1 if v.direct else -(-max_context // v.partition)
+        return _launch(q, key_cache, value_cache, block_tables, context_lens, scale,
+                       v.partition, num_parts, self.rule.block_n)
+
+    def server_variants(self, max_rows: int, width: int, graph_sizes=()) -> set[Variant]:
+        """Every variant a server can meet: eager steps of 1..max_rows decode rows with
+        contexts up to `width` (the block-table width in tokens), and the captured buckets."""
+        return self.rule.eager_variants(max_rows, width) | self.rule.graph_variants(graph_sizes,
+                                                                                   width)
+
+    def precompile(self, variants, dtype: torch.dtype, block_size: int,
+                   device: torch.device | str) -> None:
+        """Launch the kernel once per variant (tiny inputs of the model's dtype and shapes,
+        so each compiles now and never on live traffic)."""
+        r = self.rule
+        kc = torch.zeros((2, block_size, r.kv_heads, r.head_dim), dtype=dtype, device=device)
+        vc = torch.zeros_like(kc)
+        q = torch.zeros((1, r.heads, r.head_dim), dtype=dtype, device=device)
+        tables = torch.zeros((1, 1), dtype=torch.int64, device=device)
+        lens = torch.ones(1, dtype=torch.int64, device=device)
+        for v in sorted(variants, key=lambda v: (v.partition, v.direct)):
+            _launch(q, kc, vc, tables, lens, 1.0, v.partition, 1 if v.direct else 2, r.block_n)
+
+    def prepare_capture(self, rows: int, width: int, kv) -> None:
+        """Compile the variant a graph of `rows` captured at `width` tokens uses (a compile
+        cannot happen inside a stream capture)."""
+        self.precompile({self.rule.graph(rows, width)}, kv.key[0].dtype, kv.block_size,
+                        kv.key[0].device)
+
+
+def sm_count() -> int:
+    """Streaming multiprocessors of the current CUDA device (model.device cuda:N sets it)."""
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+def make_decode_kernel(spec, sms: int | None = None, block_n: int = 64) -> SplitDecode:
+    """The decode kernel for this model's heads on the current GPU (or `sms` SMs)."""
+    return SplitDecode(SplitRule(heads=spec.num_heads, kv_heads=spec.num_kv_heads,
+                                 head_dim=spec.head_dim, sm_count=sms or sm_count(),
+                                 block_n=block_n))
 
 
 @triton.jit

@@ -36,14 +36,19 @@ class FakeModel:
 CUDA = torch.device("cuda")
 
 
-def test_auto_on_cuda_picks_triton_with_partition_for_the_context():
-    from tokenloom.kernels.triton_attention import paged_decode_triton, store_kv_triton
+def test_auto_on_cuda_picks_triton_split_by_the_sm_count(monkeypatch):
+    from tokenloom.kernels import triton_attention as ta
+    from tokenloom.kernels.decode_split import SplitRule
+    from tokenloom.kernels.triton_attention import SplitDecode, store_kv_triton
 
+    monkeypatch.setattr(ta, "sm_count", lambda: 132)
     m = FakeModel(128)
     assert select_decode_backend(m, "auto", CUDA, max_model_len=131072) == "triton"
     from tokenloom.kernels import triton_fused as tf
 
-    assert m.decode_fn.func is paged_decode_triton and m.decode_fn.keywords["partition"] == 2048
+    # The split is sized per step from the model's heads and the GPU, not max_model_len.
+    assert isinstance(m.decode_fn, SplitDecode)
+    assert m.decode_fn.rule == SplitRule(heads=4, kv_heads=2, head_dim=128, sm_count=132)
     assert m.store_fn is store_kv_triton
     assert m.fused == (tf.rms_norm_triton, tf.silu_mul_triton, tf.rope_store_triton)
 
@@ -66,7 +71,7 @@ def test_a_failing_smoke_test_drops_every_triton_kernel(monkeypatch):
         assert select_decode_backend(m, "auto", CUDA, max_model_len=8192, block_size=32) == "torch"
     assert m.decode_fn is None and m.store_fn is None and m.fused is None
     assert seen["dtype"] == torch.bfloat16 and seen["head_dim"] == 128
-    assert seen["block_size"] == 32 and seen["partition"] == 512
+    assert seen["block_size"] == 32 and seen["partition"] == 64
     [event] = events
     assert event["log_level"] == "warning" and "bf16 dot" in event["reason"]
     assert "Triton kernels off" in event["event"]

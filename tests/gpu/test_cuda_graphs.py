@@ -36,7 +36,7 @@ def _setup(shape: str, dtype: torch.dtype, sizes, max_context: int = 256, seed: 
 
     spec = SHAPES[shape]
     model = random_model(spec, dtype, "cuda", max_positions=max_context + BS, seed=seed)
-    model.set_decode_kernel(make_decode_kernel(max_context))
+    model.set_decode_kernel(make_decode_kernel(spec))   # split sized per step by the SMs
     model.set_kv_store_kernel(store_kv_triton)
     blocks_per_seq = -(-max_context // BS)
     num_blocks = max(sizes) * blocks_per_seq + 1
@@ -127,6 +127,7 @@ def test_accidental_capture_raises_after_start_up():
 
 def test_triton_decode_matches_reference_at_8k_bf16():
     from tokenloom.kernels.attention import decode_attention
+    from tokenloom.kernels.random_model import SHAPES
     from tokenloom.kernels.triton_attention import make_decode_kernel
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -137,7 +138,7 @@ def test_triton_decode_matches_reference_at_8k_bf16():
     tables = torch.randperm(kc.shape[0], device="cuda", generator=g)[: nb * len(lens)].view(len(lens), nb)
     q = torch.randn(len(lens), 32, 128, device="cuda", generator=g, dtype=torch.bfloat16)
     ref = decode_attention(q.float(), kc.float(), vc.float(), tables, lens, 8192, 128 ** -0.5)
-    out = make_decode_kernel(8192)(q, kc, vc, tables, lens, 8192, 128 ** -0.5)
+    out = make_decode_kernel(SHAPES["llama3-8b"])(q, kc, vc, tables, lens, 8192, 128 ** -0.5)
     assert (out.float() - ref).abs().max().item() < 2e-2
 
 

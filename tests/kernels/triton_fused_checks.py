@@ -129,7 +129,7 @@ def test_model_with_every_fused_kernel_matches_the_reference(dtype):
     spec = SHAPES["tiny"]
     ref = random_model(spec, dtype, "cpu", 256, seed=1)
     fused = random_model(spec, dtype, "cpu", 256, seed=1)
-    fused.set_decode_kernel(make_decode_kernel(256))
+    fused.set_decode_kernel(make_decode_kernel(spec, sms=132))
     fused.set_kv_store_kernel(store_kv_triton)
     fused.set_fused_kernels(tf.rms_norm_triton, tf.silu_mul_triton, tf.rope_store_triton)
 

@@ -99,10 +99,38 @@ def test_bf16(tk):
     assert (out.float() - ref).abs().max().item() < 2e-2
 
 
-def test_partition_for_bounds_scratch(tk):
-    assert tk.partition_for(2048) == 512
-    assert tk.partition_for(131072) == 2048
-    assert -(-131072 // tk.partition_for(131072)) <= tk.MAX_PARTITIONS
+@pytest.mark.parametrize("partition", [64, 128, 512, 2048])
+def test_every_partition_matches_the_reference_with_padded_rows(tk, partition):
+    """Partitions the split rule can pick (64 tokens: 21 partitions, more than one reduce
+    chunk), with graph padding rows (context 1 over block 0) mixed in."""
+    q, kc, vc, tables, lens = _case(8, 2, 64, 16, [1300, 1, 65, 1], torch.float32, seed=13)
+    tables[[1, 3]] = 0
+    ref = decode_attention(q, kc, vc, tables, lens, 1300, 0.125)
+    out = tk.paged_decode_triton(q, kc, vc, tables, lens, 1300, 0.125, partition=partition)
+    assert (out - ref).abs().max().item() < 1e-5
+
+
+def test_split_decode_sizes_per_call_and_matches_the_reference(tk):
+    """SplitDecode on a 4-SM rule: eager calls and the graph rule (a wide table, as captured)
+    pick different partitions; both equal the reference, and the graph call equals the
+    same partition launched over the narrow table bit for bit (empty partitions exit)."""
+    from tokenloom.kernels.decode_split import SplitRule
+
+    split = tk.SplitDecode(SplitRule(heads=8, kv_heads=2, head_dim=64, sm_count=4,
+                                     reference_context=256))
+    q, kc, vc, tables, lens = _case(8, 2, 64, 16, [700, 40, 1], torch.float32, seed=17)
+    ref = decode_attention(q, kc, vc, tables, lens, 700, 0.125)
+    eager = split.variant(3, 700, capturing=False)
+    assert not eager.direct and eager.partition == 256     # 3 rows x 2 heads -> 2 parts
+    out = split(q, kc, vc, tables, lens, 700, 0.125)
+    assert (out - ref).abs().max().item() < 1e-5
+    wide = torch.cat([tables, torch.zeros(3, 84, dtype=torch.int64)], dim=1)   # 2048 tokens
+    graph = split.variant(3, 2048, capturing=True)
+    assert graph.partition == 128 and graph != eager      # sized for 256 tokens, not 2048
+    got = tk._launch(q, kc, vc, wide, lens, 0.125, graph.partition, 2048 // 128, 64)
+    assert (got - ref).abs().max().item() < 1e-5
+    assert torch.equal(got, tk.paged_decode_triton(q, kc, vc, tables, lens, 700, 0.125,
+                                                   partition=128))
 
 
 def test_store_kv_skips_negative_slots(tk):
@@ -146,7 +174,7 @@ def test_model_forward_with_triton_kernels(tk):
     torch.manual_seed(0)
     ref_model = random_model(spec, torch.float32, "cpu", 256, seed=1)
     tri_model = random_model(spec, torch.float32, "cpu", 256, seed=1)
-    tri_model.set_decode_kernel(tk.make_decode_kernel(256))
+    tri_model.set_decode_kernel(tk.make_decode_kernel(spec, sms=4))
     tri_model.set_kv_store_kernel(tk.store_kv_triton)
 
     def kv():
