@@ -85,10 +85,14 @@ class ModelRunner:
         # Requests of a step that failed: later batches (already queued when steps overlap)
         # skip them until the scheduler reports them finished.
         self._failed: set[str] = set()
-        # Guided decoding's masks are filled on this thread while the forward runs (False:
-        # on the compute thread after it; benchmarks/structured.py's baseline).
+        # Guided decoding's masks: filled on a worker thread while the forward runs (True),
+        # or on the compute thread after it. On by default on CUDA only: there the compute
+        # thread spends the forward launching kernels and the host has cores to spare. A
+        # CPU forward keeps every core busy (one OpenMP team), so a concurrent fill slows
+        # it: benchmarks/structured.py measured 0.877x unconstrained at batch 16 with the
+        # overlap against 0.925x without it (2 cores).
         self._guided_worker: ThreadPoolExecutor | None = None
-        self.overlap_guided_masks = True
+        self.overlap_guided_masks = device.type == "cuda"
 
     @property
     def num_tracked(self) -> int:
@@ -179,7 +183,8 @@ class ModelRunner:
 
     def _start_guided(self, batch: ExecuteBatch, drafts: dict[str, list[int]]):
         """Start filling the step's grammar masks on the guided worker thread, to overlap
-        the forward: every guided row's state is known before the step runs (a step with
+        the forward (`overlap_guided_masks`): every guided row's state is known before the
+        step runs (a step with
         guided rows is never launched ahead of the previous step's tokens, which `finish`
         has accepted). Returns (the sampled rows' request ids as the forward will return
         them, the future), or None when no sampled row is guided."""

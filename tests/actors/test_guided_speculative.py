@@ -96,17 +96,19 @@ SCHEDULES = {
 @pytest.fixture(scope="module")
 def refs(model_path, prompts, tmp_path_factory):
     """Greedy constrained output without speculation; the same whether the grammar masks
-    are filled on the guided worker while the forward runs (the default) or after it."""
+    are filled on the guided worker while the forward runs (the default on CUDA) or after
+    it (on CPU)."""
     llm = make_llm(model_path, tmp_path_factory.mktemp("ref"))
     runner = llm.engine.runner.runner
     try:
         outs = llm.generate(prompts, greedy("off"))
+        assert runner._guided_worker is None and not runner.overlap_guided_masks
+        runner.overlap_guided_masks = True
+        during = llm.generate(prompts, greedy("off"))
         assert runner._guided_worker is not None    # the masks were filled there
-        runner.overlap_guided_masks = False
-        after = llm.generate(prompts, greedy("off"))
     finally:
         llm.close()
-    assert [o.token_ids for o in after] == [o.token_ids for o in outs]
+    assert [o.token_ids for o in during] == [o.token_ids for o in outs]
     return {tuple(p): o.token_ids for p, o in zip(prompts, outs)}
 
 
