@@ -147,14 +147,17 @@ def served_model_name(config: EngineConfig, engine) -> str:
 
 
 async def warm_up(engine) -> None:
-    """One single-token request through every actor: first-call costs are paid before ready."""
+    """One request through every actor with a prefill and a decode step (two tokens, EOS
+    ignored), before ready: first-call costs are paid, and a decode step that fails stops
+    start-up with its error instead of failing every request behind a 200 /ready."""
     from tokenloom.actors.messages import GenerateRequest
     from tokenloom.actors.sampling_params import SamplingParams
 
     first = engine.tokenizer.bos_token_id
     req = GenerateRequest(request_id="warmup-0", prompt_token_ids=[first if first is not None
                                                                    else 0],
-                          sampling_params=SamplingParams(max_tokens=1, temperature=0.0))
+                          sampling_params=SamplingParams(max_tokens=2, temperature=0.0,
+                                                         ignore_eos=True))
     async for out in engine.generate(req):
         if out.finished and out.finish_reason == "error":
             raise RuntimeError(f"warm-up failed: {out.error}")
