@@ -30,6 +30,10 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
 def _pow2_at_most(n: int) -> int:
     return 1 << (n.bit_length() - 1) if n > 0 else 0
 
@@ -74,7 +78,10 @@ class SplitRule:
         partitions with work."""
         target = PROGRAMS_PER_SM * self.sm_count
         per_row = _ceil_div(target, rows * self.kv_heads)
-        part = max(self.block_n, _pow2_at_most(context // per_row))
+        if per_row == 1:    # the rows alone fill the GPU: one partition, no reduce
+            part = max(self.block_n, _pow2_at_least(context))
+        else:
+            part = max(self.block_n, _pow2_at_most(context // per_row))
         limit = self.max_parts(rows)
         while _ceil_div(cover, part) > limit:
             part *= 2
