@@ -35,9 +35,11 @@ class DraftModelProposer:
         self._empty = torch.zeros(0, dtype=torch.int64, device=device)
 
     @classmethod
-    def load(cls, name: str, cache_dir: Path, info, attention_backend: str):
+    def load(cls, name: str, cache_dir: Path, info, attention_backend: str, *,
+             max_num_seqs: int):
         """Load the draft model named in config (a directory or "default") on the target's
-        device and dtype, with a KV cache of the target's block geometry."""
+        device and dtype, with a KV cache of the target's block geometry (on CUDA, every
+        decode-kernel variant for up to `max_num_seqs` rows compiled now)."""
         from tokenloom.config.schema import ConfigError
         from tokenloom.kernels.device import select_decode_backend
         from tokenloom.kernels.loader import load_model, load_spec, resolve_model_dir
@@ -54,6 +56,9 @@ class DraftModelProposer:
                               max_model_len=info.max_model_len, block_size=info.block_size)
         kv = KVCache.allocate(spec.num_layers, info.num_blocks, info.block_size,
                               spec.num_kv_heads, spec.head_dim, info.dtype, info.device)
+        from tokenloom.graphs.setup import precompile_decode   # no-op unless the Triton split
+        width = -(-info.max_model_len // info.block_size) * info.block_size
+        precompile_decode(model, kv, max_num_seqs=max_num_seqs, width=width, graph_sizes=())
         return cls(model, kv, info.device)
 
     def _reference_decode(self) -> bool:

@@ -117,7 +117,8 @@ def build_speculation(config: EngineConfig, info: RuntimeInfo):
     else:
         from tokenloom.actors.draft_model import DraftModelProposer
         proposer = DraftModelProposer.load(cfg.draft_model, resolve_cache_dir(config), info,
-                                           config.model.attention_backend)
+                                           config.model.attention_backend,
+                                           max_num_seqs=config.scheduler.max_num_seqs)
         lookahead = cfg.num_speculative_tokens
     startup_log.info(f"speculative decoding: {cfg.method}, k={cfg.num_speculative_tokens}, "
                      f"mode {cfg.mode}", method=cfg.method, k=cfg.num_speculative_tokens,
