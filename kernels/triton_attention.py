@@ -193,6 +193,7 @@ class SplitDecode:
 
     def __init__(self, rule: SplitRule):
         self.rule = rule
+        self._last = (None, None)   # every layer of a step asks the same question: ask once
 
     def variant(self, rows: int, max_context: int, capturing: bool) -> Variant:
         if capturing:
@@ -201,8 +202,10 @@ class SplitDecode:
 
     def __call__(self, q, key_cache, value_cache, block_tables, context_lens, max_context: int,
                  scale: float, mask=None) -> torch.Tensor:
-        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-        v = self.variant(q.shape[0], max_context, capturing)
+        key = (q.shape[0], max_context, q.is_cuda and torch.cuda.is_current_stream_capturing())
+        if self._last[0] != key:
+            self._last = (key, self.variant(*key))
+        v = self._last[1]
         num_parts = 1 if v.direct else -(-max_context // v.partition)
         return _launch(q, key_cache, value_cache, block_tables, context_lens, scale,
                        v.partition, num_parts, self.rule.block_n)
