@@ -132,7 +132,9 @@ def weight_bytes(llm) -> int:
     model = llm.engine.runner.runner.model
     total = 0
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if name.startswith("embed_tokens") or "rope" in name:
+        # The CPU kernels' weight forms are counted once each below (CpuLinear.weight_bytes).
+        if name.startswith("embed_tokens") or "rope" in name or ".kernels." in name \
+                or name.startswith("lm_head.kernels"):
             continue
         total += t.numel() * t.element_size()
     from tokenloom.kernels.cpu_linear import CpuLinear

@@ -26,8 +26,10 @@ longest context).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import time
+import types
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -44,6 +46,7 @@ startup_log = structlog.get_logger("tokenloom.startup", logger_name="tokenloom.s
 log = structlog.get_logger("tokenloom.graphs")
 
 _fakes_registered = False
+_engine_ids = itertools.count()
 
 
 def register_shape_functions() -> None:
@@ -169,14 +172,20 @@ class CompiledDecode:
         # Round every intermediate to the model dtype where eager does (bf16): fused loops
         # otherwise keep fp32 in between, and programs would drift from the eager path.
         inductor_config.emulate_precision_casts = True
-        # One program per bucket: room for all of them in dynamo's per-function cache.
-        limit = len(sizes) + 2
+        # One program per bucket (room to spare: a guard that separates, say, the first
+        # layer from the rest costs a second graph, not the bucket).
+        limit = 4 * len(sizes) + 8
         for name in ("recompile_limit", "cache_size_limit"):
             if hasattr(torch._dynamo.config, name):
                 setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), limit))
         # One compiled region per bucket, shared by every layer (they differ only in their
-        # tensors): compiling it costs one layer's trace, not the whole model's.
-        self._program = torch.compile(_layer_step, fullgraph=True, dynamic=False)
+        # tensors): compiling it costs one layer's trace, not the whole model's. Dynamo keeps
+        # its programs per code object, so each engine gets a code object of its own: two
+        # engines in one process (a benchmark's fp32 and bf16 models) must not fill one
+        # another's cache.
+        step = types.FunctionType(_layer_step.__code__.replace(
+            co_name=f"_layer_step_{next(_engine_ids)}"), _layer_step.__globals__)
+        self._program = torch.compile(step, fullgraph=True, dynamic=False)
         order = sorted(sizes, reverse=True)
         bar = None
         if progress:
