@@ -143,6 +143,18 @@ def build_cpu_programs(cfg: GraphsConfig, model, kv: KVCache, *, max_num_seqs: i
     if model.plan_cache_dir is None and cache_dir is not None:
         model.plan_cache_dir = cache_dir   # the same kernels next start: programs stay cached
     model.prepare()   # the kernel per batch size is chosen first: each program calls it
+    untraceable = [s for s in sizes if not traced_as_planned(model, s)]
+    if untraceable:
+        # Measured fastest here for these batch sizes: a kernel a program cannot call
+        # (oneDNN's packed weights). A program would run a slower one, so they stay eager.
+        sizes = tuple(s for s in sizes if s not in untraceable)
+        startup_log.info(f"CPU decode programs: batch sizes {untraceable} stay eager (their "
+                         f"fastest measured kernels cannot be compiled)", eager=untraceable)
+        if not sizes:
+            reason = "no bucket's measured kernels can be compiled"
+            startup_log.info(f"CPU decode programs off ({reason}); decode runs eager",
+                             reason=reason)
+            return Dispatcher(None, reason), None
     # The programs call the C++ kernels as dispatcher ops (the eager path does too, so both
     # run the same kernels).
     model.set_decode_kernel(paged_decode_op)
@@ -159,3 +171,12 @@ def build_cpu_programs(cfg: GraphsConfig, model, kv: KVCache, *, max_num_seqs: i
         startup_log.warning(f"{reason}; decode runs eager", reason=reason)
         return Dispatcher(None, reason), None
     return Dispatcher(PaddedSizeTable(programs.sizes)), programs
+
+
+def traced_as_planned(model, rows: int) -> bool:
+    """Whether a program of `rows` rows calls the kernels the eager path would (the ones
+    measured fastest for that many rows), for every projection and the head."""
+    from tokenloom.kernels.cpu_linear import CpuLinear
+
+    return all(m.kernel_for(rows) == m.traced_kernel_for(rows)
+               for m in model.modules() if isinstance(m, CpuLinear))

@@ -346,6 +346,13 @@ def plan(weights: list[tuple[torch.Tensor, torch.Tensor | None]], storage: str,
     return Plan(_merge_bands(list(zip(rows, best))), timings)
 
 
+def _band_kernel(bands: tuple[tuple[int, str], ...], rows: int) -> str:
+    for hi, name in bands:
+        if rows <= hi:
+            return name
+    return bands[-1][1]
+
+
 def _merge_bands(best: list[tuple[int, str]]) -> tuple[tuple[int, str], ...]:
     """(rows, kernel) per measured row count -> bands of consecutive equal kernels."""
     bands: list[tuple[int, str]] = []
@@ -379,6 +386,14 @@ class CpuLinear(nn.Module):
         self._traced_bands = traced.bands
         self.kernel_names = tuple(name for _, name in chosen.bands)
         self.traced_kernel_names = tuple(name for _, name in traced.bands)
+
+    def kernel_for(self, rows: int) -> str:
+        """The kernel an eager call with `rows` rows runs."""
+        return _band_kernel(self._bands, rows)
+
+    def traced_kernel_for(self, rows: int) -> str:
+        """The kernel a compiled program with `rows` rows runs."""
+        return _band_kernel(self._traced_bands, rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]

@@ -34,7 +34,7 @@ def test_endpoint_picker_metrics(server, model_name):
 
 
 def test_graph_dispatch_counters_are_exported(server, model_name):
-    """Graph/eager per step with the reason (on CPU every step is eager: "eager on CPU"),
+    """Graph/eager per step with the reason (on CPU, with compiled programs off as in tests, every step is eager),
     without waiting for the runner (its snapshot)."""
     import json
     body = json.dumps({"model": model_name, "prompt": "w5 w6 w7",
@@ -45,7 +45,7 @@ def test_graph_dispatch_counters_are_exported(server, model_name):
     deadline = time.monotonic() + 10
     while True:     # the runner refreshes its snapshot at most every 0.25 s
         text = scrape(server)
-        found = re.search(r'^tokenloom:eager_steps_total\{.*reason="eager on CPU"\} ([0-9.e+]+)$',
+        found = re.search(r'^tokenloom:eager_steps_total\{.*reason="graphs.cpu_compile is off"\} ([0-9.e+]+)$',
                           text, re.M)
         if found and float(found.group(1)) > 0:
             break

@@ -237,3 +237,18 @@ def test_bf16_programs_round_like_eager(tiny_dir, tmp_path):
     compiled = programs.run(seqs, 2).clone()
     assert programs.num_replays == 1
     assert torch.equal(compiled, programs._eager(2))
+
+
+def test_buckets_whose_fastest_kernel_cannot_be_compiled_stay_eager(tiny_dir, tmp_path,
+                                                                     monkeypatch):
+    """A bucket compiles only when its program would call the kernels measured fastest for
+    it: where that is oneDNN (untraceable), the eager path is faster, so it stays eager."""
+    from tokenloom.kernels import cpu_linear
+
+    forced = cpu_linear.Plan(((1, "mkl"), (8, "onednn")),
+                             {1: {"mkl": 1.0, "onednn": 2.0}, 8: {"mkl": 3.0, "onednn": 1.0}})
+    monkeypatch.setattr(cpu_linear, "cached_plan", lambda *a, **k: forced)
+    monkeypatch.setattr(cpu_compile.torch, "compile", _FakeCompile())
+    model, spec, kv, dispatcher, programs, events = _build(tiny_dir, tmp_path, sizes=(1, 4))
+    assert programs.sizes == (1,) and dispatcher.table.sizes == (1,)
+    assert any("batch sizes [4] stay eager" in e["event"] for e in events)
