@@ -186,7 +186,11 @@ class KernelSet(nn.Module):
             self.register_buffer("scale", scale, persistent=False)
             if gemm is not None and want("small_gemm_int8"):
                 names.append("small_gemm_int8")
-            if has_int8_weight_op() and want("int8pack_bf16"):
+            # torch's packed int8 matmul takes bf16 activations: a candidate only when the
+            # model's activations are bf16 anyway. With fp32 activations it would round
+            # them to bf16 whenever it measured fastest, so the numerics (and the quality
+            # gate's verdict) would depend on a timing.
+            if has_int8_weight_op() and want("int8pack_bf16") and act_dtype == torch.bfloat16:
                 self.register_buffer("scale16", scale.to(torch.bfloat16), persistent=False)
                 names.append("int8pack_bf16")
             if want("dequant_mkl"):
