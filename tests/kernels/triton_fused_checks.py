@@ -1,7 +1,7 @@
 """Checks of the fused Triton kernels (kernels/triton_fused.py) against their torch
 references (kernels/layers.py), on CPU under the Triton interpreter.
 
-Not collected on its own: test_triton_fused.py runs this file in a subprocess with
+Not collected on its own: test_triton_attention.py runs this file in a subprocess with
 TRITON_INTERPRET=1 (see test_triton_attention.py for why).
 """
 
@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-assert os.environ.get("TRITON_INTERPRET") == "1", "run through test_triton_fused.py"
+assert os.environ.get("TRITON_INTERPRET") == "1", "run through test_triton_attention.py"
 
 from tokenloom.kernels import triton_fused as tf  # noqa: E402
 from tokenloom.kernels.kv_store import store_kv  # noqa: E402
