@@ -175,14 +175,21 @@ class Engine:
         self.kv_manager = KVManagerActor(KVCacheManager(info.num_blocks, info.block_size,
                                                         enable_prefix_caching=caching),
                                          publisher=build_kv_event_publisher(config))
-        from tokenloom.graphs.setup import build_decode_graphs
+        from tokenloom.graphs.setup import build_decode_graphs, build_piecewise_graphs
         dispatcher, graphs = build_decode_graphs(
             config.graphs, model, kv, max_num_seqs=sc.max_num_seqs,
             max_model_len=info.max_model_len, device=info.device,
             cache_dir=resolve_cache_dir(config))
+        piecewise = build_piecewise_graphs(config.graphs, model, kv, dispatcher, graphs,
+                                           max_num_batched_tokens=sc.max_num_batched_tokens,
+                                           device=info.device)
+        # Start-up may have dropped Triton decode attention (a variant failed to compile):
+        # report the backend that runs.
+        if info.attention_backend == "triton" and model.layers[0].self_attn.decode_fn is None:
+            self.info = info = dataclasses.replace(info, attention_backend="torch")
         self.runner = RunnerActor(ModelRunner(model, kv, info.device, eos, graphs, dispatcher,
                                               host_pool=host_pool, proposer=proposer,
-                                              guided=self.guided))
+                                              guided=self.guided, piecewise=piecewise))
         # Wiring: tokenizer -> router -> scheduler <-> {KV manager, runner}.
         self.tokenizer_actor.next_inbox = self.router.inbox
         self.router.next_inbox = self.scheduler.inbox

@@ -1,8 +1,10 @@
 """Executes scheduled batches: builds inputs, runs the forward, samples.
 
-Graph or eager is decided per step by the dispatcher (graphs/dispatch.py), the one place
-that decides it: decode-only batches up to the largest bucket replay a captured CUDA graph
-over static buffers; everything else (and everything on CPU) runs the eager forward.
+How a step runs is decided by the dispatcher (graphs/dispatch.py), the one place that
+decides it: decode-only batches up to the largest bucket replay a captured CUDA graph over
+static buffers; on CUDA, other steps up to the largest token bucket replay piecewise graphs
+with attention run eagerly in between (graphs/piecewise.py); the rest (and everything on
+CPU without compiled programs) runs the eager forward.
 
 Synchronous and single-threaded by contract: the runner actor calls `execute` from its one
 dedicated compute thread. Keeps the little per-request state the sampler needs (params,
@@ -22,7 +24,8 @@ from tokenloom.actors.guided import (GuidedMatcher, allocate_bitmask, apply_bitm
                                      restrict_draft_probs)
 from tokenloom.actors.guided import FIELD_OF_KIND
 from tokenloom.graphs.capture import DecodeGraphs
-from tokenloom.graphs.dispatch import GRAPH, Dispatcher
+from tokenloom.graphs.dispatch import GRAPH, PIECEWISE, Dispatcher
+from tokenloom.graphs.piecewise import PiecewiseGraphs
 from tokenloom.actors.messages import (PLACEHOLDER, ExecuteBatch, NewSequence, SampledToken,
                                        SpecResult, StepOutput, TokenLogprob)
 from tokenloom.kernels.kv_store import HostKVPool, KVCache
@@ -67,7 +70,7 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv: KVCache, device: torch.device,
                  eos_token_ids: tuple[int, ...], graphs: DecodeGraphs | None = None,
                  dispatcher: Dispatcher | None = None, host_pool: HostKVPool | None = None,
-                 proposer=None, guided=None):
+                 proposer=None, guided=None, piecewise: PiecewiseGraphs | None = None):
         self.model = model
         # Guided decoding's compiler (actors/guided.py; shared with the tokenizer actor,
         # which compiled each request's constraint before it got here: a cache hit).
@@ -81,6 +84,9 @@ class ModelRunner:
         self.proposer = proposer
         self.dispatcher = dispatcher or Dispatcher(None, "eager only")
         assert graphs is not None or self.dispatcher.table is None, "a graph table needs graphs"
+        self.piecewise = piecewise
+        assert piecewise is not None or self.dispatcher.token_table is None, (
+            "a token table needs piecewise graphs")
         self._seqs: dict[str, _SeqState] = {}
         # Requests of a step that failed: later batches (already queued when steps overlap)
         # skip them until the scheduler reports them finished.
@@ -437,6 +443,12 @@ class ModelRunner:
             stats["capture_bytes"] = self.graphs.capture_bytes
             stats["replays"] = self.graphs.num_replays
             stats["static_eager_runs"] = self.graphs.num_static_eager
+        if self.piecewise is not None:
+            stats["piecewise_captured_sizes"] = list(self.piecewise.sizes)
+            stats["piecewise_capture_seconds"] = self.piecewise.capture_seconds
+            stats["piecewise_capture_bytes"] = self.piecewise.capture_bytes
+            stats["piecewise_replays"] = self.piecewise.num_replays
+            stats["piecewise_static_eager_runs"] = self.piecewise.num_static_eager
         return stats
 
     def _forward(self, batch: ExecuteBatch, patch) -> tuple[torch.Tensor, list[str]]:
@@ -463,8 +475,12 @@ class ModelRunner:
                                     with_decode_mask=self._reference_decode())
         if patch is not None:   # decodes come first in the flat batch: row i is token i
             inputs.input_ids.index_copy_(0, patch[0], patch[1])
-        logits = self.model(inputs.input_ids, inputs.positions, self.kv, inputs.meta,
-                            inputs.logits_indices)
+        if decision.mode == PIECEWISE:
+            logits = self.piecewise.run(inputs.input_ids, inputs.positions, inputs.meta,
+                                        inputs.logits_indices, decision.padded_size)
+        else:
+            logits = self.model(inputs.input_ids, inputs.positions, self.kv, inputs.meta,
+                                inputs.logits_indices)
         if mirror is not None:
             mirror(inputs)
         return logits, inputs.sample_ids

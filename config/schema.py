@@ -327,14 +327,23 @@ class GraphsConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     # CPU buckets (decode batches up to the largest are padded to the next one); a CPU
     # compiles each for tens of seconds on a cold cache, so fewer than on CUDA.
     cpu_capture_sizes: list[int] = msgspec.field(default_factory=lambda: [1, 2, 4, 8, 16])
+    # CUDA: steps with prefill tokens (and decode batches above the largest bucket) replay
+    # piecewise graphs, everything but attention, per token-count bucket (graphs/piecewise.py).
+    piecewise: bool = True
+    # Largest piecewise bucket, in tokens (capped by scheduler.max_num_batched_tokens);
+    # larger steps run eager. Buckets: 8, 16, 24, 32, 48, 64, then 8 per doubling.
+    piecewise_max_tokens: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 2048
+    # Explicit piecewise buckets (tokens); empty = the series above.
+    piecewise_token_sizes: list[int] = []
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for key in ("capture_sizes", "cpu_capture_sizes"):
+        for key, top in (("capture_sizes", 4096), ("cpu_capture_sizes", 4096),
+                         ("piecewise_token_sizes", 65536)):
             bad = [s for s in getattr(self, key)
-                   if isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= 4096]
+                   if isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= top]
             if bad:
-                raise ConfigError(f"graphs.{key} must be integers in 1..4096, got {bad!r}",
+                raise ConfigError(f"graphs.{key} must be integers in 1..{top}, got {bad!r}",
                                   key=f"graphs.{key}")
 
 

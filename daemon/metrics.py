@@ -173,6 +173,14 @@ class _EngineCollector:
                           "replays (bucket size minus batch size).", g.get("graph_padded_rows", 0))
             yield gauge("tokenloom:graph_padding_waste_ratio", "Padding rows / all rows of "
                         "graph replays.", g.get("padding_waste_fraction", 0.0))
+            yield counter("tokenloom:piecewise_steps", "Steps with prefill tokens that "
+                          "replayed piecewise CUDA graphs (everything but attention).",
+                          g.get("piecewise_steps", 0))
+            yield counter("tokenloom:piecewise_replays", "Piecewise graph replays (counted "
+                          "at replay; one per step).", g.get("piecewise_replays", 0))
+            yield counter("tokenloom:piecewise_padding_tokens", "Padding tokens computed by "
+                          "piecewise replays (token bucket minus step tokens).",
+                          g.get("piecewise_padded_tokens", 0))
             sizes = CounterMetricFamily("tokenloom:decode_batch_size", "Decode-only steps by "
                                         "batch size (the histogram graphs.histogram_path wants).",
                                         labels=labels + ["size"])

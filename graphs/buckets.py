@@ -35,6 +35,22 @@ def default_capture_sizes(max_size: int) -> tuple[int, ...]:
     return normalise_sizes(sizes)
 
 
+def default_token_sizes(max_tokens: int) -> tuple[int, ...]:
+    """Token-count buckets for piecewise graphs (steps with prefill tokens): 8, 16, 24, 32,
+    48, 64, then eight steps per doubling (72, 80, ... 128, 144, ... 256, 288, ...), up to
+    and including `max_tokens`. A step is padded by at most 1/8 of its tokens from 64 up
+    (the padded tokens are computed for nothing), with 8 buckets per doubling."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    sizes = [s for s in (8, 16, 24, 32, 48, 64) if s <= max_tokens]
+    lo = 64
+    while lo < max_tokens:
+        sizes += range(lo + lo // 8, min(2 * lo, max_tokens) + 1, lo // 8)
+        lo *= 2
+    sizes.append(max_tokens)
+    return normalise_sizes(sizes)
+
+
 def normalise_sizes(sizes: Iterable[int]) -> tuple[int, ...]:
     out = sorted(set(int(s) for s in sizes))
     if not out or out[0] < 1:

@@ -16,10 +16,11 @@ import structlog
 import torch
 
 from tokenloom.config.schema import ConfigError, GraphsConfig
-from tokenloom.graphs.buckets import PaddedSizeTable, capture_sizes
+from tokenloom.graphs.buckets import PaddedSizeTable, capture_sizes, default_token_sizes
 from tokenloom.graphs.buffers import DecodeBuffers
 from tokenloom.graphs.capture import CaptureError, DecodeGraphs
 from tokenloom.graphs.dispatch import Dispatcher
+from tokenloom.graphs.piecewise import PiecewiseBuffers, PiecewiseGraphs
 from tokenloom.kernels.kv_store import KVCache
 
 startup_log = structlog.get_logger("tokenloom.startup", logger_name="tokenloom.startup")
@@ -88,6 +89,57 @@ def build_decode_graphs(cfg: GraphsConfig, model, kv: KVCache, *, max_num_seqs: 
     # The buckets actually captured (the memory budget may stop capture early), so that a
     # batch without a graph is dispatched, and counted, as eager with its reason.
     return Dispatcher(PaddedSizeTable(graphs.sizes)), graphs
+
+
+def resolve_token_sizes(cfg: GraphsConfig, max_num_batched_tokens: int) -> tuple[int, ...]:
+    """Piecewise buckets: `graphs.piecewise_token_sizes` (those within the step budget), or
+    the default ladder up to min(graphs.piecewise_max_tokens, the step's token budget)."""
+    cap = min(cfg.piecewise_max_tokens, max_num_batched_tokens)
+    if cfg.piecewise_token_sizes:
+        kept = sorted({s for s in cfg.piecewise_token_sizes if s <= max_num_batched_tokens})
+        if not kept:
+            raise ConfigError(f"graphs.piecewise_token_sizes: none is <= "
+                              f"scheduler.max_num_batched_tokens ({max_num_batched_tokens})",
+                              key="graphs.piecewise_token_sizes")
+        return tuple(kept)
+    return default_token_sizes(cap)
+
+
+def build_piecewise_graphs(cfg: GraphsConfig, model, kv: KVCache, dispatcher: Dispatcher,
+                           decode_graphs: DecodeGraphs | None, *, max_num_batched_tokens: int,
+                           device: torch.device) -> PiecewiseGraphs | None:
+    """CUDA: capture piecewise graphs for steps with prefill tokens (graphs/piecewise.py)
+    after the decode graphs, in their memory pool, and give the dispatcher their token
+    buckets; otherwise leave those steps eager with the reason logged and counted."""
+    if device.type != "cuda":
+        return None   # CPU: compiled programs cover decode only; mixed steps run eager
+    reason = None
+    if cfg.enforce_eager:
+        reason = "graphs.enforce_eager"
+    elif not cfg.piecewise:
+        reason = "graphs.piecewise is off"
+    elif model.layers[0].self_attn.store_fn is None:
+        reason = "no graph-safe KV store kernel (Triton unavailable)"
+    if reason is not None:
+        dispatcher.piecewise_reason = f"prefill in batch ({reason})"
+        startup_log.info(f"piecewise CUDA graphs off ({reason}); steps with prefill tokens "
+                         "run eager", reason=reason)
+        return None
+    sizes = resolve_token_sizes(cfg, max_num_batched_tokens)
+    budget = cfg.memory_budget_bytes - (decode_graphs.capture_bytes if decode_graphs else 0)
+    pieces = PiecewiseGraphs(model, kv, PiecewiseBuffers(model, max(sizes), device),
+                             pool=decode_graphs.pool if decode_graphs is not None else None)
+    try:
+        pieces.capture(sizes, budget)
+    except CaptureError as e:
+        startup_log.warning(f"piecewise CUDA graphs disabled: {e}; steps with prefill tokens "
+                            "run eager", reason=str(e))
+        dispatcher.piecewise_reason = f"prefill in batch (piecewise capture failed: {e})"
+        pieces = None
+        torch.cuda.empty_cache()
+        return None
+    dispatcher.token_table = PaddedSizeTable(pieces.sizes)
+    return pieces
 
 
 def precompile_decode(model, kv: KVCache, *, max_num_seqs: int, width: int,

@@ -51,21 +51,36 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        t = x.shape[0]
+        q, k, v = self.project(x, cos, sin, key_cache, value_cache, meta.slot_mapping,
+                               meta.has_skip_slots)
+        o = self.attend(q, key_cache, value_cache, meta, k, v)
+        return self.o_proj(o.reshape(x.shape[0], self.q_size))
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                has_skip_slots: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of the step's tokens, rotated; k and v also written into the cache at
+        `slot_mapping` (slot -1: skipped). Everything before attention, and shape-static:
+        a piecewise graph captures it (graphs/piecewise.py)."""
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)                                          # [T, q + 2kv]
         if self.rope_store_fn is not None:
-            q, k, v = self.rope_store_fn(qkv, cos, sin, h, kvh, d, key_cache, value_cache,
-                                         meta.slot_mapping)
+            return self.rope_store_fn(qkv, cos, sin, h, kvh, d, key_cache, value_cache,
+                                      slot_mapping)
+        q, k, v = rope_and_store(qkv, cos, sin, h, kvh, d)
+        if self.store_fn is None:
+            store_kv(k, v, key_cache, value_cache, slot_mapping, has_skip_slots)
         else:
-            q, k, v = rope_and_store(qkv, cos, sin, h, kvh, d)
-            if self.store_fn is None:
-                store_kv(k, v, key_cache, value_cache, meta.slot_mapping, meta.has_skip_slots)
-            else:
-                self.store_fn(k, v, key_cache, value_cache, meta.slot_mapping)
-        o = paged_attention(q, key_cache, value_cache, meta, self.scale, k, v,
-                            self.decode_fn)                     # [T, H, D]
-        return self.o_proj(o.reshape(t, self.q_size))
+            self.store_fn(k, v, key_cache, value_cache, slot_mapping)
+        return q, k, v
+
+    def attend(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               meta: AttentionMetadata, k: torch.Tensor | None = None,
+               v: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, H, D] against the cache (the step's k and v already stored) -> [T, H, D].
+        The one part of a layer whose work depends on the batch's contexts: a piecewise
+        graph runs it eagerly between its captured pieces."""
+        return paged_attention(q, key_cache, value_cache, meta, self.scale, k, v, self.decode_fn)
 
 
 class MLP(nn.Module):
@@ -99,6 +114,24 @@ def decoder_layer_step(layer: DecoderLayer, m: torch.Tensor, h: torch.Tensor, co
     x, h = add_norm(m, h, layer.input_layernorm)
     a = layer.self_attn(x, cos, sin, key_cache, value_cache, meta)
     x, h = add_norm(a, h, layer.post_attention_layernorm)
+    return layer.mlp(x), h
+
+
+def layer_before_attention(layer: DecoderLayer, m: torch.Tensor, h: torch.Tensor,
+                           cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,
+                           value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                           add_norm) -> tuple[torch.Tensor, torch.Tensor]:
+    """`decoder_layer_step` up to attention: (q [T, H, D], the residual stream), with this
+    layer's k and v stored. Shape-static (padded slots are -1), so it can be captured."""
+    x, h = add_norm(m, h, layer.input_layernorm)
+    q, _, _ = layer.self_attn.project(x, cos, sin, key_cache, value_cache, slot_mapping, True)
+    return q, h
+
+
+def layer_after_attention(layer: DecoderLayer, o: torch.Tensor, h: torch.Tensor,
+                          add_norm) -> tuple[torch.Tensor, torch.Tensor]:
+    """`decoder_layer_step` from attention's output o [T, H * D]: (MLP output, residual)."""
+    x, h = add_norm(layer.self_attn.o_proj(o), h, layer.post_attention_layernorm)
     return layer.mlp(x), h
 
 

@@ -7,7 +7,9 @@ machine, which has no network):
 3. capture memory stays within graphs.memory_budget_bytes, and an impossible budget falls
    back to eager with a reason;
 4. capture is closed after start-up: an accidental capture raises;
-5. the Triton decode kernel agrees with the torch reference at 8k context in bf16.
+5. the Triton decode kernel agrees with the torch reference at 8k context in bf16;
+6. piecewise graphs (mixed prefill+decode steps) replay to the plain forward's logits, for
+   chunks that start mid-prompt and padded token buckets, and the engine replays them.
 """
 
 from __future__ import annotations
@@ -160,9 +162,10 @@ def test_greedy_matches_transformers_with_graphs_on(tmp_path):
         out = hf.generate(ids, do_sample=False, max_new_tokens=16, eos_token_id=None,
                           pad_token_id=0, attention_mask=torch.ones_like(ids))
         expected.append(out[0, len(p):].tolist())
+    # A token budget of 64: the 130-token prompt is prefilled in chunks beside decodes.
     llm = LLM(model=str(tmp_path / "m"), quiet=True, device="cuda", dtype="float32",
               cache_dir=str(tmp_path / "cache"), block_size=16, max_num_seqs=8,
-              num_blocks=128)
+              num_blocks=128, max_num_batched_tokens=64)
     try:
         assert llm.engine.info.attention_backend == "triton"
         got = [o.token_ids for o in llm.generate(prompts, SamplingParams(
@@ -170,5 +173,50 @@ def test_greedy_matches_transformers_with_graphs_on(tmp_path):
         stats = llm.engine.runner.runner.graph_stats()
     finally:
         llm.close()
-    assert stats["graph_steps"] > 0, stats
+    assert stats["graph_steps"] > 0 and stats["replays"] > 0, stats
+    assert stats["piecewise_steps"] > 0 and stats["piecewise_replays"] > 0, stats
+    assert not stats["eager_reasons"], stats
     assert got == expected
+
+
+@pytest.mark.parametrize("shape,dtype,tol", [("tiny", torch.float32, 1e-4),
+                                             ("smollm2-135m", torch.bfloat16, 5e-2)])
+def test_piecewise_replay_matches_the_plain_forward(shape, dtype, tol):
+    from tokenloom.actors.batch_inputs import build_batch_inputs
+    from tokenloom.graphs.buckets import PaddedSizeTable, default_token_sizes
+    from tokenloom.graphs.piecewise import PiecewiseBuffers, PiecewiseGraphs
+    from tokenloom.kernels import triton_fused as tf
+
+    sizes = default_token_sizes(256)
+    spec, model, kv, graphs, bps = _setup(shape, dtype, (1, 2, 4, 8))
+    model.set_fused_kernels(tf.rms_norm_triton, tf.silu_mul_triton, tf.rope_store_triton)
+    graphs.capture((1, 2, 4, 8), memory_budget_bytes=8 << 30, progress=False)
+    pieces = PiecewiseGraphs(model, kv, PiecewiseBuffers(model, max(sizes), "cuda"),
+                             pool=graphs.pool)
+    pieces.capture(sizes, memory_budget_bytes=8 << 30, progress=False)
+    assert pieces.sizes == sizes and all(len(g) == spec.num_layers + 1
+                                         for g in pieces.graphs.values())
+    print(f"piecewise capture of {len(sizes)} buckets x {spec.num_layers + 1} pieces: "
+          f"{pieces.capture_bytes / 2**20:.0f} MiB, {pieces.capture_seconds:.1f} s")
+    table = PaddedSizeTable(sizes)
+    rng = random.Random(2)
+    for trial in range(12):
+        # 0-6 decodes, then 1-3 chunks, some starting mid-prompt (after cached blocks).
+        seqs, nd, blocks = [], rng.randrange(0, 7), iter(range(1, kv.key[0].shape[0]))
+        for i in range(nd + rng.randrange(1, 4)):
+            start = rng.randrange(0, 120)   # at most 10 blocks a row: 9 rows fit the pool
+            n = 1 if i < nd else rng.randrange(1, 40)
+            table_ = [next(blocks) for _ in range(-(-(start + n) // BS))]
+            seqs.append(SimpleNamespace(request_id=f"r{i}", sample=True, start_pos=start,
+                                        token_ids=[rng.randrange(spec.vocab_size)
+                                                   for _ in range(n)], block_table=table_))
+        inp = build_batch_inputs(SimpleNamespace(sequences=seqs, num_decodes=nd), BS,
+                                 torch.device("cuda"), with_decode_mask=False)
+        t = inp.input_ids.shape[0]
+        want = model(inp.input_ids, inp.positions, kv, inp.meta, inp.logits_indices)
+        before = pieces.num_replays
+        got = pieces.run(inp.input_ids, inp.positions, inp.meta, inp.logits_indices,
+                         table.padded(t))
+        assert pieces.num_replays == before + 1
+        diff = (got - want).abs().max().item()
+        assert diff <= tol * max(1.0, want.abs().max().item()), f"{t} tokens: {diff}"

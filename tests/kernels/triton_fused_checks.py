@@ -169,6 +169,54 @@ def test_model_with_every_fused_kernel_matches_the_reference(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_piecewise_pieces_with_fused_kernels_match_the_plain_forward(dtype):
+    """Piecewise graphs' pieces (graphs/piecewise.py) run with the CUDA kernels: the fused
+    norm updates the static residual buffer in place, RoPE+store writes the cache from the
+    padded pieces (slot -1 skipped), and the Triton decode runs between them."""
+    from tokenloom.actors.batch_inputs import build_batch_inputs
+    from tokenloom.graphs.piecewise import PiecewiseBuffers, PiecewiseGraphs
+    from tokenloom.kernels.kv_store import KVCache
+    from tokenloom.kernels.random_model import SHAPES, random_model
+    from tokenloom.kernels.triton_attention import make_decode_kernel, store_kv_triton
+
+    spec = SHAPES["tiny"]
+    model = random_model(spec, dtype, "cpu", 256, seed=2)
+    model.set_decode_kernel(make_decode_kernel(spec, sms=132))
+    model.set_kv_store_kernel(store_kv_triton)
+    model.set_fused_kernels(tf.rms_norm_triton, tf.silu_mul_triton, tf.rope_store_triton)
+    caches = [KVCache.allocate(spec.num_layers, 40, 16, spec.num_kv_heads, spec.head_dim,
+                               dtype, "cpu") for _ in range(2)]
+    pieces = PiecewiseGraphs(model, caches[1], PiecewiseBuffers(model, 64, "cpu"))
+
+    def seq(rid, ids, start, table):
+        return SimpleNamespace(request_id=rid, token_ids=ids, start_pos=start,
+                               block_table=table, sample=True)
+
+    def both(seqs, nd, padded):
+        inp = build_batch_inputs(SimpleNamespace(sequences=seqs, num_decodes=nd), 16,
+                                 torch.device("cpu"), with_decode_mask=False)
+        want = model(inp.input_ids, inp.positions, caches[0], inp.meta, inp.logits_indices)
+        got = pieces.run(inp.input_ids, inp.positions, inp.meta, inp.logits_indices, padded)
+        return want, got
+
+    tol = 1e-4 if dtype == torch.float32 else 0.1
+    tables = {"a": [5, 9, 2], "b": [7, 1], "c": [11, 12]}
+    want, got = both([seq("a", list(range(3, 40)), 0, tables["a"]),
+                      seq("b", list(range(50, 61)), 0, tables["b"])], 0, 64)
+    assert (want - got).abs().max().item() < tol
+    mixed = [seq("a", [7], 37, tables["a"]), seq("b", list(range(61, 67)), 11, tables["b"]),
+             seq("c", list(range(100, 130)), 0, tables["c"])]
+    want, got = both(mixed, 1, 48)
+    assert (want - got).abs().max().item() < tol
+    assert torch.equal(want.argmax(-1), got.argmax(-1))
+    for a, b in zip(caches[0].key + caches[0].value, caches[1].key + caches[1].value):
+        assert (a.float() - b.float()).abs().max().item() < tol
+    # Padded tokens wrote nowhere: block 0 (in no table) is still zero.
+    assert all((k[0] == 0).all() and (v[0] == 0).all()
+               for k, v in zip(caches[1].key, caches[1].value))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_smoke_test_runs_every_kernel_in_the_model_dtype(dtype):
     # SmolLM2's grouping and widths, scaled down; a partition of 64 so two are used.
     shapes = dict(num_heads=6, num_kv_heads=2, head_dim=64, hidden_size=96,

@@ -1,0 +1,251 @@
+"""Piecewise CUDA graphs: steps with prefill tokens replay everything but attention.
+
+A decode graph (graphs/capture.py) captures a whole decode step, attention included, which
+works because a decode row's attention is one fixed-shape kernel. A step with prefill
+chunks cannot be captured whole: its attention depends on how its tokens split into
+sequences and contexts. Everything else in the forward only depends on the number of
+tokens. So, as vLLM does, the forward is cut at attention into L + 1 pieces for an L-layer
+model, each captured once per token-count bucket and replayed with attention run eagerly
+in between:
+
+    piece 0:      embedding, RoPE table lookup, layer 0 up to attention (q; k and v stored)
+    attention 0:  eager (the step's real metadata: decodes, then each prefill chunk)
+    piece i:      layer i-1 after attention (o_proj, norms, MLP), layer i up to attention
+    ...
+    piece L:      the last layer after attention, the final residual add
+
+The LM head runs eagerly on the sampled rows only (their number varies per step). Where an
+eager mixed step of a 30-layer model launches ~20 kernels a layer (more with the torch
+reference norm), a piecewise step launches 31 graphs and a few attention kernels a layer.
+
+Tensors that cross a piece boundary (q, attention's output, the residual stream, cos/sin)
+live in static buffers allocated once at the largest bucket; a piece reads and writes the
+first `padded` rows. Padded rows carry token 0 at position 0 with KV slot -1 (the store
+kernels skip it) and are never attended: attention only sees the real rows, and every other
+op is row-wise, so padding never changes a real row.
+
+Everything but `torch.cuda.graph` runs on CPU too (`PiecewiseGraphs.run` executes the
+pieces eagerly over the same buffers when a bucket has no graphs), which is how the CPU
+tests check buffers, padding and the cut against the plain forward.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import torch
+
+from tokenloom.graphs.capture import CaptureClosedError, CaptureError, capture_allowed, \
+    capture_window
+from tokenloom.kernels.attention import with_chunk_masks
+from tokenloom.kernels.forward_context import AttentionMetadata
+from tokenloom.kernels.kv_store import KVCache
+from tokenloom.kernels.llama import layer_after_attention, layer_before_attention
+
+try:
+    import structlog
+    startup_log = structlog.get_logger("tokenloom.startup", logger_name="tokenloom.startup")
+except ImportError:  # the GPU check runs with nothing but torch + triton
+    startup_log = None
+
+PAD_SLOT = -1
+
+
+class PiecewiseBuffers:
+    """Static inputs and the tensors that cross piece boundaries, for up to `max_tokens`."""
+
+    def __init__(self, model, max_tokens: int, device: torch.device | str):
+        spec = model.spec
+        dtype = model.embed_tokens.weight.dtype
+        dev = torch.device(device)
+        self.max_tokens = max_tokens
+        self.device = dev
+        ids = torch.zeros((3, max_tokens), dtype=torch.int64, device=dev)
+        ids[2] = PAD_SLOT
+        self._vectors = ids
+        self.input_ids, self.positions, self.slot_mapping = ids[0], ids[1], ids[2]
+        self.hidden = torch.zeros((max_tokens, spec.hidden_size), dtype=dtype, device=dev)
+        self.q = torch.zeros((max_tokens, spec.num_heads, spec.head_dim), dtype=dtype,
+                             device=dev)
+        self.attn_out = torch.zeros((max_tokens, spec.q_size), dtype=dtype, device=dev)
+        self.cos = torch.zeros((max_tokens, 1, spec.head_dim), dtype=dtype, device=dev)
+        self.sin = torch.zeros_like(self.cos)
+        # What padded rows hold, copied in one device-to-device copy per step.
+        self._pad = torch.zeros_like(ids)
+        self._pad[2] = PAD_SLOT
+
+    def fill(self, input_ids: torch.Tensor, positions: torch.Tensor,
+             slot_mapping: torch.Tensor, padded: int) -> None:
+        """The step's first T rows (device tensors, as the eager path built them); rows
+        [T, padded) get token 0 at position 0 and slot -1."""
+        t = input_ids.shape[0]
+        assert 0 < t <= padded <= self.max_tokens, f"cannot pad {t} tokens to {padded}"
+        self.input_ids[:t].copy_(input_ids)
+        self.positions[:t].copy_(positions)
+        self.slot_mapping[:t].copy_(slot_mapping)
+        if t < padded:
+            self._vectors[:, t:padded].copy_(self._pad[:, : padded - t])
+
+
+class PiecewiseGraphs:
+    """L + 1 captured pieces per token-count bucket over shared static buffers."""
+
+    def __init__(self, model, kv: KVCache, buffers: PiecewiseBuffers, pool=None):
+        self.model = model
+        self.kv = kv
+        self.buffers = buffers
+        self.pool = pool              # shared with the decode graphs (never run concurrently)
+        self.graphs: dict[int, list] = {}
+        self.capture_seconds = 0.0
+        self.capture_bytes = 0
+        self.num_replays = 0          # steps whose pieces replayed captured graphs
+        self.num_static_eager = 0     # steps whose pieces ran eagerly (no graphs: CPU)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(sorted(self.graphs))
+
+    @property
+    def num_pieces(self) -> int:
+        return len(self.model.layers) + 1
+
+    # -- the pieces (captured on CUDA; run eagerly on CPU and for warm-up) ------------------
+    def run_piece(self, j: int, padded: int) -> None:
+        """Piece j over the first `padded` rows of the buffers (see the module docstring)."""
+        b, model = self.buffers, self.model
+        layers, add_norm = model.layers, model.add_norm_fn
+        h = b.hidden[:padded]
+        cos, sin = b.cos[:padded], b.sin[:padded]
+        if j == 0:
+            h.copy_(model.embed_tokens(b.input_ids[:padded]))
+            c, s = model.rope.lookup(b.positions[:padded])
+            cos.copy_(c)
+            sin.copy_(s)
+            m = torch.zeros_like(h)
+        else:
+            m, h2 = layer_after_attention(layers[j - 1], b.attn_out[:padded], h, add_norm)
+            if h2.data_ptr() != h.data_ptr():   # the torch norm returns a new residual
+                h.copy_(h2)
+        if j == len(layers):
+            h.add_(m)
+            return
+        q, h2 = layer_before_attention(layers[j], m, h, cos, sin, self.kv.key[j],
+                                       self.kv.value[j], b.slot_mapping[:padded], add_norm)
+        if h2.data_ptr() != h.data_ptr():
+            h.copy_(h2)
+        b.q[:padded].copy_(q)
+
+    def attend(self, j: int, meta: AttentionMetadata, t: int) -> None:
+        """Layer j's attention for the step's t real rows, into the static output."""
+        b = self.buffers
+        attn = self.model.layers[j].self_attn
+        o = attn.attend(b.q[:t], self.kv.key[j], self.kv.value[j], meta)
+        b.attn_out[:t].copy_(o.reshape(t, -1))
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      meta: AttentionMetadata, padded: int) -> torch.Tensor:
+        """The residual stream after the last layer for the step's T tokens, [T, hidden]
+        (a view of the static buffer: use it before the next step)."""
+        t = input_ids.shape[0]
+        self.buffers.fill(input_ids, positions, meta.slot_mapping, padded)
+        meta = with_chunk_masks(meta, self.buffers.hidden.dtype)   # once, not per layer
+        graphs = self.graphs.get(padded)
+        if graphs is None:
+            self.num_static_eager += 1
+        else:
+            self.num_replays += 1
+        for j in range(self.num_pieces):
+            if graphs is None:
+                self.run_piece(j, padded)
+            else:
+                graphs[j].replay()
+            if j < len(self.model.layers):
+                self.attend(j, meta, t)
+        return self.buffers.hidden[:t]
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+            logits_indices: torch.Tensor, padded: int) -> torch.Tensor:
+        """The sampled rows' logits [S, vocab] (fp32), as `model(...)` returns them."""
+        with torch.inference_mode():
+            self.model.prepare()
+            h = self.hidden_states(input_ids, positions, meta, padded)
+            return self.model.logits(h, logits_indices)
+
+    # -- capture ---------------------------------------------------------------------------
+    def capture_one(self, padded: int, warmup: int = 2) -> None:
+        if not capture_allowed():
+            raise CaptureClosedError(f"piecewise graph capture for {padded} tokens attempted "
+                                     "after start-up capture closed")
+        b = self.buffers
+        # Padding rows only: nothing is stored (slot -1); attention is not part of a piece.
+        b.slot_mapping[:padded].fill_(PAD_SLOT)
+        b.input_ids[:padded].zero_()
+        b.positions[:padded].zero_()
+        pieces = []
+        with torch.inference_mode():
+            for j in range(self.num_pieces):
+                for _ in range(warmup):
+                    self.run_piece(j, padded)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self.run_piece(j, padded)
+                if self.pool is None:
+                    self.pool = graph.pool()
+                pieces.append(graph)
+        self.graphs[padded] = pieces
+
+    def capture(self, sizes: tuple[int, ...], memory_budget_bytes: int,
+                progress: bool = True) -> None:
+        """Capture every bucket, largest first; raise CaptureError (all pieces dropped) on
+        failure or when they take more than `memory_budget_bytes` of device memory."""
+        if not torch.cuda.is_available() or self.buffers.device.type != "cuda":
+            raise CaptureError("CUDA graphs need a CUDA device")
+        order = sorted(sizes, reverse=True)
+        assert order[0] <= self.buffers.max_tokens, "buffers are smaller than the largest bucket"
+        torch.cuda.synchronize()
+        free_before = torch.cuda.mem_get_info()[0]
+        t0 = time.perf_counter()
+        bar = None
+        if progress:
+            try:
+                from tqdm import tqdm
+                bar = tqdm(total=len(order), desc="capturing piecewise graphs", unit="bucket",
+                           leave=False)
+            except ImportError:
+                pass
+        gc.collect()
+        gc.freeze()
+        try:
+            with capture_window():
+                for size in order:
+                    self.capture_one(size)
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix(tokens=size)
+            torch.cuda.synchronize()
+        except CaptureClosedError:
+            raise
+        except Exception as e:
+            self.graphs.clear()
+            raise CaptureError(f"piecewise capture failed: {type(e).__name__}: {e}") from e
+        finally:
+            gc.unfreeze()
+            if bar is not None:
+                bar.close()
+        self.capture_seconds = time.perf_counter() - t0
+        self.capture_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])
+        if startup_log is not None:
+            startup_log.info(f"CUDA graphs: {len(order)} piecewise buckets ({order[-1]}.."
+                             f"{order[0]} tokens, {self.num_pieces} pieces each) captured in "
+                             f"{self.capture_seconds:.1f}s using "
+                             f"{self.capture_bytes / 2**20:.0f} MiB", sizes=sorted(sizes),
+                             pieces=self.num_pieces, seconds=round(self.capture_seconds, 2),
+                             memory_mib=round(self.capture_bytes / 2**20, 1))
+        if self.capture_bytes > memory_budget_bytes:
+            self.graphs.clear()
+            torch.cuda.empty_cache()
+            raise CaptureError(f"piecewise graphs took {self.capture_bytes / 2**20:.0f} MiB, "
+                               f"over the {memory_budget_bytes / 2**20:.0f} MiB left of "
+                               "graphs.memory_budget_bytes")
