@@ -107,6 +107,19 @@ class DecodeGraphs:
         self.num_replays += 1
         return self.buffers.logits[:padded]
 
+    def replay_each(self) -> None:
+        """Replay every captured graph once over padding rows (no KV written) before the
+        server is ready, so a graph that cannot replay, or replays to non-finite logits,
+        fails start-up's capture instead of a request."""
+        b = self.buffers
+        b.slot_mapping.fill_(-1)
+        b.context_lens.fill_(1)
+        for size, graph in sorted(self.graphs.items()):
+            graph.replay()
+            if not bool(torch.isfinite(b.logits[:size]).all()):
+                raise RuntimeError(f"the graph for batch {size} replayed to non-finite logits")
+        torch.cuda.synchronize()
+
     # -- capture ---------------------------------------------------------------------------
     def capture_one(self, size: int, warmup: int = 2) -> None:
         if not capture_allowed():
@@ -160,7 +173,7 @@ class DecodeGraphs:
                     if bar is not None:
                         bar.update(1)
                         bar.set_postfix(batch=size)
-            torch.cuda.synchronize()
+            self.replay_each()
         except CaptureClosedError:
             raise
         except Exception as e:

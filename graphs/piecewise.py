@@ -172,6 +172,20 @@ class PiecewiseGraphs:
             h = self.hidden_states(input_ids, positions, meta, padded)
             return self.model.logits(h, logits_indices)
 
+    def replay_each(self) -> None:
+        """Replay every bucket's pieces once over padding tokens (no KV written; attention's
+        output buffer holds finite old values) before the server is ready, so a piece that
+        cannot replay, or replays to non-finite values, fails start-up's capture instead of
+        a request."""
+        b = self.buffers
+        b.slot_mapping.fill_(PAD_SLOT)
+        for size, pieces in sorted(self.graphs.items()):
+            for graph in pieces:
+                graph.replay()
+            if not bool(torch.isfinite(b.hidden[:size]).all()):
+                raise RuntimeError(f"the pieces for {size} tokens replayed to non-finite values")
+        torch.cuda.synchronize()
+
     # -- capture ---------------------------------------------------------------------------
     def capture_one(self, padded: int, warmup: int = 2) -> None:
         if not capture_allowed():
@@ -224,7 +238,7 @@ class PiecewiseGraphs:
                     if bar is not None:
                         bar.update(1)
                         bar.set_postfix(tokens=size)
-            torch.cuda.synchronize()
+            self.replay_each()
         except CaptureClosedError:
             raise
         except Exception as e:
