@@ -337,14 +337,19 @@ class _Formatter:
         items = []
         for c in choices:
             lps = self._logprobs(c.index, c.logprobs)
-            calls = None
+            calls, reason = None, "tool_calls"
             if self.calls_tools and c.finish_reason == "stop":
                 calls = T.parse_calls(c.full_text, self.parsed.tools)
+            elif self.calls_tools and self.parsed.tools.forced and c.finish_reason:
+                # A forced call cut off (e.g. by max_tokens): the calls as far as they got,
+                # as the streamed response sends them, with the reason it ended.
+                calls, reason = T.partial_calls(c.full_text), c.finish_reason
             if calls is not None:
-                items.append({"index": c.index,
-                              "message": {"role": "assistant", "content": None,
-                                          "refusal": None, "tool_calls": calls},
-                              "logprobs": lps, "finish_reason": "tool_calls"})
+                message = {"role": "assistant", "content": None, "refusal": None}
+                if calls:
+                    message["tool_calls"] = calls
+                items.append({"index": c.index, "message": message, "logprobs": lps,
+                              "finish_reason": reason})
             elif self.chat:
                 items.append({"index": c.index,
                               "message": {"role": "assistant", "content": c.full_text,

@@ -176,6 +176,14 @@ def parse_calls(text: str, spec: ToolSpec) -> list[dict] | None:
     return [new_call(c.name, c.arguments) for c in scanned]
 
 
+def partial_calls(text: str) -> list[dict]:
+    """The calls of an answer in the call format that was cut off (max_tokens, a stop
+    string): every call whose name is complete, with its arguments' text as far as it
+    goes. What a streamed response has sent of them by then (CallDeltas), so the
+    non-streamed response of a forced tool choice says the same."""
+    return [new_call(c.name, c.arguments) for c in scan_calls(text) if c.name is not None]
+
+
 def new_call(name: str, arguments: str) -> dict:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": name, "arguments": arguments}}

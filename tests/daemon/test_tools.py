@@ -9,7 +9,8 @@ import pytest
 
 from tokenloom.daemon.errors import APIError
 from tokenloom.daemon.protocol import _unsupported_keyword
-from tokenloom.daemon.tools import CallDeltas, fallback_messages, parse_calls, parse_tools
+from tokenloom.daemon.tools import (CallDeltas, fallback_messages, parse_calls, parse_tools,
+                                    scan_calls)
 
 ADD = {"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
@@ -138,7 +139,7 @@ class _Gen:
         return {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
 
 
-def _served(answer: str, choice, piece: int):
+def _served(answer: str, choice, piece: int, finish: str = "stop"):
     """The answer, generated a few characters at a time, through the server's formatter:
     (the non-streamed response, the streamed chunks reassembled by the openai client's own
     stream state)."""
@@ -153,17 +154,19 @@ def _served(answer: str, choice, piece: int):
     parsed = protocol.parse_chat(json.dumps(body).encode(), protocol.Limits(
         max_n=1, served_name="m", model_names=frozenset({"m"}), max_model_len=100))
     fmt = _Formatter(_State(), "chatcmpl-1", parsed, chat=True)
-    done = [Choice(0, "r", text=[answer], finish_reason="stop")]
+    done = [Choice(0, "r", text=[answer], finish_reason=finish)]
     full = ChatCompletion.model_validate(fmt.full_response(done, _Gen(done)))
     stream, state = _CallStream(fmt, parsed.tools), ChatCompletionStreamState()
     frames = [sse.frame(c) for c in fmt.first_chunks(_Gen([Choice(0, "r")]))]
     pieces = [answer[i:i + piece] for i in range(0, len(answer), piece)]
     for k, text in enumerate(pieces):
         frames += stream.feed(Delta(0, text, [k], []), None)
-    frames += stream.feed(Delta(0, "", [], [], "stop"), None)
+    frames += stream.feed(Delta(0, "", [], [], finish), None)
     for frame in frames:
         assert frame.startswith(b"data: ")
         state.handle_chunk(ChatCompletionChunk.model_validate_json(frame[6:]))
+    if finish == "length":   # the client refuses to "finalize" a cut-off completion
+        return full, state.current_completion_snapshot, len(frames)
     return full, state.get_final_completion(), len(frames)
 
 
@@ -188,3 +191,18 @@ def test_an_auto_answer_that_is_not_a_call_streams_as_content():
     for c in (full.choices[0], streamed.choices[0]):
         assert c.finish_reason == "stop" and not c.message.tool_calls
         assert c.message.content == '{"name": "add", "arguments": {"a": 1}} and more'
+
+
+@pytest.mark.parametrize("cut", [1, 12, 30, 50])
+def test_a_forced_call_cut_off_says_the_same_streamed_or_not(cut):
+    """max_tokens ends a forced call mid-way: both responses carry the calls as far as they
+    got (none before a name is complete), with finish_reason "length"."""
+    answer = ANSWERS[1][:cut]
+    full, streamed, _ = _served(answer, "required", 3, finish="length")
+    want, got = full.choices[0], streamed.choices[0]
+    assert want.finish_reason == got.finish_reason == "length"
+    assert want.message.content is None and not got.message.content
+    calls = lambda m: [(c.function.name, c.function.arguments) for c in m.tool_calls or ()]
+    assert calls(got.message) == calls(want.message)
+    assert calls(want.message) == [(c.name, c.arguments) for c in scan_calls(answer)
+                                   if c.name is not None]
