@@ -1,8 +1,10 @@
-"""Random-weight models of named shapes, for benchmarks and GPU checks (torch only).
+"""Random-weight models of named shapes, for benchmarks and GPU checks.
 
 The GPU machine has no network and no checkpoints, so the GPU check builds models of real
-shapes (SmolLM2-135M, Llama-3-8B) with random weights on the device. Timing does not depend
-on the values; a std of 0.02 keeps activations finite through every layer in bf16.
+shapes (SmolLM2-135M, Llama-3-8B) with random weights on the device (`random_model`, torch
+only), or writes one as a Hugging Face directory for the real engine to load
+(`write_checkpoint`; also needs safetensors, tokenizers and transformers). Timing does not
+depend on the values; a std of 0.02 keeps activations finite through every layer in bf16.
 """
 
 from __future__ import annotations
@@ -167,6 +169,8 @@ def write_checkpoint(spec: ModelSpec, path, dtype: torch.dtype = torch.bfloat16,
     from safetensors.torch import save_file
     from transformers import LlamaConfig
 
+    if spec.family != "llama":
+        raise ValueError(f"write_checkpoint writes Llama-family configs, not {spec.family!r}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg = LlamaConfig(**hf_config_fields(spec))
