@@ -15,7 +15,11 @@ random, generated on the machine, in bf16, of two shapes: SmolLM2-135M and Llama
    memory roofline = (weight bytes + KV bytes read per step) / copy bandwidth.
 4. Triton decode kernel at 8k context (Llama-3-8B layer shape): achieved bandwidth as a
    fraction of copy bandwidth, with the torch reference as the baseline.
-Prints a table, checks the issue's targets, writes JSON (default benchmarks/results/).
+5. The real engine (benchmarks/gpu_engine.py; `--skip-engine` leaves it out): `LLM` offline
+   and `tokenloom serve` under 64 streams, over a random checkpoint of the SmolLM2-135M
+   shape written on the machine, plus greedy parity against transformers (tiny model).
+Prints a table, checks the issue's targets, writes JSON (default benchmarks/results/); the
+JSON is rewritten after each part, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ TARGETS = {
     "graphs_speedup_135m_b1_8": 2.0,        # graphs >= 2x eager at batch 1-8 (135M shape)
     "llama8b_b1_roofline_ratio": 1.3,       # 8B batch-1 step within 1.3x of its roofline
     "triton_8k_fraction_of_copy_bw": 0.70,  # Triton decode >= 70% of copy bandwidth at 8k
+    "http_64_streams_gpu_busy": 0.80,       # tokenloom serve, 64 streams: GPU busy (NVML)
 }
 
 
@@ -63,13 +68,17 @@ def make_importable() -> str:
 # transformers, aiohttp, uvloop, hypothesis, pytest) lacks: carried as wheels (`make
 # gpu-wheels`) and installed with --no-index into a temporary directory.
 CARRIED = ("msgspec", "structlog", "pytest_asyncio", "zmq")
+# Needed only by `tokenloom serve` (daemon/metrics.py): without it the engine part's HTTP
+# step fails, with the reason, and the rest of the check still runs.
+SERVER_CARRIED = ("prometheus_client",)
 
 
-def install_wheels(wheels: Path, needed=CARRIED) -> str | None:
-    """Install the wheels in `wheels` when a module of `needed` is missing; returns the
-    directory added to sys.path (None when nothing was missing)."""
+def install_wheels(wheels: Path, needed=CARRIED, optional=SERVER_CARRIED) -> str | None:
+    """Install the wheels in `wheels` when a module of `needed` or `optional` is missing;
+    returns the directory added to sys.path (None when nothing was missing). Exits when a
+    `needed` module is still missing afterwards; a missing `optional` one is only printed."""
     import importlib.util
-    missing = [m for m in needed if importlib.util.find_spec(m) is None]
+    missing = [m for m in (*needed, *optional) if importlib.util.find_spec(m) is None]
     if not missing:
         return None
     files = sorted(str(w) for w in Path(wheels).glob("*.whl"))
@@ -82,9 +91,25 @@ def install_wheels(wheels: Path, needed=CARRIED) -> str | None:
     sys.path.insert(0, target)
     importlib.invalidate_caches()
     still = [m for m in missing if importlib.util.find_spec(m) is None]
-    if still:
+    if any(m in needed for m in still):
         raise SystemExit(f"the wheels in {wheels} do not provide {', '.join(still)}")
+    if still:
+        print(f"warning: the wheels in {wheels} do not provide {', '.join(still)} "
+              f"(`tokenloom serve` needs it: the engine part's HTTP step will fail)")
     return target
+
+
+def gpu_engine():
+    """benchmarks/gpu_engine.py, imported by path (this script is not always run from
+    benchmarks/, e.g. when the tests load it)."""
+    import importlib.util
+    name = "tokenloom_gpu_engine"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "gpu_engine.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module    # before exec: dataclasses look their module up
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -108,6 +133,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kernel-context", type=int, default=8192,
                    help="context length for the Triton kernel bandwidth test")
     p.add_argument("--skip-tests", action="store_true", help="do not run pytest tests/gpu")
+    p.add_argument("--skip-engine", action="store_true",
+                   help="do not run the engine part (LLM offline, tokenloom serve; debugging "
+                        "only: a GPU run without it fails)")
     p.add_argument("--test-timeout", type=int, default=240)
     args = p.parse_args(argv)
     args.shape_list = [s for s in args.shapes.split(",") if s]
@@ -228,15 +256,19 @@ def bench_decode(m, batches, context, steps, warmup, device) -> list[dict]:
     return rows
 
 
-def dry_run(args) -> dict:
-    """Plan + a CPU smoke run of the benchmark code on the tiny shape (no graphs on CPU)."""
+def dry_run(args, result: dict, pythonpath: str, save) -> None:
+    """Plan + a CPU smoke run of the benchmark code on the tiny shape (no graphs on CPU),
+    and the engine part on CPU (tiny shape, a short HTTP load, no NVML)."""
     import torch
 
-    result = {"mode": "dry-run", "plan": plan(args)}
+    result.update(mode="dry-run", plan=plan(args))
     m = build("tiny", "cpu", 4, 40, torch.float32)
     rows = bench_decode(m, [1, 3], 40, steps=2, warmup=1, device="cpu")
     result["cpu_smoke"] = rows   # parity checked by failures()
-    return result
+    save(result)
+    if not args.skip_engine:
+        engine = gpu_engine()
+        result["engine"] = engine.run(engine.DRY_PLAN, pythonpath)
 
 
 # -- GPU-only pieces -------------------------------------------------------------------------
@@ -331,16 +363,23 @@ def run_tests(pythonpath: str, timeout: int) -> dict:
             "tail": tail}
 
 
-def gpu_run(args, pythonpath: str) -> dict:
+def gpu_run(args, result: dict, pythonpath: str, save) -> None:
+    """Every part in turn into `result`, saved after each (`save(result)`)."""
     import torch
 
-    result = {"mode": "gpu", "plan": plan(args), "device": torch.cuda.get_device_name(),
-              "torch": torch.__version__}
+    result.update(mode="gpu", plan=plan(args), device=torch.cuda.get_device_name(),
+                  torch=torch.__version__)
     import triton
     result["triton"] = triton.__version__
     if not args.skip_tests:
         print("== CUDA tests (tests/gpu)")
         result["tests"] = run_tests(pythonpath, args.test_timeout)
+        save(result)
+    if not args.skip_engine:   # the real engine before the synthetic benchmarks
+        engine = gpu_engine()
+        result["engine"] = engine.run(engine.GPU_PLAN, pythonpath)
+        result["targets"] = check_targets(result)
+        save(result)
     bw = copy_bandwidth()
     result["copy_bandwidth_gb_s"] = bw / 1e9
     print(f"== copy bandwidth: {bw / 1e9:.0f} GB/s (read + write)")
@@ -361,21 +400,27 @@ def gpu_run(args, pythonpath: str) -> dict:
                                    "capture_bytes": m.graphs.capture_bytes, "rows": rows}
         del m
         torch.cuda.empty_cache()
+        result["targets"] = check_targets(result)
+        save(result)
     print(f"== Triton decode kernel at {args.kernel_context} context")
     result["kernel"] = kernel_bandwidth(args.kernel_context, bw)
     result["targets"] = check_targets(result)
-    return result
 
 
 def check_targets(result: dict) -> dict:
     out = {}
-    small = result["decode"].get("smollm2-135m")
+    busy = result.get("engine", {}).get("http", {}).get("gpu_busy", {})
+    if busy.get("available"):
+        v = busy["fraction"]
+        out["http_64_streams_gpu_busy"] = {"value": v, "target": ">= 0.80",
+                                           "met": v >= TARGETS["http_64_streams_gpu_busy"]}
+    small = result.get("decode", {}).get("smollm2-135m")
     if small:
         worst = min((r["speedup"] for r in small["rows"] if r["batch"] <= 8), default=None)
         if worst is not None:
             out["graphs_speedup_135m_b1_8"] = {"value": worst, "target": ">= 2.0",
                                               "met": worst >= TARGETS["graphs_speedup_135m_b1_8"]}
-    big = result["decode"].get("llama3-8b")
+    big = result.get("decode", {}).get("llama3-8b")
     if big:
         r1 = next((r for r in big["rows"] if r["batch"] == 1), None)
         if r1:
@@ -396,14 +441,25 @@ PARITY_MAX_REL_DIFF = 2e-2
 
 def failures(result: dict) -> list[str]:
     """Why this run must fail (empty: it passes). A GPU run fails on a failed or skipped
-    CUDA test, a target missed or not measured, a graph-vs-eager parity miss, or a
-    decode point that replayed no graph; a dry run on its CPU smoke parity."""
+    CUDA test, a target missed or not measured, a graph-vs-eager parity miss, a decode
+    point that replayed no graph, or the engine part's failures (gpu_engine.failures:
+    a step that raised, greedy parity against transformers, HTTP errors, no replays) or
+    its absence; a dry run on its CPU smoke parity and the engine part's failures on CPU.
+    Either fails when the check itself raised."""
     out = []
+    if result.get("error"):
+        out.append(f"the check raised: {result['error'].strip().splitlines()[-1]}")
     if result.get("mode") == "dry-run":
         out += [f"CPU smoke parity: batch {r['batch']} differs by "
                 f"{r['graph_vs_eager_max_rel_diff']:.1e}" for r in result.get("cpu_smoke", ())
                 if r["graph_vs_eager_max_rel_diff"] >= 1e-4]
+        if "engine" in result:
+            out += gpu_engine().failures(result["engine"], on_gpu=False)
         return out
+    if "engine" in result:
+        out += gpu_engine().failures(result["engine"], on_gpu=True)
+    else:
+        out.append("the engine part did not run (--skip-engine)")
     tests = result.get("tests")
     if tests is None or not tests.get("ran"):
         out.append(f"CUDA tests did not run: {(tests or {}).get('note', 'skipped (--skip-tests)')}")
@@ -430,7 +486,9 @@ def failures(result: dict) -> list[str]:
 
 
 def print_tables(result: dict) -> None:
-    plan_ = result["plan"]
+    plan_ = result.get("plan")
+    if plan_ is None:   # the check raised before it planned anything
+        return
     print(f"\nbuckets (default up to {max(plan_['batches'])}): {plan_['default_capture_sizes']}")
     print(f"padded batch sizes: {plan_['padded_batches']}")
     for name, s in plan_["shapes"].items():
@@ -454,6 +512,8 @@ def print_tables(result: dict) -> None:
             print(f"{r['batch']:>6} {r['context']:>8} {r['triton_us']:>10.1f} {r['triton_gb_s']:>8.0f} "
                   f"{r['fraction_of_copy_bw']:>8.2f} {r['torch_ref_us']:>13.1f} "
                   f"{r['speedup_vs_ref']:>8.2f} {r['max_abs_err']:>8.1e}")
+    if "engine" in result:
+        gpu_engine().print_tables(result["engine"])
     for name, t in result.get("targets", {}).items():
         print(f"target {name}: {t['value']:.2f} (want {t['target']}) -> {'MET' if t['met'] else 'NOT MET'}")
     if "tests" in result:
@@ -468,20 +528,33 @@ def main(argv=None) -> int:
     pythonpath = make_importable()
     if args.wheels is not None:
         carried = install_wheels(args.wheels)
-        if carried:   # the CUDA tests run in a subprocess: they need them too
+        if carried:   # the CUDA tests and the server run in subprocesses: they need them too
             pythonpath = os.pathsep.join([pythonpath, carried])
     import torch
 
-    started = time.perf_counter()
-    if args.dry_run:
-        result = dry_run(args)
-    elif not torch.cuda.is_available():
+    if not args.dry_run and not torch.cuda.is_available():
         print("no CUDA device: nothing to check (use --dry-run for the CPU-safe parts)")
         return 2
+    stamp = f"gpu_check{'_dry' if args.dry_run else ''}_{dt.datetime.now():%Y%m%d_%H%M%S}"
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / "gpu_check.json"
     else:
-        result = gpu_run(args, pythonpath)
+        path = args.json or ROOT / "benchmarks" / "results" / f"{stamp}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def save(partial: dict) -> None:   # after each part: a run cut short keeps its numbers
+        path.write_text(json.dumps({**partial, "partial": True}, indent=2, default=str))
+
+    started = time.perf_counter()
+    result: dict = {"host": platform.node()}
+    try:
+        (dry_run if args.dry_run else gpu_run)(args, result, pythonpath, save)
+    except Exception:   # one run on the GPU host: keep what was measured, and say why
+        import traceback
+        result["error"] = traceback.format_exc()
+        print(result["error"], file=sys.stderr)
     result["seconds"] = time.perf_counter() - started
-    result["host"] = platform.node()
     result["failures"] = failures(result)
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
@@ -490,14 +563,8 @@ def main(argv=None) -> int:
             print(f"FAIL: {problem}")
         print("gpu check: " + ("FAILED" if result["failures"] else "passed"))
     print(buf.getvalue(), end="")
-    stamp = f"gpu_check{'_dry' if args.dry_run else ''}_{dt.datetime.now():%Y%m%d_%H%M%S}"
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "gpu_check.txt").write_text(buf.getvalue())
-        path = args.out / "gpu_check.json"
-    else:
-        path = args.json or ROOT / "benchmarks" / "results" / f"{stamp}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2, default=str))
     print(f"\nwrote {path} ({result['seconds']:.0f}s)")
     return 1 if result["failures"] else 0

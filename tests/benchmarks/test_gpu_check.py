@@ -1,5 +1,7 @@
 """The one-shot GPU check script runs its CPU-safe parts here: argument parsing, the plan
-(shapes, bytes per step, bucket tables) and a smoke run of the benchmark code on CPU."""
+(shapes, bytes per step, bucket tables), a smoke run of the benchmark code on CPU, and the
+engine part (benchmarks/gpu_engine.py) on CPU: LLM offline, parity against transformers,
+`tokenloom serve` under a short streamed load."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
 
@@ -29,6 +33,38 @@ def test_dry_run(tmp_path):
     assert big["kv_bytes_per_token"] == 32 * 2 * 8 * 128 * 2
     assert [r["batch"] for r in result["cpu_smoke"]] == [1, 3]
     assert "padded batch sizes" in proc.stdout
+    assert result["failures"] == [] and "partial" not in result
+
+    # The engine part, on CPU with the tiny shape: every step ran, none raised.
+    engine = result["engine"]
+    assert engine["plan"]["device"] == "cpu" and engine["plan"]["shape"] == "tiny"
+    for step in ("checkpoint", "offline", "parity", "http"):
+        assert "error" not in engine[step], engine[step]
+    off = engine["offline"]
+    assert off["complete"] and off["output_tokens"] == off["prompts"] * off["output_len"] > 0
+    assert off["tokens_per_s"] > 0
+    # Graph stats of the timed call: on CPU (graphs.cpu_compile off) every step is eager,
+    # each with its reason, and nothing replays.
+    g = off["graphs"]
+    assert g.get("replays", 0) == 0 and g["graph_steps"] == 0 and g["eager_steps"] > 0
+    assert sum(g["eager_reasons"].values()) == g["eager_steps"]
+    assert off["busy"]["source"].startswith("torch.profiler") and "fraction" in off["busy"]
+    par = engine["parity"]
+    assert par["matched"] == par["prompts"] == 3 and par["mismatches"] == []
+    http = engine["http"]
+    load = http["load"]
+    assert load["requests"] >= http["streams"] and load["errors"] == 0
+    assert load["output_tokens"] == load["requests"] * http["output_len"]
+    assert load["ttft_ms"]["p50"] is not None and load["itl_ms"]["p99"] is not None
+    busy = http["gpu_busy"]   # no NVML on CPU: recorded as unavailable, not a failure
+    assert busy["available"] is False and busy["samples"] == 0 and "NVML" in busy["reason"]
+    assert http["graphs"]["present"] and http["graphs"]["eager_steps"] > 0
+    assert http["graphs"]["replays"] == 0 and http["exit_code"] == 0
+    assert "log_tail" not in http
+    assert "http_64_streams_gpu_busy" not in result.get("targets", {})
+    for text in ("engine (tiny, float32, cpu", "parity vs transformers", "http: 8 streams",
+                 "http GPU busy: unavailable"):
+        assert text in proc.stdout, proc.stdout[-3000:]
 
 
 def test_make_importable_without_install(tmp_path):
@@ -65,10 +101,19 @@ def test_failures_say_why_a_gpu_run_fails():
     and met, graph/eager parity, and graphs replayed at every decode point."""
     gc = _load_script()
     row = {"batch": 1, "graph_vs_eager_max_rel_diff": 1e-3, "graph_replays": 25}
+    engine = {"checkpoint": {}, "offline": {"complete": True, "graphs": {"replays": 9}},
+              "parity": {"prompts": 5, "matched": 5},
+              "http": {"load": {"requests": 9, "errors": 0}, "graphs": {"replays": 9},
+                       "exit_code": 0}}
     good = {"mode": "gpu", "tests": {"ran": True, "ok": True, "skipped": []},
             "targets": {name: {"value": 1.0, "target": "x", "met": True} for name in gc.TARGETS},
-            "decode": {"smollm2-135m": {"rows": [row]}}}
+            "decode": {"smollm2-135m": {"rows": [row]}}, "engine": engine}
     assert gc.failures(good) == []
+    no_engine = {k: v for k, v in good.items() if k != "engine"}
+    assert gc.failures(no_engine) == ["the engine part did not run (--skip-engine)"]
+    parity_miss = json.loads(json.dumps(good))
+    parity_miss["engine"]["parity"].update(matched=4, mismatches=[{"prompt": 1}])
+    assert "differ from transformers" in " ".join(gc.failures(parity_miss))
     bad = json.loads(json.dumps(good))
     bad["tests"]["skipped"] = ["SKIPPED [1] tests/gpu/x.py: needs a CUDA GPU"]
     bad["targets"].pop("llama8b_b1_roofline_ratio")
@@ -81,6 +126,25 @@ def test_failures_say_why_a_gpu_run_fails():
                      "no CUDA graph was replayed"):
         assert expected in problems, problems
     assert "did not run" in " ".join(gc.failures({"mode": "gpu"}))
+
+
+def test_http_busy_target_is_met_missed_or_not_measured():
+    """The issue's fourth target: GPU busy >= 80% of wall time under 64 HTTP streams, from
+    NVML samples during the load; no sample (no NVML) means not measured, which fails."""
+    gc = _load_script()
+
+    def targets(busy):
+        return gc.check_targets({"engine": {"http": {"gpu_busy": busy}}})
+
+    met = targets({"available": True, "fraction": 0.85, "samples": 200})
+    assert met["http_64_streams_gpu_busy"]["met"] is True
+    missed = targets({"available": True, "fraction": 0.6, "samples": 200})
+    assert missed["http_64_streams_gpu_busy"]["met"] is False
+    assert "http_64_streams_gpu_busy" not in targets({"available": False, "fraction": None})
+    problems = gc.failures({"mode": "gpu", "targets": missed})
+    assert any("http_64_streams_gpu_busy missed: 0.600" in p for p in problems), problems
+    problems = gc.failures({"mode": "gpu", "targets": {}})
+    assert "target http_64_streams_gpu_busy was not measured" in problems
 
 
 def test_carried_wheels_install_without_network(tmp_path, monkeypatch):
@@ -99,20 +163,44 @@ def test_carried_wheels_install_without_network(tmp_path, monkeypatch):
                    "Tag: py3-none-any\n")
         z.writestr(f"{name}-1.0.dist-info/RECORD", "")
     monkeypatch.setattr(sys, "path", list(sys.path))
-    target = gc.install_wheels(wheels, needed=(name,))
+    target = gc.install_wheels(wheels, needed=(name,), optional=())
     assert target is not None
     import importlib
     assert importlib.import_module(name).VALUE == 42
-    assert gc.install_wheels(wheels, needed=("json",)) is None   # nothing missing
+    assert gc.install_wheels(wheels, needed=("json",), optional=()) is None  # nothing missing
+    # A server-only module the wheels lack is reported, not fatal; a needed one exits.
+    assert gc.install_wheels(wheels, needed=("json",), optional=("tl_absent_mod",)) is not None
+    with pytest.raises(SystemExit, match="tl_absent_mod"):
+        gc.install_wheels(wheels, needed=("tl_absent_mod",), optional=())
 
 
 def test_out_directory_gets_json_and_table(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(out),
-                           "--batches", "1,8"], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                           "--batches", "1,8", "--skip-engine"],
+                          env={**os.environ, "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((out / "gpu_check.json").read_text())
     assert result["failures"] == []
     table = (out / "gpu_check.txt").read_text()
     assert "padded batch sizes" in table and "gpu check: passed" in table
+    assert "engine" not in result
+
+
+def test_a_check_that_raises_still_writes_its_json_and_fails(tmp_path, monkeypatch):
+    """One run on the GPU host: an exception mid-check must not lose what was measured."""
+    gc = _load_script()
+
+    def broken(args, result, pythonpath, save):
+        result.update(mode="dry-run", measured=42)
+        save(result)
+        assert json.loads(out.read_text())["partial"] is True
+        raise RuntimeError("boom")
+
+    out = tmp_path / "r.json"
+    monkeypatch.setattr(gc, "dry_run", broken)
+    assert gc.main(["--dry-run", "--json", str(out)]) == 1
+    result = json.loads(out.read_text())
+    assert result["measured"] == 42 and "partial" not in result
+    assert result["failures"] == ["the check raised: RuntimeError: boom"]
