@@ -11,8 +11,9 @@ overwritten when the real tokens are mirrored.
 
 Greedy requests take the draft's argmax (the verification compares argmaxes); sampled
 ones draw from the draft's temperature-scaled distribution q, kept for the rejection rule.
-Known gap: KV restored by swap-in is the target's only, so a swapped request's draft KV is
-stale until recomputed — its proposals get worse, never its output (verification is exact).
+Swap preemption moves the draft's KV with the target's (`enable_swap`: a host pool of the
+same slots, in the draft's smaller block size), so a swapped-in request proposes as well
+as before it was preempted.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 
 from tokenloom.actors.batch_inputs import BatchInputs, build_batch_inputs
 from tokenloom.actors.messages import ExecuteBatch, ScheduledSequence
-from tokenloom.kernels.kv_store import KVCache
+from tokenloom.kernels.kv_store import HostKVPool, KVCache
 from tokenloom.kernels.sampling import argmax_rows
 
 
@@ -33,6 +34,7 @@ class DraftModelProposer:
         self.kv = kv
         self.device = device
         self._empty = torch.zeros(0, dtype=torch.int64, device=device)
+        self.host_pool: HostKVPool | None = None   # swap preemption (enable_swap)
 
     @classmethod
     def load(cls, name: str, cache_dir: Path, info, attention_backend: str, *,
@@ -72,6 +74,19 @@ class DraftModelProposer:
     def copy_blocks(self, pairs) -> None:
         """Copy-on-write of forked siblings' partial blocks, as the target's KV does."""
         self.kv.copy_blocks(pairs)
+
+    def enable_swap(self, num_slots: int) -> int:
+        """Keep a host slot per target swap slot; returns its host bytes."""
+        self.host_pool = HostKVPool(self.kv.pool, num_slots)
+        return self.host_pool.data.numel() * self.host_pool.data.element_size()
+
+    def swap_out(self, pairs) -> None:
+        """The target's swap-out, for the draft's KV: pairs of (block, slot)."""
+        self.host_pool.swap_out(self.kv, pairs)
+
+    def swap_in(self, pairs) -> None:
+        """The target's swap-in, for the draft's KV: pairs of (slot, block)."""
+        self.host_pool.swap_in(self.kv, pairs)
 
     @torch.inference_mode()
     def propose(self, seqs, states):

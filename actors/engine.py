@@ -167,6 +167,11 @@ class Engine:
                              f"preemption mode {sc.preemption_mode}",
                              swap_blocks=slots, preemption_mode=sc.preemption_mode)
         spec_ctl, proposer, lookahead = build_speculation(config, info)
+        if host_pool is not None and hasattr(proposer, "enable_swap"):
+            draft_bytes = proposer.enable_swap(host_pool.num_slots)
+            startup_log.info(f"swap space: the draft model's KV of the same {host_pool.num_slots} "
+                             f"blocks takes {draft_bytes / 2**20:.0f} MiB more host memory",
+                             draft_swap_mib=round(draft_bytes / 2**20, 1))
         self.scheduler = SchedulerActor(limits, eos, info.max_model_len, self._emit_scheduled,
                                         PrefixTracker(fingerprint, info.block_size, caching),
                                         config=sc, swap=swap, block_bytes=block_bytes,

@@ -281,10 +281,16 @@ class ModelRunner:
         swap_seconds = 0.0
         if batch.swap_out or batch.swap_in:  # swap preemption, before anything reuses blocks
             t_swap = time.perf_counter()
+            # A draft model's KV moves with the target's (actors/draft_model.py).
+            draft = self.proposer if getattr(self.proposer, "host_pool", None) else None
             if batch.swap_out:
                 self.host_pool.swap_out(self.kv, batch.swap_out)
+                if draft is not None:
+                    draft.swap_out(batch.swap_out)
             if batch.swap_in:
                 self.host_pool.swap_in(self.kv, batch.swap_in)
+                if draft is not None:
+                    draft.swap_in(batch.swap_in)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             swap_seconds = time.perf_counter() - t_swap

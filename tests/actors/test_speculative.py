@@ -253,16 +253,18 @@ def draft_llm(path, tmp_path, draft, **options) -> LLM:
                   "speculative.num_speculative_tokens": 3, **options})
 
 
-@pytest.mark.parametrize("schedule", ["batched", "chunked", "preempt"])
+@pytest.mark.parametrize("schedule", ["batched", "chunked", "preempt", "preempt-swap"])
 def test_draft_model_is_exact_and_a_copy_of_the_target_is_accepted(model, tmp_path, schedule):
     """The target as its own draft: its proposals are the target's own greedy tokens, so
     nearly all are accepted (the draft's KV, mirrored from every forward, is right —
-    including after preemption and recompute); output exact."""
+    including after preemption, recomputed or swapped out and back in with the target's);
+    output exact."""
     path, prompts, refs = model
     llm = draft_llm(path, tmp_path, path, **SCHEDULES[schedule])
     try:
         got = [o.token_ids for o in llm.generate(prompts, GREEDY_ON)]
-        spec = llm.scheduler_stats().spec
+        stats = llm.scheduler_stats()
+        spec = stats.spec
         llm.check_integrity()
         assert llm.kv_stats().used == 0
     finally:
@@ -270,6 +272,8 @@ def test_draft_model_is_exact_and_a_copy_of_the_target_is_accepted(model, tmp_pa
     assert got == refs
     assert spec.num_draft_tokens > 0
     assert spec.num_accepted_tokens >= 0.9 * spec.num_draft_tokens, spec
+    if schedule == "preempt-swap":
+        assert stats.num_swap_preemptions > 0, stats
 
 
 def test_a_different_draft_model_keeps_output_exact(model, tmp_path, other_draft):
