@@ -77,6 +77,10 @@ def size_kv_pool(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype,
     if cfg.cache.num_blocks:
         return cfg.cache.num_blocks, per_token
     if device.type == "cuda":
+        # Loading leaves freed staging buffers in torch's cache, which mem_get_info counts
+        # as used: return them first, or the pool is sized smaller than it can be.
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
         free, _total = torch.cuda.mem_get_info(device)
         budget = int(free * cfg.cache.gpu_memory_utilization)
         if not cfg.graphs.enforce_eager:
