@@ -59,6 +59,9 @@ class EnginePlan:
     parity_prompt_lens: tuple[int, ...]
     parity_tokens: int
     server_timeout_s: float    # start-up (load, smoke test, Triton precompile, capture)
+    # model.attention_backend: "auto" is Triton on CUDA; the dry run takes the torch
+    # reference, so that its time does not hang on building the C++ CPU kernel (~1 min cold).
+    attention_backend: str = "auto"
 
 
 # One H200, 135M shape in bf16: ~2-3 minutes with start-ups (engine, server, transformers).
@@ -72,7 +75,7 @@ DRY_PLAN = EnginePlan(device="cpu", dtype="float32", shape="tiny", num_prompts=8
                       prompt_len=24, shared_prefix_len=16, output_len=8, max_num_seqs=8,
                       num_blocks=256, http_streams=8, http_seconds=3.0, http_output_len=8,
                       busy_interval_s=0.2, parity_prompt_lens=(20, 7, 13), parity_tokens=8,
-                      server_timeout_s=120.0)
+                      server_timeout_s=120.0, attention_backend="torch")
 FIRST_WORD_ID = 3   # ids 0-2 are <unk>, <s>, </s> in every shape's word tokenizer
 # What `tokenloom serve` imports beyond the engine; checked before starting it, so that a
 # missing one is named at once instead of by a server that died in start-up.
@@ -270,7 +273,8 @@ def runner_graph_stats(llm) -> dict:
 
 def llm_options(plan: EnginePlan, cache_dir: Path, dtype: str) -> dict:
     return dict(quiet=True, device=plan.device, dtype=dtype, cache_dir=str(cache_dir),
-                max_num_seqs=plan.max_num_seqs, num_blocks=plan.num_blocks)
+                max_num_seqs=plan.max_num_seqs, num_blocks=plan.num_blocks,
+                attention_backend=plan.attention_backend)
 
 
 def offline_step(plan: EnginePlan, model_dir: Path, cache_dir: Path, spec) -> dict:
@@ -348,7 +352,8 @@ def parity_step(plan: EnginePlan, workdir: Path, cache_dir: Path) -> dict:
 def server_command(plan: EnginePlan, model_dir: Path, cache_dir: Path, port: int,
                    socket_path: Path) -> list[str]:
     sets = {"model.device": plan.device, "model.dtype": plan.dtype,
-            "model.cache_dir": str(cache_dir), "cache.num_blocks": plan.num_blocks,
+            "model.cache_dir": str(cache_dir), "model.attention_backend": plan.attention_backend,
+            "cache.num_blocks": plan.num_blocks,
             "scheduler.max_num_seqs": plan.max_num_seqs, "admin.socket_path": str(socket_path)}
     cmd = [sys.executable, "-m", "tokenloom.daemon", "serve", "--host", "127.0.0.1",
            "--port", str(port), "--model", str(model_dir)]
@@ -524,7 +529,7 @@ def _write(write_checkpoint, spec, model_dir: Path, dtype) -> dict:
 def failures(engine: dict, on_gpu: bool) -> list[str]:
     """Why the engine part fails: a step that raised, a parity miss, an incomplete or
     erroring HTTP load, a server that did not stop cleanly; on the GPU also zero graph
-    replays (offline or over HTTP). The busy target is checked with gpu_check's targets."""
+    replays (offline or over HTTP) or decode attention off Triton. The busy target is checked with gpu_check's targets."""
     out = []
     for name in ("checkpoint", "offline", "parity", "http"):
         step = engine.get(name)
@@ -538,6 +543,9 @@ def failures(engine: dict, on_gpu: bool) -> list[str]:
             out.append("engine offline: some outputs are shorter than max_tokens (ignore_eos)")
         if on_gpu and off.get("graphs", {}).get("replays", 0) == 0:
             out.append(f"engine offline: no CUDA graph was replayed ({off.get('graphs')})")
+        if on_gpu and off.get("backend") != "triton":   # auto: Triton unless its smoke test failed
+            out.append(f"engine offline: decode attention ran on {off.get('backend')!r}, not "
+                       f"Triton (the start-up smoke test's warning says why)")
     par = engine.get("parity", {})
     if "error" not in par and par and par.get("matched") != par.get("prompts"):
         out.append(f"engine parity: {par['prompts'] - par['matched']} of {par['prompts']} "

@@ -101,7 +101,8 @@ def test_failures_say_why_a_gpu_run_fails():
     and met, graph/eager parity, and graphs replayed at every decode point."""
     gc = _load_script()
     row = {"batch": 1, "graph_vs_eager_max_rel_diff": 1e-3, "graph_replays": 25}
-    engine = {"checkpoint": {}, "offline": {"complete": True, "graphs": {"replays": 9}},
+    engine = {"checkpoint": {}, "offline": {"complete": True, "graphs": {"replays": 9},
+                                            "backend": "triton"},
               "parity": {"prompts": 5, "matched": 5},
               "http": {"load": {"requests": 9, "errors": 0}, "graphs": {"replays": 9},
                        "exit_code": 0}}

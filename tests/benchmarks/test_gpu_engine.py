@@ -119,7 +119,7 @@ def test_server_command_sets_device_pool_and_its_own_admin_socket(tmp_path):
 
 
 GOOD = {"checkpoint": {"seconds": 1},
-        "offline": {"complete": True, "graphs": {"replays": 40}},
+        "offline": {"complete": True, "graphs": {"replays": 40}, "backend": "triton"},
         "parity": {"prompts": 5, "matched": 5, "mismatches": []},
         "http": {"load": {"requests": 100, "errors": 0}, "graphs": {"replays": 900},
                  "exit_code": 0}}
@@ -130,6 +130,7 @@ def test_failures_say_why_the_engine_part_fails():
     assert ge.failures(GOOD, on_gpu=True) == []
     bad = copy.deepcopy(GOOD)
     bad["offline"]["graphs"]["replays"] = 0
+    bad["offline"]["backend"] = "torch"
     bad["parity"].update(matched=4, mismatches=[{"prompt": 2}])
     bad["http"]["load"].update(errors=3, first_error="500 boom")
     bad["http"]["graphs"]["replays"] = 0
@@ -137,7 +138,7 @@ def test_failures_say_why_the_engine_part_fails():
     problems = " | ".join(ge.failures(bad, on_gpu=True))
     for expected in ("offline: no CUDA graph was replayed", "1 of 5 greedy outputs differ",
                      "3 of 100 requests failed (500 boom)", "no CUDA graph was replayed during",
-                     "exited with -9"):
+                     "exited with -9", "decode attention ran on 'torch', not Triton"):
         assert expected in problems, problems
     cpu = ge.failures(bad, on_gpu=False)   # no graphs on CPU: replays are not required
     assert not any("replayed" in p for p in cpu) and len(cpu) == 3
