@@ -18,6 +18,7 @@ is printed); 2 bad usage; 3 the daemon could not be reached.
 
 from __future__ import annotations
 
+import json
 import socket
 import sys
 
@@ -37,6 +38,8 @@ def add_parser(sub) -> None:
                    help="seconds to wait for the reply (default 30; drain --wait: no limit)")
     cmds = a.add_subparsers(dest="admin_command", required=True)
     cmds.add_parser("stats", help="queues, running requests, KV blocks, hit rates, drain state")
+    cmds.add_parser("graph-histogram", help="the decode batch sizes seen, as the JSON file "
+                                            "graphs.histogram_path reads")
     f = cmds.add_parser("flush-cache", help="drop every unreferenced prefix-cache block")
     f.add_argument("--force", action="store_true", help="even while requests run")
     d = cmds.add_parser("drain", help="stop admitting requests and let running ones finish")
@@ -54,7 +57,7 @@ def add_parser(sub) -> None:
 
 def build_command(args) -> P.Command:
     match args.admin_command:
-        case "stats":
+        case "stats" | "graph-histogram":
             return P.Stats()
         case "flush-cache":
             return P.FlushCache(force=args.force)
@@ -187,12 +190,16 @@ def _render_stats(r: P.StatsReply) -> str:
 
 
 def _graphs_row(g: dict) -> str:
-    """Graph or eager steps, why eager, padding waste, and the decode batch sizes seen."""
+    """Decode graph, piecewise and eager steps, why eager, padding waste, and the decode
+    batch sizes seen."""
     if not g:
         return "no data yet"
     reasons = ", ".join(f"{n} {why}" for why, n in sorted(g.get("eager_reasons", {}).items()))
     sizes = g.get("decode_batch_size_histogram", {})
-    return (f"{g.get('graph_steps', 0)} graph, {g.get('eager_steps', 0)} eager"
+    piecewise = (f"{g.get('piecewise_steps', 0)} piecewise (padding "
+                 f"{100 * g.get('piecewise_padding_waste_fraction', 0.0):.1f}%), "
+                 if g.get("piecewise") else "")
+    return (f"{g.get('graph_steps', 0)} graph, {piecewise}{g.get('eager_steps', 0)} eager"
             + (f" ({reasons})" if reasons else "")
             + f"; padding waste {100 * g.get('padding_waste_fraction', 0.0):.1f}%"
             + (f"; decode batch sizes {sizes}" if sizes else ""))
@@ -211,7 +218,10 @@ def run(args) -> int:
     except (OSError, msgspec.DecodeError) as e:
         print(f"tokenloom admin: cannot talk to the daemon at {path}: {e}", file=sys.stderr)
         return EXIT_UNREACHABLE
-    if args.json:
+    if args.admin_command == "graph-histogram" and isinstance(reply, P.StatsReply):
+        # {batch_size: count}: save it and point graphs.histogram_path at the file.
+        print(json.dumps(reply.graphs.get("decode_batch_size_histogram", {})))
+    elif args.json:
         print(msgspec.json.encode(reply).decode())
     else:
         print(render(reply), file=sys.stdout if reply.ok else sys.stderr)

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -185,6 +186,11 @@ async def test_stats(server, model_name):
     assert set(reply.graphs["eager_reasons"]) <= {"graphs.cpu_compile is off"}
     from tokenloom.daemon.admin_cli import _graphs_row
     assert "graph" in _graphs_row(reply.graphs) and _graphs_row({}) == "no data yet"
+    assert "piecewise" not in _graphs_row(reply.graphs)   # CPU: no piecewise graphs
+    row = _graphs_row({"graph_steps": 5, "piecewise": True, "piecewise_steps": 3,
+                       "piecewise_padding_waste_fraction": 0.25, "eager_steps": 1,
+                       "eager_reasons": {"more tokens than the largest token bucket": 1}})
+    assert row.startswith("5 graph, 3 piecewise (padding 25.0%), 1 eager (1 more tokens")
 
 
 async def test_flush_cache_refuses_while_a_request_runs_unless_forced(server, model_name):
@@ -407,6 +413,13 @@ def test_cli_prints_human_readable_output_and_json(server):
     assert "KV blocks: used / free / total" in p.stdout and "not draining" in p.stdout
     p = _cli(server, "--json", "stats")
     assert p.returncode == 0 and json.loads(p.stdout)["reply"] == "stats"
+    graphs = json.loads(p.stdout)["graphs"]
+    p = _cli(server, "graph-histogram")   # the file graphs.histogram_path reads
+    assert p.returncode == 0 and json.loads(p.stdout) == graphs["decode_batch_size_histogram"]
+    from tokenloom.graphs.setup import read_histogram
+    saved = Path(server.socket_path).with_name("hist.json")
+    saved.write_text(p.stdout)
+    assert read_histogram(saved) == {int(k): v for k, v in json.loads(p.stdout).items()}
     p = _cli(server, "drain")
     assert p.returncode == 0 and p.stdout.startswith("drained: 0 request(s) in flight")
     p = _cli(server, "resume")
