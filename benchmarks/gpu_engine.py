@@ -172,6 +172,13 @@ def graph_metrics(text: str) -> dict:
             "present": "tokenloom:graph_steps_total" in m}
 
 
+def step_time_metrics(text: str) -> dict[str, float]:
+    """The server's mean step time by part (forward, host, exposed_host, kv_round_trip; ms
+    over its last steps): where a missed busy target went."""
+    return {labels.get("part", ""): v
+            for labels, v in parse_metrics(text).get("tokenloom:step_time_ms", ())}
+
+
 class BusySampler:
     """Calls `probe()` (percent busy, e.g. torch.cuda.utilization) every `interval` seconds
     on a thread between start() and stop(); stop() returns the mean as a fraction and the
@@ -383,11 +390,12 @@ def stop_server(proc: subprocess.Popen, timeout: float = 60.0) -> int:
     return proc.returncode
 
 
-def log_tail(path: Path, lines: int = 60) -> str:
+def log_tail(path: Path, lines: int = 60, head: bool = False) -> str:
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        text = path.read_text(errors="replace").splitlines()
     except OSError as e:
         return f"(no log: {e})"
+    return "\n".join(text[:lines] if head else text[-lines:])
 
 
 async def _fetch_text(url: str) -> str:
@@ -431,12 +439,22 @@ async def _http_session(plan: EnginePlan, serve, url: str, spec) -> dict:
     await serve.run_load(url, model, prompts[:plan.http_streams], 4, plan.http_streams, 0, 0)
     before = graph_metrics(await _fetch_text(url + "/metrics"))
     sampler = BusySampler(nvml_probe(plan.device), plan.busy_interval_s).start()
+
+    async def sample_steady_state():
+        # Until the last request starts: the drain after it (streams ending one by one)
+        # is not the 64-stream load the target is about.
+        await asyncio.sleep(plan.http_seconds)
+        return await asyncio.to_thread(sampler.stop)
+
+    busy_task = asyncio.create_task(sample_steady_state())
     results, elapsed = await timed_load(serve, url, model, prompts, plan.http_output_len,
                                         plan.http_streams, plan.http_seconds)
-    busy = sampler.stop()
-    after = graph_metrics(await _fetch_text(url + "/metrics"))
+    busy = await busy_task
+    text = await _fetch_text(url + "/metrics")
+    after = graph_metrics(text)
     return {"model": model, "load": serve.summarise(results, elapsed), "gpu_busy": busy,
-            "graphs": stats_delta(before, after), "graphs_total": after}
+            "graphs": stats_delta(before, after), "graphs_total": after,
+            "step_time_ms": step_time_metrics(text)}
 
 
 def http_step(plan: EnginePlan, model_dir: Path, cache_dir: Path, workdir: Path,
@@ -466,6 +484,7 @@ def http_step(plan: EnginePlan, model_dir: Path, cache_dir: Path, workdir: Path,
         out["error"] = traceback.format_exc()
     finally:
         out["exit_code"] = stop_server(proc)
+        out["log_head"] = log_tail(log_path, 40, head=True)   # start-up: kernels, capture, KV
         if "error" in out or out["exit_code"] != 0:
             out["log_tail"] = log_tail(log_path)
     return out
@@ -594,6 +613,10 @@ def print_tables(engine: dict) -> None:
               f"ITL {ms(s['itl_ms'])} ms; start-up {http['startup_s']:.1f}s")
         busy_text = (f"{_pct(busy['fraction'])} ({busy['samples']} NVML samples)"
                      if busy.get("available") else f"unavailable ({busy.get('reason')})")
+        steps = http.get("step_time_ms") or {}
+        if steps:
+            print("  http server step time (ms, mean of its last steps): "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in steps.items()))
         print(f"  http GPU busy: {busy_text}; graphs over the load: {g.get('graph_steps', 0):.0f} "
               f"graph steps, {g.get('replays', 0):.0f} replays, {g.get('eager_steps', 0):.0f} "
               f"eager {g.get('eager_reasons', {})}")

@@ -60,6 +60,7 @@ def test_dry_run(tmp_path):
     assert busy["available"] is False and busy["samples"] == 0 and "NVML" in busy["reason"]
     assert http["graphs"]["present"] and http["graphs"]["eager_steps"] > 0
     assert http["graphs"]["replays"] == 0 and http["exit_code"] == 0
+    assert http["step_time_ms"]["forward"] > 0   # the server's step time, from /metrics
     assert "log_tail" not in http
     assert "http_64_streams_gpu_busy" not in result.get("targets", {})
     for text in ("engine (tiny, float32, cpu", "parity vs transformers", "http: 8 streams",

@@ -52,6 +52,8 @@ tokenloom:eager_steps_total{model_name="m",reason="larger than the largest bucke
 tokenloom:graph_padding_rows_total{model_name="m"} 30.0
 tokenloom:decode_batch_size_total{model_name="m",size="3"} 11.0
 vllm:num_requests_running{model_name="m"} 0.0
+tokenloom:step_time_ms{model_name="m",part="forward"} 3.5
+tokenloom:step_time_ms{model_name="m",part="host"} 1.25
 """
 
 
@@ -62,6 +64,7 @@ def test_graph_metrics_from_the_exposition_text():
     assert g["eager_reasons"] == {"prefill in batch": 7, "larger than the largest bucket": 2}
     assert g["decode_batch_size_histogram"] == {"3": 11}
     assert ge.graph_metrics("vllm:x 1\n")["present"] is False
+    assert ge.step_time_metrics(METRICS) == {"forward": 3.5, "host": 1.25}
     assert ge.parse_metrics('a:b{x="q\\"r",y="2"} 3e2')["a:b"] == [({"x": 'q\\"r', "y": "2"}, 300.0)]
 
 
