@@ -278,6 +278,14 @@ def runner_graph_stats(llm) -> dict:
     return dict(llm.engine.runner.runner.graph_stats())
 
 
+def cold_cache(llm) -> None:
+    """Empty the prefix cache, so that both timed calls of the same prompts do the same
+    work (only the shared prefix is reused, within the call)."""
+    llm.wait_for_idle(timeout=30)
+    refused = llm.flush_cache().refused_reason
+    assert refused is None, f"prefix cache flush refused: {refused}"
+
+
 def llm_options(plan: EnginePlan, cache_dir: Path, dtype: str) -> dict:
     return dict(quiet=True, device=plan.device, dtype=dtype, cache_dir=str(cache_dir),
                 max_num_seqs=plan.max_num_seqs, num_blocks=plan.num_blocks,
@@ -295,6 +303,7 @@ def offline_step(plan: EnginePlan, model_dir: Path, cache_dir: Path, spec) -> di
                                spec.vocab_size, seed=0)
         llm.generate(prompts[:2], SamplingParams(max_tokens=2))   # warm-up
         params = SamplingParams(temperature=0, max_tokens=plan.output_len, ignore_eos=True)
+        cold_cache(llm)
         before = runner_graph_stats(llm)
         t1 = time.perf_counter()
         outs = llm.generate(prompts, params)
@@ -303,6 +312,7 @@ def offline_step(plan: EnginePlan, model_dir: Path, cache_dir: Path, spec) -> di
         # Again under the profiler, for the busy fraction (tokens/s above is free of its
         # overhead). A profiler that cannot start costs the number, not the step.
         try:
+            cold_cache(llm)
             _, busy = profiled_busy(lambda: llm.generate(prompts, params), plan.device)
         except Exception as e:
             busy = {"source": "torch.profiler", "fraction": None, "error": repr(e)}
