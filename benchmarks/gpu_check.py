@@ -137,6 +137,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="do not run the engine part (LLM offline, tokenloom serve; debugging "
                         "only: a GPU run without it fails)")
     p.add_argument("--test-timeout", type=int, default=240)
+    p.add_argument("--time-budget", type=float, default=560.0,
+                   help="seconds the whole GPU run may take (the host lends one 10-minute "
+                        "run): a later part with less than its usual time left is skipped, "
+                        "and the run fails saying so, instead of being killed mid-part")
     args = p.parse_args(argv)
     args.shape_list = [s for s in args.shapes.split(",") if s]
     args.batch_list = sorted({int(b) for b in args.batches.split(",") if b})
@@ -363,20 +367,41 @@ def run_tests(pythonpath: str, timeout: int) -> dict:
             "tail": tail}
 
 
+# Seconds a part usually needs on one H200 (rough, generous to the part): with less than
+# this left of --time-budget it is skipped (see `has_time`).
+PART_SECONDS = {"engine": 150, "smollm2-135m": 30, "llama3-8b": 60, "tiny": 10, "kernel": 15}
+
+
+def has_time(result: dict, part: str, seconds_left: float) -> bool:
+    """Whether `part` fits in what is left; if not, it is listed in result["skipped_for_time"]
+    (a failure: its numbers are missing) and the run moves on to write what it has."""
+    if seconds_left >= PART_SECONDS.get(part, 30):
+        return True
+    result.setdefault("skipped_for_time", []).append(part)
+    print(f"== {part}: skipped, {seconds_left:.0f}s left of the time budget")
+    return False
+
+
 def gpu_run(args, result: dict, pythonpath: str, save) -> None:
-    """Every part in turn into `result`, saved after each (`save(result)`)."""
+    """Every part in turn into `result`, saved after each (`save(result)`), within
+    --time-budget seconds from now."""
     import torch
 
+    deadline = time.monotonic() + args.time_budget
+    left = lambda: deadline - time.monotonic()  # noqa: E731
     result.update(mode="gpu", plan=plan(args), device=torch.cuda.get_device_name(),
                   torch=torch.__version__)
     import triton
     result["triton"] = triton.__version__
     if not args.skip_tests:
         print("== CUDA tests (tests/gpu)")
-        result["tests"] = run_tests(pythonpath, args.test_timeout)
+        # The tests may not eat the engine part's time.
+        reserve = 0 if args.skip_engine else PART_SECONDS["engine"]
+        timeout = int(min(args.test_timeout, max(30, left() - reserve)))
+        result["tests"] = run_tests(pythonpath, timeout)
         save(result)
-    if not args.skip_engine:   # the real engine before the synthetic benchmarks
-        engine = gpu_engine()
+    if not args.skip_engine and has_time(result, "engine", left()):
+        engine = gpu_engine()   # the real engine before the synthetic benchmarks
         result["engine"] = engine.run(engine.GPU_PLAN, pythonpath)
         result["targets"] = check_targets(result)
         save(result)
@@ -385,6 +410,8 @@ def gpu_run(args, result: dict, pythonpath: str, save) -> None:
     print(f"== copy bandwidth: {bw / 1e9:.0f} GB/s (read + write)")
     result["decode"] = {}
     for shape in args.shape_list:
+        if not has_time(result, shape, left()):
+            continue
         print(f"== decode benchmark: {shape} (bf16, random weights, context {args.context})")
         t0 = time.perf_counter()
         m = build(shape, "cuda", max(args.batch_list), args.context, torch.bfloat16)
@@ -402,8 +429,9 @@ def gpu_run(args, result: dict, pythonpath: str, save) -> None:
         torch.cuda.empty_cache()
         result["targets"] = check_targets(result)
         save(result)
-    print(f"== Triton decode kernel at {args.kernel_context} context")
-    result["kernel"] = kernel_bandwidth(args.kernel_context, bw)
+    if has_time(result, "kernel", left()):
+        print(f"== Triton decode kernel at {args.kernel_context} context")
+        result["kernel"] = kernel_bandwidth(args.kernel_context, bw)
     result["targets"] = check_targets(result)
 
 
@@ -456,9 +484,11 @@ def failures(result: dict) -> list[str]:
         if "engine" in result:
             out += gpu_engine().failures(result["engine"], on_gpu=False)
         return out
+    out += [f"{part} skipped: out of the time budget"
+            for part in result.get("skipped_for_time", ())]
     if "engine" in result:
         out += gpu_engine().failures(result["engine"], on_gpu=True)
-    else:
+    elif "engine" not in result.get("skipped_for_time", ()):
         out.append("the engine part did not run (--skip-engine)")
     tests = result.get("tests")
     if tests is None or not tests.get("ran"):

@@ -558,7 +558,8 @@ def _write(write_checkpoint, spec, model_dir: Path, dtype) -> dict:
 def failures(engine: dict, on_gpu: bool) -> list[str]:
     """Why the engine part fails: a step that raised, a parity miss, an incomplete or
     erroring HTTP load, a server that did not stop cleanly; on the GPU also zero graph
-    replays (offline or over HTTP) or decode attention off Triton. The busy target is checked with gpu_check's targets."""
+    replays (offline or over HTTP) or decode attention off Triton. The busy target is
+    checked with gpu_check's targets."""
     out = []
     for name in ("checkpoint", "offline", "parity", "http"):
         step = engine.get(name)

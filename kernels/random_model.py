@@ -85,7 +85,8 @@ def hf_config_fields(spec: ModelSpec) -> dict:
                 hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
                 num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
                 num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                rms_norm_eps=spec.rms_norm_eps, max_position_embeddings=spec.max_position_embeddings,
+                rms_norm_eps=spec.rms_norm_eps,
+                max_position_embeddings=spec.max_position_embeddings,
                 tie_word_embeddings=spec.tie_word_embeddings, attention_bias=spec.attention_bias,
                 bos_token_id=spec.bos_token_id, eos_token_id=eos[0] if len(eos) == 1 else eos,
                 rope_theta=spec.rope.theta, rope_scaling=rope)
@@ -175,7 +176,8 @@ def write_checkpoint(spec: ModelSpec, path, dtype: torch.dtype = torch.bfloat16,
     path.mkdir(parents=True, exist_ok=True)
     cfg = LlamaConfig(**hf_config_fields(spec))
     # transformers >= 4.56 names it `dtype`, older versions `torch_dtype`
-    setattr(cfg, "dtype" if hasattr(cfg, "dtype") else "torch_dtype", str(dtype).removeprefix("torch."))
+    setattr(cfg, "dtype" if hasattr(cfg, "dtype") else "torch_dtype",
+            str(dtype).removeprefix("torch."))
     cfg.save_pretrained(str(path))
     gen = torch.Generator().manual_seed(seed)
     state = {}

@@ -130,6 +130,22 @@ def test_failures_say_why_a_gpu_run_fails():
     assert "did not run" in " ".join(gc.failures({"mode": "gpu"}))
 
 
+def test_parts_out_of_time_are_skipped_and_fail_the_run():
+    """The host lends one 10-minute run: a part that no longer fits is skipped, listed, and
+    the run fails saying so (instead of being killed with no table)."""
+    gc = _load_script()
+    result = {"mode": "gpu"}
+    assert gc.has_time(result, "llama3-8b", 500.0) and "skipped_for_time" not in result
+    assert not gc.has_time(result, "llama3-8b", gc.PART_SECONDS["llama3-8b"] - 1)
+    assert not gc.has_time(result, "engine", 10.0)
+    assert result["skipped_for_time"] == ["llama3-8b", "engine"]
+    problems = gc.failures(result)
+    assert "llama3-8b skipped: out of the time budget" in problems
+    assert "engine skipped: out of the time budget" in problems
+    assert not any("--skip-engine" in p for p in problems)   # not skipped by the flag
+    assert gc.parse_args([]).time_budget < 600
+
+
 def test_http_busy_target_is_met_missed_or_not_measured():
     """The issue's fourth target: GPU busy >= 80% of wall time under 64 HTTP streams, from
     NVML samples during the load; no sample (no NVML) means not measured, which fails."""

@@ -30,7 +30,8 @@ ge = _load("gpu_engine")
 
 def test_union_counts_overlaps_once():
     assert ge.union_seconds([]) == 0
-    assert ge.union_seconds([(0, 1), (0.5, 2), (3, 4), (3.5, 3.7), (1.9, 2.1)]) == pytest.approx(3.1)
+    intervals = [(0, 1), (0.5, 2), (3, 4), (3.5, 3.7), (1.9, 2.1)]
+    assert ge.union_seconds(intervals) == pytest.approx(3.1)
     assert ge.union_seconds([(5, 6), (0, 1)]) == 2
 
 
@@ -65,7 +66,8 @@ def test_graph_metrics_from_the_exposition_text():
     assert g["decode_batch_size_histogram"] == {"3": 11}
     assert ge.graph_metrics("vllm:x 1\n")["present"] is False
     assert ge.step_time_metrics(METRICS) == {"forward": 3.5, "host": 1.25}
-    assert ge.parse_metrics('a:b{x="q\\"r",y="2"} 3e2')["a:b"] == [({"x": 'q\\"r', "y": "2"}, 300.0)]
+    parsed = ge.parse_metrics('a:b{x="q\\"r",y="2"} 3e2')
+    assert parsed["a:b"] == [({"x": 'q\\"r', "y": "2"}, 300.0)]
 
 
 def test_stats_delta_subtracts_counters_and_recomputes_waste():
