@@ -1,25 +1,29 @@
-"""One-shot GPU check: every CUDA test plus the decode benchmarks, in a few minutes.
+"""One-shot GPU check: every CUDA test, the real engine and the decode benchmarks, in one
+run of under 10 minutes.
 
     python benchmarks/gpu_check.py                    # on a GPU host (make gpu-check)
     python benchmarks/gpu_check.py --json out.json    # also write the results there
-    python benchmarks/gpu_check.py --dry-run          # CPU: plan, bucket tables, smoke run
+    python benchmarks/gpu_check.py --dry-run          # CPU: plan, bucket tables, smoke runs
 
-Needs only PyTorch and Triton (no network, no checkpoints, no install of this project:
-the repository is made importable as `tokenloom` from a temporary directory). Models are
-random, generated on the machine, in bf16, of two shapes: SmolLM2-135M and Llama-3-8B.
+No network, no checkpoints and no install of this project (the repository is made
+importable as `tokenloom` from a temporary directory). Needs the GPU host's torch, triton,
+transformers, tokenizers, safetensors, aiohttp and uvloop; what it lacks comes from
+--wheels (`make gpu-wheels`). Models are random, generated on the machine, in bf16, of two
+shapes: SmolLM2-135M and Llama-3-8B (plus a tiny fp32 one for parity).
 
 1. CUDA tests: `pytest tests/gpu` in a subprocess (skipped, with a note, if pytest is absent).
-2. Copy bandwidth: device-to-device copy of 2 GiB, (read + write bytes) / time.
-3. Decode benchmark per shape: step time and tokens/s at batch 1, 8, 32, 128, 256, with
-   CUDA graphs vs eager, side by side; graph-vs-eager logits difference per batch; the
-   memory roofline = (weight bytes + KV bytes read per step) / copy bandwidth.
-4. Triton decode kernel at 8k context (Llama-3-8B layer shape): achieved bandwidth as a
-   fraction of copy bandwidth, with the torch reference as the baseline.
-5. The real engine (benchmarks/gpu_engine.py; `--skip-engine` leaves it out): `LLM` offline
+2. The real engine (benchmarks/gpu_engine.py; `--skip-engine` leaves it out): `LLM` offline
    and `tokenloom serve` under 64 streams, over a random checkpoint of the SmolLM2-135M
    shape written on the machine, plus greedy parity against transformers (tiny model).
+3. Copy bandwidth: device-to-device copy of 2 GiB, (read + write bytes) / time.
+4. Decode benchmark per shape: step time and tokens/s at batch 1, 8, 32, 128, 256, with
+   CUDA graphs vs eager, side by side; graph-vs-eager logits difference per batch; the
+   memory roofline = (weight bytes + KV bytes read per step) / copy bandwidth.
+5. Triton decode kernel at 8k context (Llama-3-8B layer shape): achieved bandwidth as a
+   fraction of copy bandwidth, with the torch reference as the baseline.
 Prints a table, checks the issue's targets, writes JSON (default benchmarks/results/); the
-JSON is rewritten after each part, so a run cut short keeps what it measured.
+JSON is rewritten after each part, so a run cut short keeps what it measured, and a part
+that no longer fits --time-budget is skipped (a failure) rather than killed.
 """
 
 from __future__ import annotations
