@@ -82,6 +82,24 @@ def _drive(runner: ModelRunner, prompts, tables, steps: int, decode_sets):
     return tokens
 
 
+def _pinned_kernel() -> str:
+    from tokenloom.kernels import cpu_linear
+    return "small_gemm" if cpu_linear.small_gemm_module() is not None else "mkl"
+
+
+@pytest.fixture(autouse=True)
+def _pinned_kernels(monkeypatch):
+    """Every projection on one traceable kernel at every batch size (the C++ small-batch
+    kernel, else MKL's matmul): which kernel a bucket's program calls must not depend on
+    timings taken on a loaded machine (a bucket whose fastest measured kernel is oneDNN
+    stays eager, which a test here would see as a missing program). The rule itself is
+    tested with its own plan below."""
+    from tokenloom.kernels import cpu_linear
+
+    pinned = cpu_linear.Plan(((1 << 30, _pinned_kernel()),), {})
+    monkeypatch.setattr(cpu_linear, "cached_plan", lambda *a, **k: pinned)
+
+
 def _build(path, tmp_path, sizes=(1, 4)):
     model, spec = _model(path)
     kv = _kv(spec)
@@ -236,7 +254,10 @@ def test_bf16_programs_round_like_eager(tiny_dir, tmp_path):
             for i in range(2)]
     compiled = programs.run(seqs, 2).clone()
     assert programs.num_replays == 1
-    assert torch.equal(compiled, programs._eager(2))
+    if _pinned_kernel() == "small_gemm":   # an opaque op: the program rounds as eager does
+        assert torch.equal(compiled, programs._eager(2))
+    else:   # Inductor's code around MKL's bf16 matmul can round a few bf16 steps apart
+        assert torch.allclose(compiled, programs._eager(2), rtol=2 ** -5, atol=2 ** -5)
 
 
 def test_buckets_whose_fastest_kernel_cannot_be_compiled_stay_eager(tiny_dir, tmp_path,
