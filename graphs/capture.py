@@ -151,51 +151,63 @@ class DecodeGraphs:
         or when the graphs take more than `memory_budget_bytes` of device memory."""
         if not torch.cuda.is_available() or self.buffers.device.type != "cuda":
             raise CaptureError("CUDA graphs need a CUDA device")
-        order = sorted(sizes, reverse=True)
-        assert order[0] <= self.buffers.max_size, "buffers are smaller than the largest bucket"
-        torch.cuda.synchronize()
-        free_before = torch.cuda.mem_get_info()[0]
-        t0 = time.perf_counter()
-        bar = None
-        if progress:
-            try:
-                from tqdm import tqdm
-                bar = tqdm(total=len(order), desc="capturing decode graphs", unit="graph",
-                           leave=False)
-            except ImportError:
-                pass
-        gc.collect()
-        gc.freeze()
+        assert max(sizes) <= self.buffers.max_size, "buffers are smaller than the largest bucket"
+        self.capture_seconds, self.capture_bytes = capture_buckets(
+            sizes, self.capture_one, self.replay_each, self.drop, progress=progress,
+            label="decode buckets", unit="graph", postfix="batch",
+            budget=memory_budget_bytes, budget_name="the budget")
+
+    def drop(self) -> None:
+        self.graphs.clear()
+        self.pool = None
+
+
+def capture_buckets(sizes, capture_one, replay_each, drop, *, progress: bool, label: str,
+                    unit: str, postfix: str, budget: int, budget_name: str) -> tuple[float, int]:
+    """Start-up capture, shared by decode and piecewise graphs: `capture_one(size)` for every
+    size, largest first, inside the capture window, with the garbage collector frozen (a
+    collection mid-capture can free tensors whose memory a graph then reuses) and a progress
+    bar; then `replay_each()`. Logs time and memory. On failure, or over `budget` bytes of
+    device memory, calls `drop()` and raises CaptureError. Returns (seconds, bytes)."""
+    order = sorted(sizes, reverse=True)
+    torch.cuda.synchronize()
+    free_before = torch.cuda.mem_get_info()[0]
+    t0 = time.perf_counter()
+    bar = None
+    if progress:
         try:
-            with capture_window():
-                for size in order:
-                    self.capture_one(size)
-                    if bar is not None:
-                        bar.update(1)
-                        bar.set_postfix(batch=size)
-            self.replay_each()
-        except CaptureClosedError:
-            raise
-        except Exception as e:
-            self.graphs.clear()
-            self.pool = None
-            raise CaptureError(f"capture failed: {type(e).__name__}: {e}") from e
-        finally:
-            gc.unfreeze()
-            if bar is not None:
-                bar.close()
-        self.capture_seconds = time.perf_counter() - t0
-        self.capture_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])
-        if startup_log is not None:
-            startup_log.info(f"CUDA graphs: {len(order)} decode buckets ({order[-1]}..{order[0]}) "
-                             f"captured in {self.capture_seconds:.1f}s using "
-                             f"{self.capture_bytes / 2**20:.0f} MiB", sizes=sorted(sizes),
-                             seconds=round(self.capture_seconds, 2),
-                             memory_mib=round(self.capture_bytes / 2**20, 1))
-        if self.capture_bytes > memory_budget_bytes:
-            self.graphs.clear()
-            self.pool = None
-            torch.cuda.empty_cache()
-            raise CaptureError(f"graphs took {self.capture_bytes / 2**20:.0f} MiB, over the "
-                               f"budget of {memory_budget_bytes / 2**20:.0f} MiB "
-                               "(graphs.memory_budget_bytes)")
+            from tqdm import tqdm
+            bar = tqdm(total=len(order), desc=f"capturing {label}", unit=unit, leave=False)
+        except ImportError:
+            pass
+    gc.collect()
+    gc.freeze()
+    try:
+        with capture_window():
+            for size in order:
+                capture_one(size)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix({postfix: size})
+        replay_each()
+    except CaptureClosedError:
+        raise
+    except Exception as e:
+        drop()
+        raise CaptureError(f"{label} capture failed: {type(e).__name__}: {e}") from e
+    finally:
+        gc.unfreeze()
+        if bar is not None:
+            bar.close()
+    seconds = time.perf_counter() - t0
+    used = max(0, free_before - torch.cuda.mem_get_info()[0])
+    if startup_log is not None:
+        startup_log.info(f"CUDA graphs: {len(order)} {label} ({order[-1]}..{order[0]}) captured "
+                         f"in {seconds:.1f}s using {used / 2**20:.0f} MiB", sizes=sorted(sizes),
+                         seconds=round(seconds, 2), memory_mib=round(used / 2**20, 1))
+    if used > budget:
+        drop()
+        torch.cuda.empty_cache()
+        raise CaptureError(f"{label} took {used / 2**20:.0f} MiB, over {budget_name} of "
+                           f"{budget / 2**20:.0f} MiB (graphs.memory_budget_bytes)")
+    return seconds, used

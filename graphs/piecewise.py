@@ -31,23 +31,14 @@ tests check buffers, padding and the cut against the plain forward.
 
 from __future__ import annotations
 
-import gc
-import time
-
 import torch
 
-from tokenloom.graphs.capture import CaptureClosedError, CaptureError, capture_allowed, \
-    capture_window
+from tokenloom.graphs.capture import (CaptureClosedError, CaptureError, capture_allowed,
+                                      capture_buckets)
 from tokenloom.kernels.attention import with_chunk_masks
 from tokenloom.kernels.forward_context import AttentionMetadata
 from tokenloom.kernels.kv_store import KVCache
 from tokenloom.kernels.llama import layer_after_attention, layer_before_attention
-
-try:
-    import structlog
-    startup_log = structlog.get_logger("tokenloom.startup", logger_name="tokenloom.startup")
-except ImportError:  # the GPU check runs with nothing but torch + triton
-    startup_log = None
 
 PAD_SLOT = -1
 
@@ -216,50 +207,9 @@ class PiecewiseGraphs:
         failure or when they take more than `memory_budget_bytes` of device memory."""
         if not torch.cuda.is_available() or self.buffers.device.type != "cuda":
             raise CaptureError("CUDA graphs need a CUDA device")
-        order = sorted(sizes, reverse=True)
-        assert order[0] <= self.buffers.max_tokens, "buffers are smaller than the largest bucket"
-        torch.cuda.synchronize()
-        free_before = torch.cuda.mem_get_info()[0]
-        t0 = time.perf_counter()
-        bar = None
-        if progress:
-            try:
-                from tqdm import tqdm
-                bar = tqdm(total=len(order), desc="capturing piecewise graphs", unit="bucket",
-                           leave=False)
-            except ImportError:
-                pass
-        gc.collect()
-        gc.freeze()
-        try:
-            with capture_window():
-                for size in order:
-                    self.capture_one(size)
-                    if bar is not None:
-                        bar.update(1)
-                        bar.set_postfix(tokens=size)
-            self.replay_each()
-        except CaptureClosedError:
-            raise
-        except Exception as e:
-            self.graphs.clear()
-            raise CaptureError(f"piecewise capture failed: {type(e).__name__}: {e}") from e
-        finally:
-            gc.unfreeze()
-            if bar is not None:
-                bar.close()
-        self.capture_seconds = time.perf_counter() - t0
-        self.capture_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])
-        if startup_log is not None:
-            startup_log.info(f"CUDA graphs: {len(order)} piecewise buckets ({order[-1]}.."
-                             f"{order[0]} tokens, {self.num_pieces} pieces each) captured in "
-                             f"{self.capture_seconds:.1f}s using "
-                             f"{self.capture_bytes / 2**20:.0f} MiB", sizes=sorted(sizes),
-                             pieces=self.num_pieces, seconds=round(self.capture_seconds, 2),
-                             memory_mib=round(self.capture_bytes / 2**20, 1))
-        if self.capture_bytes > memory_budget_bytes:
-            self.graphs.clear()
-            torch.cuda.empty_cache()
-            raise CaptureError(f"piecewise graphs took {self.capture_bytes / 2**20:.0f} MiB, "
-                               f"over the {memory_budget_bytes / 2**20:.0f} MiB left of "
-                               "graphs.memory_budget_bytes")
+        assert max(sizes) <= self.buffers.max_tokens, "buffers are smaller than the largest bucket"
+        self.capture_seconds, self.capture_bytes = capture_buckets(
+            sizes, self.capture_one, self.replay_each, self.graphs.clear, progress=progress,
+            label=f"piecewise buckets ({self.num_pieces} pieces each)", unit="bucket",
+            postfix="tokens", budget=memory_budget_bytes,
+            budget_name="what the decode graphs left of the budget")

@@ -83,7 +83,7 @@ def build_decode_graphs(cfg: GraphsConfig, model, kv: KVCache, *, max_num_seqs: 
         startup_log.warning(f"CUDA graphs disabled: {e}; decode runs eager", reason=str(e))
         graphs = buffers = None  # drop the partial capture before emptying the cache
         torch.cuda.empty_cache()
-        return Dispatcher(None, f"capture failed: {e}"), None
+        return Dispatcher(None, str(e)), None
     if not graphs.sizes:
         return Dispatcher(None, "no bucket captured"), None
     # The buckets actually captured (the memory budget may stop capture early), so that a
@@ -134,7 +134,7 @@ def build_piecewise_graphs(cfg: GraphsConfig, model, kv: KVCache, dispatcher: Di
     except CaptureError as e:
         startup_log.warning(f"piecewise CUDA graphs disabled: {e}; steps with prefill tokens "
                             "run eager", reason=str(e))
-        dispatcher.piecewise_reason = f"prefill in batch (piecewise capture failed: {e})"
+        dispatcher.piecewise_reason = f"prefill in batch ({e})"
         pieces = None
         torch.cuda.empty_cache()
         return None
