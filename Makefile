@@ -31,9 +31,10 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/offline.py
 
 # On a GPU host: needs only that machine's torch + triton (no venv, no network, no install);
-# what it lacks (msgspec, structlog, pytest-asyncio, pyzmq) comes as wheels in gpu-wheels/,
+# what it lacks (msgspec, structlog, pytest-asyncio, pyzmq, prometheus-client) comes as wheels in gpu-wheels/,
 # downloaded beforehand with `make gpu-wheels` and carried with the tree. Exits non-zero on a
-# failed or skipped CUDA test, a missed target, a parity miss or zero graph replays.
+# failed or skipped CUDA test, a missed target, a parity miss, zero graph replays or an
+# engine-part failure.
 GPU_PY  ?= python3
 GPU_OUT ?= benchmarks/results/gpu_check
 gpu-check:
@@ -43,7 +44,8 @@ gpu-check:
 gpu-wheels: $(STAMP)
 	$(BIN)/pip download --quiet --only-binary=:all: --no-deps --python-version 3.12 \
 	    --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
-	    --platform manylinux_2_28_x86_64 -d gpu-wheels msgspec structlog pytest-asyncio pyzmq
+	    --platform manylinux_2_28_x86_64 -d gpu-wheels msgspec structlog pytest-asyncio pyzmq \
+	    prometheus-client
 
 clean:
 	rm -rf $(VENV) build *.egg-info

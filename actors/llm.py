@@ -25,9 +25,9 @@ import structlog
 
 from tokenloom.actors.engine import Engine
 from tokenloom.actors.messages import (CheckIntegrity, FlushPrefixCache, GenerateRequest,
-                                       GetKVStats, GetSchedulerStats, GetTrace, IsIdle, KVStats,
-                                       RequestOutput, SchedulerStats, SubscribeKVEvents,
-                                       TokenLogprob)
+                                       GetGraphStats, GetKVStats, GetSchedulerStats, GetTrace,
+                                       IsIdle, KVStats, RequestOutput, SchedulerStats,
+                                       SubscribeKVEvents, TokenLogprob)
 from tokenloom.actors.output_processor import fan_out
 from tokenloom.actors.prefix_cache import FlushResult
 from tokenloom.actors.sampling_params import SamplingParams
@@ -226,6 +226,13 @@ class LLM:
 
     def scheduler_stats(self) -> SchedulerStats:
         return self.ask(self.engine.scheduler, GetSchedulerStats())
+
+    def graph_stats(self) -> dict:
+        """How steps ran (graphs/dispatch.py): decode graph, piecewise and eager steps (eager
+        with reasons), replays counted where they happen, padding waste, the decode
+        batch-size histogram (what graphs.histogram_path reads), capture time and memory.
+        Asked of the runner actor, in order after the steps it has run."""
+        return self.ask(self.engine.runner, GetGraphStats())
 
     def close(self) -> None:
         if self._loop.is_closed():

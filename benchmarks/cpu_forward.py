@@ -118,7 +118,7 @@ def tokenloom_mode(mode: str, args, rng: random.Random, compiled: bool = False) 
         res["batch16_step_ms"] = min(itl_ms(gen(prompts(rng, 16, 32), OUT)[1])
                                      for _ in range(max(1, args.reps - 1)))
         res["weight_bytes"] = weight_bytes(llm)
-        stats = llm.engine.runner.runner.graph_stats()
+        stats = llm.graph_stats()
         res["program_steps"] = stats.get("replays", 0)
         res["eager_steps"] = stats["eager_steps"]
     finally:

@@ -18,7 +18,9 @@ shapes: SmolLM2-135M and Llama-3-8B (plus a tiny fp32 one for parity).
 3. Copy bandwidth: device-to-device copy of 2 GiB, (read + write bytes) / time.
 4. Decode benchmark per shape: step time and tokens/s at batch 1, 8, 32, 128, 256, with
    CUDA graphs vs eager, side by side; graph-vs-eager logits difference per batch; the
-   memory roofline = (weight bytes + KV bytes read per step) / copy bandwidth.
+   memory roofline = (weight bytes + KV bytes read per step) / copy bandwidth. Then mixed
+   steps on the same model (benchmarks/gpu_mixed.py): 8 decodes plus one mid-prompt chunk
+   of 16, 128 or 512 tokens, eager vs piecewise graphs, side by side, with their parity.
 5. Triton decode kernel at 8k context (Llama-3-8B layer shape): achieved bandwidth as a
    fraction of copy bandwidth, with the torch reference as the baseline.
 Prints a table, checks the issue's targets, writes JSON (default benchmarks/results/); the
@@ -103,17 +105,27 @@ def install_wheels(wheels: Path, needed=CARRIED, optional=SERVER_CARRIED) -> str
     return target
 
 
-def gpu_engine():
-    """benchmarks/gpu_engine.py, imported by path (this script is not always run from
+def _sibling(stem: str):
+    """benchmarks/<stem>.py, imported by path (this script is not always run from
     benchmarks/, e.g. when the tests load it)."""
     import importlib.util
-    name = "tokenloom_gpu_engine"
+    name = f"tokenloom_{stem}"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "gpu_engine.py")
+        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{stem}.py")
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module    # before exec: dataclasses look their module up
         spec.loader.exec_module(module)
     return sys.modules[name]
+
+
+def gpu_engine():
+    """The engine part (benchmarks/gpu_engine.py)."""
+    return _sibling("gpu_engine")
+
+
+def gpu_mixed():
+    """Mixed prefill+decode steps, eager vs piecewise graphs (benchmarks/gpu_mixed.py)."""
+    return _sibling("gpu_mixed")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -273,6 +285,10 @@ def dry_run(args, result: dict, pythonpath: str, save) -> None:
     m = build("tiny", "cpu", 4, 40, torch.float32)
     rows = bench_decode(m, [1, 3], 40, steps=2, warmup=1, device="cpu")
     result["cpu_smoke"] = rows   # parity checked by failures()
+    # The mixed-step benchmark's code, the pieces run eagerly (nothing captured on CPU).
+    result["cpu_mixed_smoke"] = gpu_mixed().bench_mixed(m, "cpu", time_steps, decodes=2,
+                                                        chunks=(8, 32), context=40, steps=2,
+                                                        warmup=1)
     save(result)
     if not args.skip_engine:
         engine = gpu_engine()
@@ -373,7 +389,7 @@ def run_tests(pythonpath: str, timeout: int) -> dict:
 
 # Seconds a part usually needs on one H200 (rough, generous to the part): with less than
 # this left of --time-budget it is skipped (see `has_time`).
-PART_SECONDS = {"engine": 150, "smollm2-135m": 30, "llama3-8b": 60, "tiny": 10, "kernel": 15}
+PART_SECONDS = {"engine": 150, "smollm2-135m": 40, "llama3-8b": 75, "tiny": 10, "kernel": 15}
 
 
 def has_time(result: dict, part: str, seconds_left: float) -> bool:
@@ -429,6 +445,11 @@ def gpu_run(args, result: dict, pythonpath: str, save) -> None:
         result["decode"][shape] = {"build_seconds": build_s,
                                    "capture_seconds": m.graphs.capture_seconds,
                                    "capture_bytes": m.graphs.capture_bytes, "rows": rows}
+        save(result)
+        print(f"== mixed steps: {shape} (8 decodes + one mid-prompt chunk), eager vs piecewise")
+        result["mixed"] = {**result.get("mixed", {}), shape: gpu_mixed().bench_mixed(
+            m, "cuda", time_steps, context=args.context, steps=args.steps,
+            warmup=args.warmup)}
         del m
         torch.cuda.empty_cache()
         result["targets"] = check_targets(result)
@@ -485,6 +506,10 @@ def failures(result: dict) -> list[str]:
         out += [f"CPU smoke parity: batch {r['batch']} differs by "
                 f"{r['graph_vs_eager_max_rel_diff']:.1e}" for r in result.get("cpu_smoke", ())
                 if r["graph_vs_eager_max_rel_diff"] >= 1e-4]
+        out += [f"CPU mixed-step smoke parity: {r['tokens']} tokens differ by "
+                f"{r['piecewise_vs_eager_max_rel_diff']:.1e}"
+                for r in result.get("cpu_mixed_smoke", {}).get("rows", ())
+                if r["piecewise_vs_eager_max_rel_diff"] >= 1e-4]
         if "engine" in result:
             out += gpu_engine().failures(result["engine"], on_gpu=False)
         return out
@@ -516,6 +541,14 @@ def failures(result: dict) -> list[str]:
                            f"{r['graph_vs_eager_max_rel_diff']:.1e}")
             if r.get("graph_replays", 0) == 0:
                 out.append(f"{shape} batch {r['batch']}: no CUDA graph was replayed")
+    for shape, d in result.get("mixed", {}).items():
+        for r in d["rows"]:
+            where = f"{shape} mixed step of {r['tokens']} tokens"
+            if r["piecewise_vs_eager_max_rel_diff"] > PARITY_MAX_REL_DIFF:
+                out.append(f"{where}: piecewise vs eager logits differ by "
+                           f"{r['piecewise_vs_eager_max_rel_diff']:.1e}")
+            if r.get("piecewise_replays", 0) == 0:
+                out.append(f"{where}: no piecewise graph was replayed")
     return out
 
 
@@ -537,6 +570,10 @@ def print_tables(result: dict) -> None:
             print(f"{r['batch']:>6} {r['eager_ms']:>9.3f} {r['graph_ms']:>9.3f} {r['speedup']:>8.2f} "
                   f"{r['eager_tok_s']:>12.0f} {r['graph_tok_s']:>12.0f} {r.get('roofline_ms', 0):>12.3f} "
                   f"{r.get('graph_vs_roofline', 0):>10.2f} {r['graph_vs_eager_max_rel_diff']:>9.1e}")
+    for shape, d in result.get("mixed", {}).items():
+        gpu_mixed().print_mixed(shape, d)
+    if "cpu_mixed_smoke" in result:
+        gpu_mixed().print_mixed("tiny (CPU smoke)", result["cpu_mixed_smoke"])
     if result.get("kernel"):
         print(f"\nTriton decode kernel (Llama-3-8B layer, bf16), copy bandwidth "
               f"{result['copy_bandwidth_gb_s']:.0f} GB/s")

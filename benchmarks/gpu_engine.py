@@ -273,9 +273,8 @@ def profiled_busy(fn, device: str):
 
 # -- the steps --------------------------------------------------------------------------------
 def runner_graph_stats(llm) -> dict:
-    """The model runner's graph statistics (actors/model_runner.py `graph_stats`). LLM has no
-    public accessor yet: read through the engine's runner actor while the engine is idle."""
-    return dict(llm.engine.runner.runner.graph_stats())
+    """The model runner's graph statistics (actors/model_runner.py `graph_stats`)."""
+    return dict(llm.graph_stats())
 
 
 def cold_cache(llm) -> None:

@@ -151,7 +151,8 @@ class ModelConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     # 0 leaves torch's default thread count alone.
     num_threads: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 0
     # Decode attention: "auto" = the C++ paged kernel on CPU (torch reference if it cannot
-    # be built), the torch reference on CUDA; "torch" forces the reference everywhere.
+    # be built), the Triton kernels on CUDA (torch reference if their start-up smoke test
+    # fails); "torch" forces the reference everywhere.
     attention_backend: Literal["auto", "torch", "cpu_kernel", "triton"] = "auto"
     # How the projection weights are stored: "auto" = in model.dtype; "int8" = weight-only
     # int8 with per-channel scales (CPU), activations and KV in model.dtype. A quantized mode

@@ -32,6 +32,12 @@ def test_dry_run(tmp_path):
     assert 134e6 < small["parameters"] < 135e6 and 8.0e9 < big["parameters"] < 8.1e9
     assert big["kv_bytes_per_token"] == 32 * 2 * 8 * 128 * 2
     assert [r["batch"] for r in result["cpu_smoke"]] == [1, 3]
+    # The mixed-step benchmark's code on CPU: the pieces run eagerly, equal to eager.
+    mixed = result["cpu_mixed_smoke"]
+    assert [r["tokens"] for r in mixed["rows"]] == [10, 34] and not mixed["captured"]
+    assert all(r["piecewise_vs_eager_max_rel_diff"] < 1e-4 and r["bucket"] >= r["tokens"]
+               for r in mixed["rows"])
+    assert "mixed steps (decodes + one mid-prompt chunk)" in proc.stdout
     assert "padded batch sizes" in proc.stdout
     assert result["failures"] == [] and "partial" not in result
 
@@ -128,6 +134,14 @@ def test_failures_say_why_a_gpu_run_fails():
                      "no CUDA graph was replayed"):
         assert expected in problems, problems
     assert "did not run" in " ".join(gc.failures({"mode": "gpu"}))
+    # Mixed steps: piecewise graphs must replay and agree with eager.
+    mixed_row = {"tokens": 24, "piecewise_vs_eager_max_rel_diff": 1e-3, "piecewise_replays": 25}
+    with_mixed = dict(good, mixed={"smollm2-135m": {"rows": [mixed_row]}})
+    assert gc.failures(with_mixed) == []
+    with_mixed["mixed"]["smollm2-135m"]["rows"] = [dict(mixed_row, piecewise_replays=0,
+                                                        piecewise_vs_eager_max_rel_diff=0.3)]
+    problems = " | ".join(gc.failures(with_mixed))
+    assert "no piecewise graph was replayed" in problems and "differ by 3.0e-01" in problems
 
 
 def test_parts_out_of_time_are_skipped_and_fail_the_run():

@@ -170,7 +170,7 @@ def test_greedy_matches_transformers_with_graphs_on(tmp_path):
         assert llm.engine.info.attention_backend == "triton"
         got = [o.token_ids for o in llm.generate(prompts, SamplingParams(
             temperature=0, max_tokens=16, ignore_eos=True))]
-        stats = llm.engine.runner.runner.graph_stats()
+        stats = llm.graph_stats()
     finally:
         llm.close()
     assert stats["graph_steps"] > 0 and stats["replays"] > 0, stats

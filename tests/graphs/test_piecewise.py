@@ -271,7 +271,7 @@ def test_engine_with_piecewise_steps_matches_transformers(tiny, tmp_path, monkey
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     try:
         outs = llm.generate(prompts, params)
-        stats = llm.engine.runner.runner.graph_stats()
+        stats = llm.graph_stats()
     finally:
         request()
     assert stats["piecewise_steps"] > 0 and stats["piecewise_static_eager_runs"] > 0
