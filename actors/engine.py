@@ -17,33 +17,33 @@ from typing import AsyncIterator
 import structlog
 import torch
 
-from tokenloom.actors.compute_thread import ComputeThread
-from tokenloom.actors.kv_actor import KVManagerActor
-from tokenloom.actors.kv_manager import KVCacheManager
+from tokenloom.actors.execution.compute_thread import ComputeThread
+from tokenloom.actors.kv.kv_actor import KVManagerActor
+from tokenloom.actors.kv.kv_manager import KVCacheManager
 from tokenloom.actors.messages import (AbortRequest, EngineStats, FlushPrefixCache,
                                        GenerateRequest, GetKVStats, GetRouterStats,
                                        GetSchedulerStats, GetTrace, RequestFinished,
                                        RequestOutput, Shutdown)
-from tokenloom.actors.output_processor import OutputProcessor
-from tokenloom.actors.model_runner import ModelRunner
-from tokenloom.actors.block_hash import model_fingerprint
-from tokenloom.actors.policy import PolicyLimits
-from tokenloom.actors.prefix_tracker import PrefixTracker
-from tokenloom.actors.proposers import NgramProposer
-from tokenloom.actors.router import RouterActor
-from tokenloom.actors.runner import RunnerActor
-from tokenloom.actors.scheduler import SchedulerActor
-from tokenloom.actors.spec_decode import SpecController
-from tokenloom.actors.streams import StreamRegistry
-from tokenloom.actors.guided import GuidedCompiler
-from tokenloom.actors.tokenizer import TokenizerActor
+from tokenloom.actors.output.output_processor import OutputProcessor
+from tokenloom.actors.execution.model_runner import ModelRunner
+from tokenloom.actors.kv.block_hash import model_fingerprint
+from tokenloom.actors.scheduling.policy import PolicyLimits
+from tokenloom.actors.scheduling.prefix_tracker import PrefixTracker
+from tokenloom.actors.speculation.proposers import NgramProposer
+from tokenloom.actors.front.router_actor import RouterActor
+from tokenloom.actors.execution.runner_actor import RunnerActor
+from tokenloom.actors.scheduling.scheduler_actor import SchedulerActor
+from tokenloom.actors.speculation.controller import SpecController
+from tokenloom.actors.front.streams import StreamRegistry
+from tokenloom.actors.execution.guided import GuidedCompiler
+from tokenloom.actors.front.tokenizer_actor import TokenizerActor
 from tokenloom.config.schema import ConfigError, EngineConfig, resolve_cache_dir
-from tokenloom.actors.swap import SwapSpace
+from tokenloom.actors.scheduling.swap import SwapSpace
 from tokenloom.kernels.kv_store import HostKVPool, KVCache
 from tokenloom.kernels.device import pick_device, pick_dtype, select_decode_backend
-from tokenloom.kernels.loader import load_model, resolve_model_dir, weights_digest
-from tokenloom.kernels.weights import apply_weight_dtype
-from tokenloom.kernels.model_spec import ModelSpec
+from tokenloom.kernels.models.loader import load_model, resolve_model_dir, weights_digest
+from tokenloom.kernels.models.weights import apply_weight_dtype
+from tokenloom.kernels.models.model_spec import ModelSpec
 
 log = structlog.get_logger("tokenloom.engine")
 startup_log = structlog.get_logger("tokenloom.startup", logger_name="tokenloom.startup")
@@ -99,7 +99,7 @@ def build_kv_event_publisher(config: EngineConfig):
     cfg = config.kv_events
     if not cfg.enable_kv_cache_events:
         return None
-    from tokenloom.actors.kv_events_zmq import ZmqKVEventPublisher
+    from tokenloom.actors.kv.events_zmq import ZmqKVEventPublisher
     publisher = ZmqKVEventPublisher(cfg.endpoint, cfg.replay_endpoint or None,
                                     buffer_steps=cfg.buffer_steps, hwm=cfg.hwm,
                                     max_queue_size=cfg.max_queue_size, topic=cfg.topic)
@@ -119,7 +119,7 @@ def build_speculation(config: EngineConfig, info: RuntimeInfo):
     if cfg.method == "ngram":
         proposer, lookahead = NgramProposer(cfg.ngram_min, cfg.ngram_max), 0
     else:
-        from tokenloom.actors.draft_model import DraftModelProposer
+        from tokenloom.actors.speculation.draft_model import DraftModelProposer
         proposer = DraftModelProposer.load(cfg.draft_model, resolve_cache_dir(config), info,
                                            config.model.attention_backend,
                                            max_num_seqs=config.scheduler.max_num_seqs)
@@ -222,7 +222,7 @@ class Engine:
     @classmethod
     def build(cls, config: EngineConfig) -> "Engine":
         """Load the model and make the actors, on the engine's compute thread, which then
-        runs every step (actors/compute_thread.py says why one thread matters)."""
+        runs every step (actors/execution/compute_thread.py says why one thread matters)."""
         compute = ComputeThread()
         try:
             engine = compute.call(cls._build, config)
@@ -241,7 +241,7 @@ class Engine:
         torch.manual_seed(config.model.seed)
         t0 = time.perf_counter()
         model_dir = resolve_model_dir(config.model.model, resolve_cache_dir(config))
-        from tokenloom.kernels.loader import load_spec
+        from tokenloom.kernels.models.loader import load_spec
         spec = load_spec(model_dir)
         max_len = config.model.max_model_len or spec.max_position_embeddings
         model, spec = load_model(model_dir, dtype, device, max_positions=max_len)

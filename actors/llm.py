@@ -28,8 +28,8 @@ from tokenloom.actors.messages import (CheckIntegrity, FlushPrefixCache, Generat
                                        GetGraphStats, GetKVStats, GetSchedulerStats, GetTrace,
                                        IsIdle, KVStats, RequestOutput, SchedulerStats,
                                        SubscribeKVEvents, TokenLogprob)
-from tokenloom.actors.output_processor import fan_out
-from tokenloom.actors.prefix_cache import FlushResult
+from tokenloom.actors.output.output_processor import fan_out
+from tokenloom.actors.kv.prefix_cache import FlushResult
 from tokenloom.actors.sampling_params import SamplingParams
 from tokenloom.config.load import load_config
 from tokenloom.config.schema import ConfigError, EngineConfig, field_types, CacheConfig, ModelConfig, SchedulerConfig, GraphsConfig, SpeculativeConfig
@@ -218,7 +218,7 @@ class LLM:
 
     def subscribe_kv_events(self, callback) -> None:
         """Call `callback(event)` for every BlockStored / BlockRemoved / AllBlocksCleared
-        (vLLM-shaped, see actors/kv_events.py), in order, on the engine's event loop."""
+        (vLLM-shaped, see actors/kv/events.py), in order, on the engine's event loop."""
         self.ask(self.engine.kv_manager, SubscribeKVEvents(callback=callback))
 
     def kv_stats(self) -> KVStats:

@@ -10,8 +10,8 @@ from typing import Any
 
 import msgspec
 
-from tokenloom.actors.kv_manager import TableGrowth
-from tokenloom.actors.prefix_cache import PrefixCacheStats, PrefixQuery
+from tokenloom.actors.kv.kv_manager import TableGrowth
+from tokenloom.actors.kv.prefix_cache import PrefixCacheStats, PrefixQuery
 from tokenloom.actors.sampling_params import SamplingParams
 
 
@@ -42,7 +42,7 @@ class GenerateRequest(_Msg):
     priority: int = 0
     tenant: str | None = None
     # With worker processes: requests with the same key stay on one worker when costs tie
-    # (prompt_cache_key, X-Session-Id or the tenant; actors/routing.py).
+    # (prompt_cache_key, X-Session-Id or the tenant; actors/front/routing.py).
     affinity: str | None = None
 
 
@@ -89,7 +89,7 @@ class RequestTimings(_Msg):
     num_cached_tokens: int = 0
     prefix_hit_blocks: int = 0
     prefix_miss_reason: str | None = None
-    trace: dict | None = None   # the request's trace (see actors/trace.py), JSON-ready
+    trace: dict | None = None   # the request's trace (see actors/scheduling/trace.py), JSON-ready
 
 
 # What kind of failure a finished-with-error output reports; the HTTP layer maps it to a status.
@@ -401,7 +401,7 @@ class WorkerReport(_Msg):
 
 
 class WorkerKVEvents(_Msg):
-    """KV cache events (actors/kv_events.py) from worker `worker`, in emission order."""
+    """KV cache events (actors/kv/events.py) from worker `worker`, in emission order."""
     worker: int
     events: list[Any]
 

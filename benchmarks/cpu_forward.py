@@ -61,7 +61,7 @@ OUT = 64
 def read_bandwidth_gbs() -> float:
     """Multi-threaded read bandwidth: sum a 1 GiB fp32 tensor (best of 5). In a child
     process: OpenMP work on this thread would give the process a second OpenMP team beside
-    the engine's compute thread, and libgomp then stops busy-waiting (actors/compute_thread.py),
+    the engine's compute thread, and libgomp then stops busy-waiting (actors/execution/compute_thread.py),
     doubling the engine's step time."""
     code = ("import time, torch\n"
             "a = torch.ones(256 * 1024 * 1024); a.sum()\n"
@@ -137,7 +137,7 @@ def weight_bytes(llm) -> int:
                 or name.startswith("lm_head.kernels"):
             continue
         total += t.numel() * t.element_size()
-    from tokenloom.kernels.cpu_linear import CpuLinear
+    from tokenloom.kernels.cpu.linear import CpuLinear
     total += sum(m.weight_bytes for m in model.modules() if isinstance(m, CpuLinear))
     if not isinstance(model.lm_head, CpuLinear) and model.spec.tie_word_embeddings:
         total += model.lm_head.weight.numel() * model.lm_head.weight.element_size()
@@ -302,7 +302,7 @@ def main() -> None:
     rng = random.Random(0)
     out: dict = {"threads": args.threads, "read_bandwidth_gbs": read_bandwidth_gbs(),
                  "peers": str(PEERS), "modes": {}}
-    from tokenloom.kernels.cpu_features import detect
+    from tokenloom.kernels.cpu.features import detect
     out["cpu"] = f"{detect().model_name}, {detect().summary()}"
     print(f"CPU {out['cpu']}; read bandwidth {out['read_bandwidth_gbs']:.1f} GB/s", flush=True)
     logdir = Path(tempfile.mkdtemp(prefix="cpu-forward-"))

@@ -5,7 +5,7 @@
 
 Without --url it starts `tokenloom serve` on a tiny random Llama (n <= 4, max_tokens <= 32,
 so fuzzed requests stay cheap) with its admin socket in a temporary directory. The checks
-are the suite's (tests/daemon/test_openapi.py): no 5xx, and status codes, content types and
+are the suite's (tests/daemon/openai/test_openapi.py): no 5xx, and status codes, content types and
 bodies as documented, over positive and negative data, every phase schemathesis has for a
 stateless API. Afterwards the server must be idle with no KV block in use (checked through
 the admin socket when this script started the server). Prints schemathesis's summary and
@@ -39,8 +39,8 @@ def fuzz(url: str, max_examples: int, seed: int) -> tuple[int, str]:
 
 
 def idle_blocks(admin: str, timeout: float = 60.0) -> int:
-    from tokenloom.daemon import admin_cli
-    from tokenloom.daemon import admin_protocol as P
+    from tokenloom.daemon.admin import cli as admin_cli
+    from tokenloom.daemon.admin import protocol as P
 
     deadline = time.monotonic() + timeout
     while True:

@@ -169,7 +169,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def plan(args) -> dict:
     """Shapes, bytes and bucket tables: what the run will do (no GPU needed)."""
     from tokenloom.graphs.buckets import PaddedSizeTable, default_capture_sizes
-    from tokenloom.kernels.random_model import SHAPES, num_parameters
+    from tokenloom.kernels.models.random_model import SHAPES, num_parameters
 
     max_b = max(args.batch_list)
     out = {"batches": args.batch_list, "context": args.context,
@@ -205,13 +205,13 @@ def build(shape: str, device: str, max_batch: int, context: int, dtype):
     from tokenloom.graphs.buffers import DecodeBuffers
     from tokenloom.graphs.capture import DecodeGraphs
     from tokenloom.kernels.kv_store import KVCache
-    from tokenloom.kernels.random_model import SHAPES, random_model
+    from tokenloom.kernels.models.random_model import SHAPES, random_model
 
     spec = SHAPES[shape]
     max_len = context + BLOCK_SIZE
     model = random_model(spec, dtype, device, max_positions=max_len)
     if device == "cuda":
-        from tokenloom.kernels.triton_attention import make_decode_kernel, store_kv_triton
+        from tokenloom.kernels.gpu.triton_attention import make_decode_kernel, store_kv_triton
         model.set_decode_kernel(make_decode_kernel(spec))
         model.set_kv_store_kernel(store_kv_triton)
     bps = -(-max_len // BLOCK_SIZE)
@@ -228,7 +228,7 @@ def build(shape: str, device: str, max_batch: int, context: int, dtype):
 def eager_step(m, seqs, device):
     import torch
 
-    from tokenloom.actors.batch_inputs import build_batch_inputs
+    from tokenloom.actors.execution.batch_inputs import build_batch_inputs
 
     inputs = build_batch_inputs(SimpleNamespace(sequences=seqs, num_decodes=len(seqs)),
                                 BLOCK_SIZE, torch.device(device))
@@ -323,8 +323,8 @@ def kernel_bandwidth(context: int, copy_bw: float) -> list[dict]:
     import torch
 
     from tokenloom.kernels.attention import decode_attention
-    from tokenloom.kernels.random_model import SHAPES
-    from tokenloom.kernels.triton_attention import make_decode_kernel
+    from tokenloom.kernels.models.random_model import SHAPES
+    from tokenloom.kernels.gpu.triton_attention import make_decode_kernel
 
     heads, kvh, d = 32, 8, 128
     nb = -(-context // BLOCK_SIZE)

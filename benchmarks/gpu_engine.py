@@ -9,7 +9,7 @@ model files: `kernels/random_model.write_checkpoint`) and measures three things:
    call (graph and eager steps with their reasons, replays, padding), and the device's busy
    fraction from torch.profiler (union of the kernels' intervals / wall time of the call);
 2. parity: a tiny random checkpoint in fp32, greedy through `LLM` against transformers'
-   `generate` on the same device (the oracle of tests/kernels/test_tiny_models.py);
+   `generate` on the same device (the oracle of tests/kernels/models/test_tiny_models.py);
 3. HTTP: `tokenloom serve` as a subprocess on 127.0.0.1 over the same checkpoint, a
    time-bounded closed loop of streaming /v1/completions requests (benchmarks/serve.py's
    client), TTFT/ITL percentiles and tokens/s, the GPU's busy fraction sampled from NVML
@@ -273,7 +273,7 @@ def profiled_busy(fn, device: str):
 
 # -- the steps --------------------------------------------------------------------------------
 def runner_graph_stats(llm) -> dict:
-    """The model runner's graph statistics (actors/model_runner.py `graph_stats`)."""
+    """The model runner's graph statistics (actors/execution/model_runner.py `graph_stats`)."""
     return dict(llm.graph_stats())
 
 
@@ -334,7 +334,7 @@ def parity_step(plan: EnginePlan, workdir: Path, cache_dir: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
     from tokenloom import LLM, SamplingParams
-    from tokenloom.kernels.random_model import SHAPES, write_checkpoint
+    from tokenloom.kernels.models.random_model import SHAPES, write_checkpoint
 
     hf_greedy = _load_by_path("tokenloom_tinymodel", ROOT / "tests" / "tinymodel.py").hf_greedy
     spec = SHAPES["tiny"]
@@ -526,7 +526,7 @@ def run(plan: EnginePlan, pythonpath: str) -> dict:
 
     import torch
 
-    from tokenloom.kernels.random_model import SHAPES, write_checkpoint
+    from tokenloom.kernels.models.random_model import SHAPES, write_checkpoint
 
     spec = SHAPES[plan.shape]
     workdir = Path(tempfile.mkdtemp(prefix="tokenloom-engine-"))

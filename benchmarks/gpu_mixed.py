@@ -41,7 +41,7 @@ def bench_mixed(m, device: str, timer, *, decodes: int = 8, chunks=(16, 128, 512
     sync)` -> median seconds of one step. On CPU the pieces run eagerly (nothing captured)."""
     import torch
 
-    from tokenloom.actors.batch_inputs import build_batch_inputs
+    from tokenloom.actors.execution.batch_inputs import build_batch_inputs
     from tokenloom.graphs.buckets import PaddedSizeTable, default_token_sizes
     from tokenloom.graphs.piecewise import PiecewiseBuffers, PiecewiseGraphs
 

@@ -19,7 +19,7 @@ parts run as two steps (the weights stream once); a ratio near or above 1 means 
 process: every variant of every implementation runs once per repetition, in a shuffled
 order, so drift and background load hit them alike; reported as new / baseline.
 
-Then the step-cost model (actors/cost_model.py; the baseline's too) is fitted on the new
+Then the step-cost model (actors/scheduling/cost_model.py; the baseline's too) is fitted on the new
 implementation's measurements and its prediction error shown per kind of step: the SLO
 chunker sizes chunks with it, so it must see where the time goes. Last, the chunker's
 view: for each decode batch, prompt depth and `--chunker-factors` f, the prefill chunk it
@@ -75,7 +75,7 @@ class Bench:
     def __init__(self, shape: str, block_size: int, max_context: int, max_seqs: int,
                  backend: str, threads: int):
         from tokenloom.kernels.kv_store import KVCache
-        from tokenloom.kernels.random_model import SHAPES, random_model
+        from tokenloom.kernels.models.random_model import SHAPES, random_model
 
         if threads:
             torch.set_num_threads(threads)
@@ -85,7 +85,7 @@ class Bench:
         self.model = random_model(spec, torch.float32, "cpu", max_context + 1)
         self.backend = "torch"
         if backend in ("auto", "cpu_kernel"):
-            from tokenloom.kernels.cpu_attention import load_cpu_decode_kernel, paged_decode_cpu
+            from tokenloom.kernels.cpu.attention import load_cpu_decode_kernel, paged_decode_cpu
             if load_cpu_decode_kernel() is not None:
                 self.model.set_decode_kernel(paged_decode_cpu)
                 self.backend = "cpu_kernel"
@@ -118,7 +118,7 @@ class Bench:
 
     def step(self, variant: tuple) -> float:
         """Seconds for one step: inputs + forward (the runner's eager path, no sampling)."""
-        from tokenloom.actors.batch_inputs import build_batch_inputs
+        from tokenloom.actors.execution.batch_inputs import build_batch_inputs
 
         batch = self.batches.get(variant)
         if batch is None:
@@ -185,9 +185,9 @@ def export_revision(rev: str, into: Path) -> str:
 
 
 def load_cost_model(path: Path | None):
-    """actors/cost_model.py (pure numpy) of this checkout, or of an exported revision."""
+    """actors/scheduling/cost_model.py (pure numpy) of this checkout, or of an exported revision."""
     if path is None:
-        from tokenloom.actors import cost_model
+        from tokenloom.actors.scheduling import cost_model
         return cost_model
     spec = importlib.util.spec_from_file_location("baseline_cost_model", path)
     module = importlib.util.module_from_spec(spec)

@@ -161,7 +161,7 @@ def main(argv=None) -> int:
     dtypes = args.dtypes or (["float32"] if args.quick else ["float32", "bfloat16"])
 
     from tokenloom.config.schema import ModelConfig, resolve_cache_dir
-    from tokenloom.kernels.loader import load_spec, resolve_model_dir
+    from tokenloom.kernels.models.loader import load_spec, resolve_model_dir
     model_dir = resolve_model_dir(args.model, resolve_cache_dir(ModelConfig()))
     spec = load_spec(model_dir)
     bw = copy_bandwidth_gbs()

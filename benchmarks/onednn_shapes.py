@@ -1,6 +1,6 @@
 """What bounding oneDNN's row counts costs and saves, side by side in one run.
 
-kernels/cpu_linear.py calls oneDNN's packed linear at a bounded set of row counts
+kernels/cpu/linear.py calls oneDNN's packed linear at a bounded set of row counts
 (`onednn_rows`: exact up to 16, above rounded up by less than 1/8), because oneDNN keeps a
 JIT-compiled primitive per input shape in a process-wide cache. On SmolLM2-135M's four
 projection shapes (576x960 qkv, 576x576 o, 576x3072 gate_up, 1536x576 down), fp32:
@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from tokenloom.kernels import cpu_linear
+from tokenloom.kernels.cpu import linear as cpu_linear
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))   # (out, in)
 

@@ -117,7 +117,7 @@ def resolve_dir(model: str) -> str:
     if model != "default":
         return model
     from tokenloom.config.schema import ModelConfig, resolve_cache_dir
-    from tokenloom.kernels.loader import resolve_model_dir
+    from tokenloom.kernels.models.loader import resolve_model_dir
 
     return str(resolve_model_dir("default", resolve_cache_dir(ModelConfig())))
 
@@ -465,7 +465,7 @@ def main() -> None:
     tmp = None
     if args.tiny:
         from tokenloom.config.schema import ModelConfig, resolve_cache_dir
-        from tokenloom.kernels.loader import resolve_model_dir
+        from tokenloom.kernels.models.loader import resolve_model_dir
 
         tmp = tempfile.TemporaryDirectory()
         default_dir = resolve_model_dir("default", resolve_cache_dir(ModelConfig()))
@@ -541,7 +541,7 @@ def interference(args) -> None:
     model, tmp = args.model, None
     if args.tiny:
         from tokenloom.config.schema import ModelConfig, resolve_cache_dir
-        from tokenloom.kernels.loader import resolve_model_dir
+        from tokenloom.kernels.models.loader import resolve_model_dir
 
         tmp = tempfile.TemporaryDirectory()
         build_tiny_model(Path(tmp.name), resolve_model_dir(

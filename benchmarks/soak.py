@@ -19,7 +19,7 @@ After a warm-up phase the server is left to go idle and measured through the adm
 - RSS growth under --rss-bound-mib (64 MiB; the per-minute figures show that it levels
   off: bounded structures fill up (the prefix cache's metadata up to the pool size and its
   memory of evicted hashes up to 4x the pool, the trace history) and oneDNN builds a
-  primitive per row-count bucket it meets, kernels/cpu_linear.py); no growth in asyncio
+  primitive per row-count bucket it meets, kernels/cpu/linear.py); no growth in asyncio
   tasks, and open fds within --fd-slack of the baseline;
 - the p99 latency of fixed-size non-streamed requests in the last window (a minute, or a
   fifth of a shorter run) within --p99-ratio (1.5) of the first window's (skipped with
@@ -221,8 +221,8 @@ class Soak:
                 self.records.append(Record(kind, t0, time.monotonic(), outcome))
 
     async def admin_calls_loop(self, deadline: float) -> None:
-        from tokenloom.daemon import admin_cli
-        from tokenloom.daemon import admin_protocol as P
+        from tokenloom.daemon.admin import cli as admin_cli
+        from tokenloom.daemon.admin import protocol as P
 
         while time.monotonic() < deadline:
             cmd = P.Stats() if self.rng.random() < 0.7 else P.FlushCache(force=True)
@@ -242,8 +242,8 @@ class Soak:
 
     def idle_stats(self, timeout: float = 120.0):
         """Admin stats once nothing runs, nothing waits and no HTTP request is in flight."""
-        from tokenloom.daemon import admin_cli
-        from tokenloom.daemon import admin_protocol as P
+        from tokenloom.daemon.admin import cli as admin_cli
+        from tokenloom.daemon.admin import protocol as P
 
         deadline = time.monotonic() + timeout
         while True:

@@ -169,7 +169,7 @@ def mask_time(llm, tokenizer, vocab: int, eos) -> dict:
     import torch
 
     from tokenloom import SamplingParams
-    from tokenloom.actors.guided import (GuidedCompiler, GuidedMatcher, allocate_bitmask,
+    from tokenloom.actors.execution.guided import (GuidedCompiler, GuidedMatcher, allocate_bitmask,
                                          apply_bitmask)
     from tokenloom.actors.sampling_params import GuidedDecoding
 
@@ -203,7 +203,7 @@ def mask_time(llm, tokenizer, vocab: int, eos) -> dict:
 
 
 def compile_time(tokenizer, vocab: int, eos) -> dict:
-    from tokenloom.actors.guided import GuidedCompiler
+    from tokenloom.actors.execution.guided import GuidedCompiler
     from tokenloom.actors.sampling_params import GuidedDecoding
 
     compiler = GuidedCompiler(tokenizer, vocab, eos)

@@ -156,7 +156,7 @@ class ModelConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     attention_backend: Literal["auto", "torch", "cpu_kernel", "triton"] = "auto"
     # How the projection weights are stored: "auto" = in model.dtype; "int8" = weight-only
     # int8 with per-channel scales (CPU), activations and KV in model.dtype. A quantized mode
-    # must pass its quality gate against fp32 at start-up (kernels/quality_gate.py).
+    # must pass its quality gate against fp32 at start-up (kernels/models/quality_gate.py).
     weight_dtype: Literal["auto", "int8"] = "auto"
     # Start a quantized weight mode even when it fails its quality gate (logged loudly).
     force_quantized: bool = False
@@ -389,7 +389,7 @@ class SpeculativeConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_on
 
 class KVEventsConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """KV cache events on a ZMQ PUB socket in vLLM's wire format (vLLM's kv_events_config
-    names), for KV-aware routers: see actors/kv_events_zmq.py."""
+    names), for KV-aware routers: see actors/kv/events_zmq.py."""
 
     section: ClassVar[str] = "kv_events"
 
@@ -442,7 +442,7 @@ DEFAULT_ADMIN_SOCKET = "/run/tokenloom/admin.sock"
 
 class AdminConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The admin channel: newline-delimited JSON commands on a UNIX socket (see
-    `tokenloom.daemon.admin_server`), separate from the public HTTP API."""
+    `tokenloom.daemon.admin.server`), separate from the public HTTP API."""
 
     section: ClassVar[str] = "admin"
 

@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--workers", type=int, metavar="N",
                    help="engine worker processes (default: workers.count, 1 = in-process)")
     _common(s)
-    from tokenloom.daemon import admin_cli
+    from tokenloom.daemon.admin import cli as admin_cli
     admin_cli.add_parser(sub)
     d = sub.add_parser("debug", help="diagnostics")
     dsub = d.add_subparsers(dest="debug_command", required=True)
@@ -126,8 +126,8 @@ def cmd_prefix_diff(args) -> int:
 
     from tokenloom.config.load import load_config
     from tokenloom.config.schema import resolve_cache_dir
-    from tokenloom.daemon.prefix_diff import run
-    from tokenloom.kernels.loader import resolve_model_dir
+    from tokenloom.daemon.debug.prefix_diff import run
+    from tokenloom.kernels.models.loader import resolve_model_dir
 
     overrides = _parse_set(args.set)
     if args.model:
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             return cmd_serve(args)
         if args.command == "admin":
-            from tokenloom.daemon import admin_cli
+            from tokenloom.daemon.admin import cli as admin_cli
             return admin_cli.run(args)
         if args.command == "debug" and args.debug_command == "prefix-diff":
             return cmd_prefix_diff(args)

@@ -14,12 +14,14 @@ import structlog
 from aiohttp import web
 
 from tokenloom.config.schema import EngineConfig
-from tokenloom.daemon import admin_server, logs, openai_api
+from tokenloom.daemon import logs
+from tokenloom.daemon.admin import server as admin_server
+from tokenloom.daemon.openai import handlers as openai_api
 from tokenloom.daemon.drain import DrainController
 from tokenloom.daemon.errors import APIError
 from tokenloom.daemon.metrics import CONTENT_TYPE, Metrics
-from tokenloom.daemon.protocol import Limits
-from tokenloom.daemon.responses import ReadyResponse
+from tokenloom.daemon.openai.protocol import Limits
+from tokenloom.daemon.openai.responses import ReadyResponse
 from tokenloom.daemon.sdnotify import Notifier
 from tokenloom.daemon.state import STATE, ServerState
 
@@ -123,8 +125,8 @@ async def ready(request: web.Request) -> web.Response:
 
 
 async def openapi_json(request: web.Request) -> web.Response:
-    """The OpenAPI 3.1 document, with this server's bounds (daemon/openapi.py)."""
-    from tokenloom.daemon.openapi import document
+    """The OpenAPI 3.1 document, with this server's bounds (daemon/openai/openapi.py)."""
+    from tokenloom.daemon.openai.openapi import document
 
     state = request.app[STATE]
     limits = state.limits

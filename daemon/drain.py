@@ -23,7 +23,7 @@ import time
 
 import structlog
 
-from tokenloom.daemon.admin_protocol import DrainProgress
+from tokenloom.daemon.admin.protocol import DrainProgress
 
 log = structlog.get_logger("tokenloom.daemon")
 

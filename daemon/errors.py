@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
-from tokenloom.daemon.responses import ErrorDetail, ErrorResponse
+from tokenloom.daemon.openai.responses import ErrorDetail, ErrorResponse
 
 # Status -> the error `type` OpenAI's API reports for it (4xx not listed: invalid_request_error).
 _TYPES = {429: "rate_limit_error", 500: "server_error", 503: "server_error"}

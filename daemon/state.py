@@ -11,7 +11,7 @@ from aiohttp import web
 from tokenloom.config.schema import EngineConfig
 from tokenloom.daemon.inflight import InFlight
 from tokenloom.daemon.metrics import Metrics
-from tokenloom.daemon.protocol import Limits
+from tokenloom.daemon.openai.protocol import Limits
 from tokenloom.daemon.sdnotify import Notifier
 
 

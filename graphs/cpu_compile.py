@@ -7,7 +7,7 @@ the same buckets and dispatcher as CUDA graphs) gets a program compiled by torch
 (Inductor) over the same static buffers CUDA graphs read (graphs/buffers.py): the
 RMSNorm + residual, RoPE and SiLU*mul chains each become one generated C++ loop, and the
 projections, the KV store and the decode attention are called directly, with the kernel
-the per-batch-size plan chose (kernels/cpu_linear.py) for that bucket.
+the per-batch-size plan chose (kernels/cpu/linear.py) for that bucket.
 
 - Compiled at start-up, largest bucket first, with a progress bar; a bucket that fails to
   compile is dropped with the reason logged and its batches run eager.
@@ -50,7 +50,7 @@ _engine_ids = itertools.count()
 
 
 def register_shape_functions() -> None:
-    """Tell the compiler the output shapes of the C++ ops (kernels/csrc): it traces with
+    """Tell the compiler the output shapes of the C++ ops (kernels/cpu/csrc): it traces with
     fake tensors and never runs them. Needs the kernels loaded (they define the ops)."""
     global _fakes_registered
     if _fakes_registered:
@@ -90,7 +90,7 @@ def store_kv_op(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
 def cache_key(model, kv: KVCache) -> str:
     """What a compiled program depends on besides the bucket (which Inductor keys itself):
     the model's shapes and dtype, the KV layout, torch, the CPU and the chosen kernels."""
-    from tokenloom.kernels.cpu_features import detect
+    from tokenloom.kernels.cpu.features import detect
 
     parts = [repr(model.spec), str(model.embed_tokens.weight.dtype), str(kv.pool.dtype),
              str(tuple(kv.key[0].shape)), torch.__version__, detect().summary(),
@@ -114,7 +114,7 @@ def use_cache_dir(path: Path) -> None:
 
 def _layer_step(layer, m, h, cos, sin, kv_layer, meta, add_norm):
     """llama.decoder_layer_step with the layer's K and V given as one [2, ...] pool view."""
-    from tokenloom.kernels.llama import decoder_layer_step
+    from tokenloom.kernels.models.llama import decoder_layer_step
     return decoder_layer_step(layer, m, h, cos, sin, kv_layer[0], kv_layer[1], meta, add_norm)
 
 

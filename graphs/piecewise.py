@@ -38,7 +38,7 @@ from tokenloom.graphs.capture import (CaptureClosedError, CaptureError, capture_
 from tokenloom.kernels.attention import with_chunk_masks
 from tokenloom.kernels.forward_context import AttentionMetadata
 from tokenloom.kernels.kv_store import KVCache
-from tokenloom.kernels.llama import layer_after_attention, layer_before_attention
+from tokenloom.kernels.models.llama import layer_after_attention, layer_before_attention
 
 PAD_SLOT = -1
 

@@ -177,7 +177,7 @@ def build_cpu_programs(cfg: GraphsConfig, model, kv: KVCache, *, max_num_seqs: i
     reason logged."""
     from tokenloom.graphs.cpu_compile import (CompiledDecode, cache_key, paged_decode_op,
                                               store_kv_op, use_cache_dir)
-    from tokenloom.kernels.cpu_attention import cpu_kernel_status, paged_decode_cpu
+    from tokenloom.kernels.cpu.attention import cpu_kernel_status, paged_decode_cpu
 
     reason = None
     if cfg.enforce_eager:
@@ -228,7 +228,7 @@ def build_cpu_programs(cfg: GraphsConfig, model, kv: KVCache, *, max_num_seqs: i
 def traced_as_planned(model, rows: int) -> bool:
     """Whether a program of `rows` rows calls the kernels the eager path would (the ones
     measured fastest for that many rows), for every projection and the head."""
-    from tokenloom.kernels.cpu_linear import CpuLinear
+    from tokenloom.kernels.cpu.linear import CpuLinear
 
     return all(m.kernel_for(rows) == m.traced_kernel_for(rows)
                for m in model.modules() if isinstance(m, CpuLinear))

@@ -10,7 +10,7 @@ import structlog
 import torch
 
 from tokenloom.config.schema import ConfigError
-from tokenloom.kernels.loader import DTYPES
+from tokenloom.kernels.models.loader import DTYPES
 
 startup_log = structlog.get_logger("tokenloom.startup", logger_name="tokenloom.startup")
 
@@ -61,7 +61,7 @@ def select_decode_backend(model, wanted: str, device: torch.device,
         return "torch"
     if device.type != "cpu":
         raise ConfigError("config error: model.attention_backend 'cpu_kernel' needs model.device cpu")
-    from tokenloom.kernels.cpu_attention import (cpu_kernel_status, load_cpu_decode_kernel,
+    from tokenloom.kernels.cpu.attention import (cpu_kernel_status, load_cpu_decode_kernel,
                                                  paged_decode_cpu)
     if load_cpu_decode_kernel() is None:
         reason = cpu_kernel_status()
@@ -75,7 +75,7 @@ def select_decode_backend(model, wanted: str, device: torch.device,
 def log_cpu_features(dtype: torch.dtype) -> None:
     """Say what this CPU offers and what that means for the chosen dtype (the kernels per
     batch size are logged when they are measured, at the first forward)."""
-    from tokenloom.kernels.cpu_features import detect
+    from tokenloom.kernels.cpu.features import detect
 
     f = detect()
     startup_log.info(f"CPU: {f.model_name or 'unknown model'}, {f.summary()}",
@@ -99,8 +99,8 @@ def _select_cuda_backend(model, wanted: str, max_model_len: int, block_size: int
     head_dim = spec.head_dim
     reason = None
     try:
-        from tokenloom.kernels import triton_fused
-        from tokenloom.kernels.triton_attention import make_decode_kernel, store_kv_triton
+        from tokenloom.kernels.gpu import triton_fused
+        from tokenloom.kernels.gpu.triton_attention import make_decode_kernel, store_kv_triton
     except Exception as e:  # triton missing or broken: the reference still works
         reason = f"{type(e).__name__}: {e}"
     if reason is None and torch.cuda.is_available():
@@ -124,6 +124,6 @@ def _select_cuda_backend(model, wanted: str, max_model_len: int, block_size: int
         startup_log.info(f"decode attention: torch reference (Triton kernel unavailable: "
                          f"{reason})", backend="torch", reason=reason)
         return "torch"
-    # Partitions sized per step from the batch and the SM count (kernels/decode_split.py).
+    # Partitions sized per step from the batch and the SM count (kernels/gpu/decode_split.py).
     model.set_decode_kernel(make_decode_kernel(spec))
     return "triton"

@@ -28,7 +28,7 @@ def test_cache_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
-    from tokenloom.kernels.loader import resolve_model_dir
+    from tokenloom.kernels.models.loader import resolve_model_dir
     return resolve_model_dir("default", test_cache_dir())
 
 

@@ -38,9 +38,9 @@ from tokenloom.actors.messages import (ERROR_INTERNAL, AbortRequest, AddRequest,
                                        RequestFinished, RequestOutput, RequestStarted,
                                        RoutingStats, Shutdown, WorkerDown, WorkerKVEvents,
                                        WorkerReport, WorkerUp)
-from tokenloom.actors.prefix_cache import FlushResult
-from tokenloom.actors.routing import RouteDecision, RoutingCore
-from tokenloom.actors.streams import StreamRegistry
+from tokenloom.actors.kv.prefix_cache import FlushResult
+from tokenloom.actors.front.routing import RouteDecision, RoutingCore
+from tokenloom.actors.front.streams import StreamRegistry
 from tokenloom.config.schema import EngineConfig
 from tokenloom.daemon.workers import aggregate, supervisor, wire
 from tokenloom.daemon.workers.slot import (STOP_SECONDS, WorkerConfigError, WorkerSlot,
@@ -122,10 +122,10 @@ class WorkerPool:
         from transformers import AutoTokenizer
 
         from tokenloom.actors.engine import RuntimeInfo
-        from tokenloom.actors.guided import GuidedCompiler
-        from tokenloom.actors.router import WorkerRouterActor
-        from tokenloom.actors.tokenizer import TokenizerActor
-        from tokenloom.kernels.loader import load_spec
+        from tokenloom.actors.execution.guided import GuidedCompiler
+        from tokenloom.actors.front.router_actor import WorkerRouterActor
+        from tokenloom.actors.front.tokenizer_actor import TokenizerActor
+        from tokenloom.kernels.models.loader import load_spec
 
         model_dir = Path(hello.model_dir)
         spec = load_spec(model_dir)

@@ -15,7 +15,7 @@ from typing import Literal
 
 import msgspec
 
-from tokenloom.actors.kv_events import KVEvent
+from tokenloom.actors.kv.events import KVEvent
 from tokenloom.actors.messages import AbortRequest, AddRequest, RequestOutput
 
 

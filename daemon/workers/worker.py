@@ -81,7 +81,7 @@ class WorkerServer:
             await self.send(wire.Outputs, outputs=batch)
 
     def on_kv_event(self, event) -> None:
-        # Runs inside the KV manager's mutation: only buffer (kv_events.py's contract).
+        # Runs inside the KV manager's mutation: only buffer (actors/kv/events.py's contract).
         self.kv_events.append(event)
         self._kv_wakeup.set()
 
@@ -158,7 +158,7 @@ class WorkerServer:
 async def serve(config, index: int, incarnation: int, in_addr: str, out_addr: str,
                 parent: int) -> int:
     from tokenloom.actors.engine import Engine
-    from tokenloom.actors.block_hash import model_fingerprint
+    from tokenloom.actors.kv.block_hash import model_fingerprint
     from tokenloom.daemon.app import warm_up
 
     ctx = zmq.asyncio.Context()

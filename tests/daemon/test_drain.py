@@ -16,8 +16,8 @@ import pytest
 from notify_listener import NotifyListener
 from servers import ServerProcess, wait_for
 from sse import read_events
-from tokenloom.daemon import admin_cli
-from tokenloom.daemon import admin_protocol as P
+from tokenloom.daemon.admin import cli as admin_cli
+from tokenloom.daemon.admin import protocol as P
 
 MAX_TOKENS = 1500
 

@@ -164,9 +164,9 @@ def test_text_prompts_and_timings(default_model_dir, reference):
 def test_logits_match_transformers(default_model_dir, hf_model, prompt_ids):
     """First-step and decode-step logits within 1e-3 of transformers' forward."""
     from tokenloom.actors.messages import ExecuteBatch, NewSequence, ScheduledSequence
-    from tokenloom.actors.model_runner import ModelRunner
+    from tokenloom.actors.execution.model_runner import ModelRunner
     from tokenloom.kernels.kv_store import KVCache
-    from tokenloom.kernels.loader import load_model
+    from tokenloom.kernels.models.loader import load_model
 
     model, spec = load_model(default_model_dir, torch.float32, torch.device("cpu"), 4096)
     kv = KVCache.allocate(spec.num_layers, 32, 16, spec.num_kv_heads, spec.head_dim,

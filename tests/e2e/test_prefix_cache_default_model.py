@@ -90,7 +90,7 @@ def test_flush_events_and_eviction_reason(default_model_dir, prompts, reference)
     import threading
     import time
 
-    from tokenloom.actors.kv_events import AllBlocksCleared, BlockStored
+    from tokenloom.actors.kv.events import AllBlocksCleared, BlockStored
 
     _, full = prompts
     llm = _llm(default_model_dir)

@@ -33,8 +33,8 @@ def _setup(shape: str, dtype: torch.dtype, sizes, max_context: int = 256, seed: 
     from tokenloom.graphs.buffers import DecodeBuffers
     from tokenloom.graphs.capture import DecodeGraphs
     from tokenloom.kernels.kv_store import KVCache
-    from tokenloom.kernels.random_model import SHAPES, random_model
-    from tokenloom.kernels.triton_attention import make_decode_kernel, store_kv_triton
+    from tokenloom.kernels.models.random_model import SHAPES, random_model
+    from tokenloom.kernels.gpu.triton_attention import make_decode_kernel, store_kv_triton
 
     spec = SHAPES[shape]
     model = random_model(spec, dtype, "cuda", max_positions=max_context + BS, seed=seed)
@@ -63,7 +63,7 @@ def _decode_seqs(n: int, blocks_per_seq: int, max_context: int, vocab: int, rng:
 
 
 def _eager_logits(model, kv, seqs):
-    from tokenloom.actors.batch_inputs import build_batch_inputs
+    from tokenloom.actors.execution.batch_inputs import build_batch_inputs
 
     batch = SimpleNamespace(sequences=seqs, num_decodes=len(seqs))
     inputs = build_batch_inputs(batch, BS, torch.device("cuda"))
@@ -129,8 +129,8 @@ def test_accidental_capture_raises_after_start_up():
 
 def test_triton_decode_matches_reference_at_8k_bf16():
     from tokenloom.kernels.attention import decode_attention
-    from tokenloom.kernels.random_model import SHAPES
-    from tokenloom.kernels.triton_attention import make_decode_kernel
+    from tokenloom.kernels.models.random_model import SHAPES
+    from tokenloom.kernels.gpu.triton_attention import make_decode_kernel
 
     g = torch.Generator(device="cuda").manual_seed(0)
     lens = torch.tensor([8192, 1, 4097, 16, 17, 8000], device="cuda")
@@ -182,10 +182,10 @@ def test_greedy_matches_transformers_with_graphs_on(tmp_path):
 @pytest.mark.parametrize("shape,dtype,tol", [("tiny", torch.float32, 1e-4),
                                              ("smollm2-135m", torch.bfloat16, 5e-2)])
 def test_piecewise_replay_matches_the_plain_forward(shape, dtype, tol):
-    from tokenloom.actors.batch_inputs import build_batch_inputs
+    from tokenloom.actors.execution.batch_inputs import build_batch_inputs
     from tokenloom.graphs.buckets import PaddedSizeTable, default_token_sizes
     from tokenloom.graphs.piecewise import PiecewiseBuffers, PiecewiseGraphs
-    from tokenloom.kernels import triton_fused as tf
+    from tokenloom.kernels.gpu import triton_fused as tf
 
     sizes = default_token_sizes(256)
     spec, model, kv, graphs, bps = _setup(shape, dtype, (1, 2, 4, 8))

@@ -18,15 +18,15 @@ import torch._dynamo
 from structlog.testing import capture_logs
 
 from tokenloom.actors.messages import ExecuteBatch, NewSequence, ScheduledSequence
-from tokenloom.actors.model_runner import ModelRunner
+from tokenloom.actors.execution.model_runner import ModelRunner
 from tokenloom.actors.sampling_params import SamplingParams
 from tokenloom.config.load import load_config
 from tokenloom.config.schema import ConfigError, GraphsConfig
 from tokenloom.graphs import cpu_compile
 from tokenloom.graphs import setup as graph_setup
-from tokenloom.kernels.cpu_attention import load_cpu_decode_kernel, paged_decode_cpu
+from tokenloom.kernels.cpu.attention import load_cpu_decode_kernel, paged_decode_cpu
 from tokenloom.kernels.kv_store import KVCache
-from tokenloom.kernels.loader import load_model, load_spec
+from tokenloom.kernels.models.loader import load_model, load_spec
 from tinymodel import VOCAB, build_tiny_model
 
 BS = 8
@@ -83,7 +83,7 @@ def _drive(runner: ModelRunner, prompts, tables, steps: int, decode_sets):
 
 
 def _pinned_kernel() -> str:
-    from tokenloom.kernels import cpu_linear
+    from tokenloom.kernels.cpu import linear as cpu_linear
     return "small_gemm" if cpu_linear.small_gemm_module() is not None else "mkl"
 
 
@@ -94,7 +94,7 @@ def _pinned_kernels(monkeypatch):
     timings taken on a loaded machine (a bucket whose fastest measured kernel is oneDNN
     stays eager, which a test here would see as a missing program). The rule itself is
     tested with its own plan below."""
-    from tokenloom.kernels import cpu_linear
+    from tokenloom.kernels.cpu import linear as cpu_linear
 
     pinned = cpu_linear.Plan(((1 << 30, _pinned_kernel()),), {})
     monkeypatch.setattr(cpu_linear, "cached_plan", lambda *a, **k: pinned)
@@ -229,7 +229,7 @@ def test_cache_key_follows_dtype_and_cpu(tiny_dir, monkeypatch):
     assert cpu_compile.cache_key(model, kv16) != key
     import dataclasses
 
-    from tokenloom.kernels import cpu_features
+    from tokenloom.kernels.cpu import features as cpu_features
     other = dataclasses.replace(cpu_features.detect(), torch_capability="ANOTHER_CPU")
     monkeypatch.setattr(cpu_features, "detect", lambda: other)
     assert cpu_compile.cache_key(model, kv) != key
@@ -264,7 +264,7 @@ def test_buckets_whose_fastest_kernel_cannot_be_compiled_stay_eager(tiny_dir, tm
                                                                      monkeypatch):
     """A bucket compiles only when its program would call the kernels measured fastest for
     it: where that is oneDNN (untraceable), the eager path is faster, so it stays eager."""
-    from tokenloom.kernels import cpu_linear
+    from tokenloom.kernels.cpu import linear as cpu_linear
 
     forced = cpu_linear.Plan(((1, "mkl"), (8, "onednn")),
                              {1: {"mkl": 1.0, "onednn": 2.0}, 8: {"mkl": 3.0, "onednn": 1.0}})

@@ -12,8 +12,8 @@ from structlog.testing import capture_logs
 pytest.importorskip("triton")
 
 from tokenloom.graphs.setup import precompile_decode  # noqa: E402
-from tokenloom.kernels import triton_attention as ta  # noqa: E402
-from tokenloom.kernels.decode_split import SplitRule, Variant  # noqa: E402
+from tokenloom.kernels.gpu import triton_attention as ta  # noqa: E402
+from tokenloom.kernels.gpu.decode_split import SplitRule, Variant  # noqa: E402
 from tokenloom.kernels.kv_store import KVCache  # noqa: E402
 
 BS = 16

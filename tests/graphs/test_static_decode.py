@@ -18,7 +18,7 @@ import torch
 from structlog.testing import capture_logs
 
 from tokenloom.actors.messages import ExecuteBatch, NewSequence, ScheduledSequence
-from tokenloom.actors.model_runner import ModelRunner
+from tokenloom.actors.execution.model_runner import ModelRunner
 from tokenloom.actors.sampling_params import SamplingParams
 from tokenloom.config.schema import GraphsConfig
 from tokenloom.graphs import setup as graph_setup
@@ -27,7 +27,7 @@ from tokenloom.graphs.buffers import PAD_CONTEXT, PAD_SLOT, DecodeBuffers
 from tokenloom.graphs.capture import CaptureClosedError, CaptureError, DecodeGraphs
 from tokenloom.graphs.dispatch import Dispatcher
 from tokenloom.kernels.kv_store import KVCache
-from tokenloom.kernels.loader import load_model, load_spec
+from tokenloom.kernels.models.loader import load_model, load_spec
 from tinymodel import VOCAB, build_tiny_model
 
 BS = 8

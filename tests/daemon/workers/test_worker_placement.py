@@ -7,7 +7,7 @@ import pytest
 
 from tokenloom.actors.messages import (EngineStats, KVStats, RouterStats, SchedulerStats,
                                        StepTimings)
-from tokenloom.actors.prefix_cache import PrefixCacheStats
+from tokenloom.actors.kv.prefix_cache import PrefixCacheStats
 from tokenloom.config.load import load_config
 from tokenloom.config.schema import ConfigError
 from tokenloom.daemon.workers import aggregate

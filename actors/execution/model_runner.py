@@ -1,0 +1,499 @@
+"""Executes scheduled batches: builds inputs, runs the forward, samples.
+
+How a step runs is decided by the dispatcher (graphs/dispatch.py), the one place that
+decides it: decode-only batches up to the largest bucket replay a captured CUDA graph over
+static buffers; on CUDA, other steps up to the largest token bucket replay piecewise graphs
+with attention run eagerly in between (graphs/piecewise.py); the rest (and everything on
+CPU without compiled programs) runs the eager forward.
+
+Synchronous and single-threaded by contract: the runner actor calls `execute` from its one
+dedicated compute thread. Keeps the little per-request state the sampler needs (params,
+RNG, token history), mirrored from the scheduler's messages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from tokenloom.actors.execution.batch_inputs import build_batch_inputs
+from tokenloom.actors.execution.guided import (GuidedMatcher, allocate_bitmask, apply_bitmask,
+                                     restrict_draft_probs)
+from tokenloom.actors.execution.guided import FIELD_OF_KIND
+from tokenloom.graphs.capture import DecodeGraphs
+from tokenloom.graphs.dispatch import GRAPH, PIECEWISE, Dispatcher
+from tokenloom.graphs.piecewise import PiecewiseGraphs
+from tokenloom.actors.messages import (PLACEHOLDER, ExecuteBatch, NewSequence, SampledToken,
+                                       SpecResult, StepOutput, TokenLogprob)
+from tokenloom.kernels.kv_store import HostKVPool, KVCache
+from tokenloom.kernels.models.llama import LlamaForCausalLM
+from tokenloom.kernels.sampling import Sample, SamplingRow, make_generator, sample
+from tokenloom.kernels.sampling import reads_host_history
+from tokenloom.kernels.sampling import sample_ids as sample_ids_on_device
+from tokenloom.kernels.spec_verify import Proposal, expand_rows, verify
+
+
+@dataclasses.dataclass
+class LaunchedStep:
+    """A step whose forward and sampling are launched; `finish` brings its tokens home."""
+    batch: ExecuteBatch
+    t0: float
+    swap_seconds: float = 0.0
+    sample_ids: list[str] = dataclasses.field(default_factory=list)
+    row_of: dict[str, int] = dataclasses.field(default_factory=dict)  # request -> token row
+    token_ids: torch.Tensor | None = None   # [S] on the device (no logprobs wanted)
+    samples: list | None = None             # host Samples (logprobs wanted: synced at once)
+    event: object | None = None             # CUDA event recorded after sampling
+    # Speculative steps: each sampled request's emitted tokens (accepted drafts, then one).
+    emitted: dict[str, list[Sample]] | None = None
+    idle_seconds: float = 0.0               # how long the runner waited for this batch
+
+    def done(self) -> bool:
+        return self.event is None or self.event.query()
+
+
+@dataclasses.dataclass
+class _SeqState:
+    row: SamplingRow
+    output_token_ids: list[int]
+    # The distributions the draft model drew its last proposals from ([k, vocab]), kept
+    # for their verification; None for deterministic proposals (prompt lookup).
+    draft_probs: torch.Tensor | None = None
+    # Guided decoding: the request's grammar position (None: unconstrained).
+    matcher: GuidedMatcher | None = None
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv: KVCache, device: torch.device,
+                 eos_token_ids: tuple[int, ...], graphs: DecodeGraphs | None = None,
+                 dispatcher: Dispatcher | None = None, host_pool: HostKVPool | None = None,
+                 proposer=None, guided=None, piecewise: PiecewiseGraphs | None = None):
+        self.model = model
+        # Guided decoding's compiler (actors/execution/guided.py; shared with the tokenizer actor,
+        # which compiled each request's constraint before it got here: a cache hit).
+        self.guided = guided
+        self.kv = kv
+        self.host_pool = host_pool  # swap preemption's host memory (None: swap is off)
+        self.device = device
+        self.eos_token_ids = eos_token_ids
+        self.graphs = graphs
+        # Speculative decoding's proposer (actors/speculation/proposers.py), None when it is off.
+        self.proposer = proposer
+        self.dispatcher = dispatcher or Dispatcher(None, "eager only")
+        assert graphs is not None or self.dispatcher.table is None, "a graph table needs graphs"
+        self.piecewise = piecewise
+        assert piecewise is not None or self.dispatcher.token_table is None, (
+            "a token table needs piecewise graphs")
+        self._seqs: dict[str, _SeqState] = {}
+        # Requests of a step that failed: later batches (already queued when steps overlap)
+        # skip them until the scheduler reports them finished.
+        self._failed: set[str] = set()
+        # Guided decoding's masks: filled on a worker thread while the forward runs (True),
+        # or on the compute thread after it. On by default on CUDA only: there the compute
+        # thread spends the forward launching kernels and the host has cores to spare. A
+        # CPU forward keeps every core busy (one OpenMP team), so a concurrent fill slows
+        # it: benchmarks/structured.py measured 0.877x unconstrained at batch 16 with the
+        # overlap against 0.925x without it (2 cores).
+        self._guided_worker: ThreadPoolExecutor | None = None
+        self.overlap_guided_masks = device.type == "cuda"
+
+    @property
+    def num_tracked(self) -> int:
+        return len(self._seqs)
+
+    def _register(self, request_id: str, new: NewSequence) -> None:
+        state = self._seqs.get(request_id)
+        outputs = list(new.output_token_ids)
+        if state is not None:
+            # Resumed after preemption: keep the RNG so seeded output is unchanged, and the
+            # grammar state (rebuilt only if the output it followed is not this one).
+            state.output_token_ids[:] = outputs
+            if state.matcher is not None and state.matcher.num_accepted != len(outputs):
+                state.matcher = self._new_matcher(request_id, new.sampling_params, outputs)
+            return
+        p = new.sampling_params
+        gen = None if p.is_greedy else make_generator(p.seed, self.device)
+        row = SamplingRow(params=p, generator=gen, prompt_token_ids=list(new.prompt_token_ids),
+                          output_token_ids=outputs, eos_token_ids=self.eos_token_ids)
+        self._seqs[request_id] = _SeqState(row=row, output_token_ids=outputs,
+                                           matcher=self._new_matcher(request_id, p, outputs))
+
+    def _new_matcher(self, request_id: str, p, outputs: list[int]) -> GuidedMatcher | None:
+        if p.guided is None:
+            return None
+        assert self.guided is not None, f"{request_id}: guided decoding needs a compiler"
+        matcher = GuidedMatcher(self.guided.compile(p.guided))
+        if not matcher.replay(outputs):
+            matcher.error = _no_token_error(p)
+        return matcher
+
+    def _apply_guided(self, logits: torch.Tensor, sample_ids: list[str],
+                      drafts: dict[str, list[int]] | None = None) -> torch.Tensor:
+        """Mask the logits rows of guided requests to their grammar's allowed tokens (see
+        `_fill_guided`, then `_mask_logits`); rows without a constraint are untouched (and
+        cost nothing when no row has one)."""
+        if not any(self._seqs[rid].matcher is not None for rid in sample_ids):
+            return logits
+        bitmask = allocate_bitmask(len(sample_ids), self.guided.vocab_size)
+        fill = self._fill_guided(bitmask, sample_ids, drafts or {})
+        return self._mask_logits(logits, fill)
+
+    def _fill_guided(self, bitmask: torch.Tensor, sample_ids: list[str],
+                     drafts: dict[str, list[int]]):
+        """Fill `bitmask` for a step's sampled rows; returns it with the rows it applies to
+        and the draft-model proposals to restrict to the grammar (`_mask_logits` does that).
+        Reads and writes only the guided requests' grammar state and runs no parallel torch
+        op (the engine keeps one OpenMP team, on the compute thread), so it can run on the
+        guided worker thread while the forward runs. A row whose grammar allows no token is
+        left out (`finish` ends that request).
+
+        `drafts`: the proposals this step verifies (a request's len + 1 rows are
+        consecutive). A guided one's verification row j gets the mask of the state after
+        drafts 0..j-1; its list is cut, in place, before the first draft the grammar
+        refuses (that draft would be rejected for certain; the rows after it are left
+        unmasked and unused)."""
+        masked, restrict, i = [], [], 0
+        while i < len(sample_ids):
+            state = self._seqs[sample_ids[i]]
+            d = drafts.get(sample_ids[i])
+            span = 1 if d is None else len(d) + 1
+            matcher, kept = state.matcher, 0   # (ended or failed: `finish` drops or
+            if matcher is not None and matcher.error is None and not matcher.terminated:
+                kept = matcher.fill_drafts(bitmask, i, d or ())   # reports what comes)
+                if kept is None:
+                    matcher.error = _no_token_error(state.row.params)
+                    kept = 0
+                else:
+                    masked.extend(range(i, i + kept + 1))
+                    if kept and state.draft_probs is not None:
+                        restrict.append((state, i, kept))
+            if matcher is not None and d is not None:
+                del d[kept:]
+            i += span
+        return bitmask, masked, restrict
+
+    @staticmethod
+    def _mask_logits(logits: torch.Tensor, fill) -> torch.Tensor:
+        bitmask, masked, restrict = fill
+        for state, row, kept in restrict:
+            state.draft_probs = restrict_draft_probs(state.draft_probs, bitmask, row, kept)
+        if not masked:
+            return logits
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        apply_bitmask(logits, bitmask.to(logits.device), masked)
+        return logits
+
+    def _start_guided(self, batch: ExecuteBatch, drafts: dict[str, list[int]]):
+        """Start filling the step's grammar masks on the guided worker thread, to overlap
+        the forward (`overlap_guided_masks`): every guided row's state is known before the
+        step runs (a step with
+        guided rows is never launched ahead of the previous step's tokens, which `finish`
+        has accepted). Returns (the sampled rows' request ids as the forward will return
+        them, the future), or None when no sampled row is guided."""
+        ids = [s.request_id for s in batch.sequences if s.sample
+               for _ in range(s.num_draft + 1)]
+        if self.guided is None or not any(self._seqs[rid].matcher is not None
+                                          for rid in dict.fromkeys(ids)):
+            return None
+        if self._guided_worker is None:
+            self._guided_worker = ThreadPoolExecutor(1, thread_name_prefix="tokenloom-guided")
+        bitmask = allocate_bitmask(len(ids), self.guided.vocab_size)
+        return ids, self._guided_worker.submit(self._fill_guided, bitmask, ids, drafts)
+
+    def forget(self, request_ids) -> None:
+        """These requests have finished: drop their sampling state."""
+        for rid in request_ids:
+            self._seqs.pop(rid, None)
+            self._failed.discard(rid)
+
+    def forget_failed(self, batch: ExecuteBatch) -> None:
+        """The step raised: drop its requests' state (the scheduler fails them) and skip
+        them in batches that were planned before the scheduler heard of it."""
+        for s in batch.sequences:
+            self._seqs.pop(s.request_id, None)
+            self._failed.add(s.request_id)
+
+    def _resolve_inputs(self, batch: ExecuteBatch,
+                        prev: "LaunchedStep | None") -> tuple[list[int], list[int]]:
+        """Drop sequences of failed requests; resolve each PLACEHOLDER to the token its
+        request sampled in the previous step (overlapped steps: the scheduler planned this
+        step before that token came back). From the host copy when the previous step is
+        finished; else (`prev` still on the device) returns (decode rows, rows of
+        prev.token_ids) for the forward to copy on the device, with no host round trip."""
+        if self._failed:
+            keep = [s for s in batch.sequences if s.request_id not in self._failed]
+            batch.num_decodes -= sum(s.request_id in self._failed
+                                     for s in batch.sequences[:batch.num_decodes])
+            batch.sequences = keep
+        dst, src = [], []
+        for i, s in enumerate(batch.sequences[:batch.num_decodes]):
+            if s.token_ids[-1] != PLACEHOLDER:
+                continue
+            row = prev.row_of.get(s.request_id) if prev is not None else None
+            if row is None:
+                s.token_ids[-1] = self._seqs[s.request_id].output_token_ids[-1]
+            else:
+                s.token_ids[-1] = 0   # overwritten on the device before the forward
+                dst.append(i)
+                src.append(row)
+        return dst, src
+
+    def can_launch_ahead(self, batch: ExecuteBatch) -> bool:
+        """Whether `batch` may be launched before the previous step's tokens reach the
+        host: only when none of its sampled rows reads its output history on the host."""
+        for s in batch.sequences:
+            if s.num_draft or s.propose:   # verification and proposals read host history
+                return False
+            if not s.sample:
+                continue
+            state = self._seqs.get(s.request_id)
+            params = s.new.sampling_params if s.new is not None else (
+                state.row.params if state is not None else None)
+            if params is None or reads_host_history(params):
+                return False
+        return True
+
+    def execute(self, batch: ExecuteBatch) -> StepOutput:
+        """Run one step to the end (launch, then finish)."""
+        return self.finish(self.launch(batch))
+
+    def launch(self, batch: ExecuteBatch, prev: "LaunchedStep | None" = None) -> "LaunchedStep":
+        """Everything up to the sampled token ids, left on the device (on CUDA the kernels
+        are queued, nothing waits for them). `prev`: the previous step when it has been
+        launched but not finished; its tokens feed this step's placeholders on the device."""
+        t0 = time.perf_counter()
+        self.forget(batch.finished_ids)
+        for s in batch.sequences:
+            if s.new is not None:
+                self._register(s.request_id, s.new)
+        patch = self._resolve_inputs(batch, prev)
+        # In the order the KV manager decided them: a fork's copy-on-write comes from the
+        # round trip before this iteration's swaps (a swap-in may refill a block a copy
+        # targeted for a sibling preempted since).
+        if batch.block_copies:  # copy-on-write of forked siblings' partial blocks
+            self.kv.copy_blocks(batch.block_copies)
+            if hasattr(self.proposer, "copy_blocks"):
+                self.proposer.copy_blocks(batch.block_copies)
+        swap_seconds = 0.0
+        if batch.swap_out or batch.swap_in:  # swap preemption, before anything reuses blocks
+            t_swap = time.perf_counter()
+            # A draft model's KV moves with the target's (actors/speculation/draft_model.py).
+            draft = self.proposer if getattr(self.proposer, "host_pool", None) else None
+            if batch.swap_out:
+                self.host_pool.swap_out(self.kv, batch.swap_out)
+                if draft is not None:
+                    draft.swap_out(batch.swap_out)
+            if batch.swap_in:
+                self.host_pool.swap_in(self.kv, batch.swap_in)
+                if draft is not None:
+                    draft.swap_in(batch.swap_in)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            swap_seconds = time.perf_counter() - t_swap
+        launched = LaunchedStep(batch=batch, t0=t0, swap_seconds=swap_seconds)
+        if not batch.sequences:
+            return launched
+        patch_src = None
+        if patch[0]:
+            patch_src = (torch.tensor(patch[0], dtype=torch.int64, device=self.device),
+                         prev.token_ids[torch.tensor(patch[1], dtype=torch.int64,
+                                                     device=self.device)])
+        drafts = {s.request_id: s.token_ids[len(s.token_ids) - s.num_draft:]
+                  for s in batch.sequences if s.num_draft}
+        guided = self._start_guided(batch, drafts) if self.overlap_guided_masks else None
+        try:
+            logits, sample_ids = self._forward(batch, patch_src)      # [S, vocab]
+        finally:   # (a failed step still waits: nothing else may touch a matcher meanwhile)
+            fill = guided[1].result() if guided is not None else None
+        if fill is not None:
+            assert sample_ids == guided[0], "guided masks filled for other rows"
+            logits = self._mask_logits(logits, fill)
+        elif self.guided is not None and sample_ids and not self.overlap_guided_masks:
+            logits = self._apply_guided(logits, sample_ids, drafts)
+        if sample_ids and drafts:
+            launched.sample_ids = list(dict.fromkeys(sample_ids))     # each request once
+            launched.emitted = self._sample_speculative(batch, logits, sample_ids, drafts)
+        elif sample_ids:
+            rows = [self._seqs[rid].row for rid in sample_ids]
+            launched.sample_ids = sample_ids
+            launched.row_of = {rid: i for i, rid in enumerate(sample_ids)}
+            if any(r.params.logprobs is not None for r in rows):
+                launched.samples = sample(logits, rows)               # host values now
+            else:
+                launched.token_ids = sample_ids_on_device(logits, rows)  # [S]
+            if self.device.type == "cuda":
+                launched.event = torch.cuda.Event()
+                launched.event.record()
+        return launched
+
+    def finish(self, launched: "LaunchedStep") -> StepOutput:
+        """Bring the step's tokens to the host (on CUDA, waits for its kernels) and record
+        them in each request's sampling state."""
+        batch = launched.batch
+        emitted = launched.emitted
+        if emitted is None:
+            samples = launched.samples
+            if samples is None and launched.token_ids is not None:
+                samples = [Sample(t, None, None) for t in launched.token_ids.tolist()]
+            emitted = {rid: [tok] for rid, tok in zip(launched.sample_ids, samples or ())}
+        sampled: list[SampledToken] = []
+        for rid in launched.sample_ids:
+            state = self._seqs.get(rid)
+            if state is None or rid in self._failed:
+                continue  # its request ended (or failed) while this step was on the device
+            for tok in emitted.get(rid, ()):
+                matcher = state.matcher
+                if matcher is not None and matcher.terminated and matcher.error is None:
+                    break   # sampled after its EOS, in a step planned before it: not output
+                if matcher is not None and (matcher.error is not None
+                                            or not matcher.accept(tok.token_id)):
+                    error = matcher.error or _no_token_error(state.row.params)
+                    sampled.append(SampledToken(request_id=rid, token_id=tok.token_id,
+                                                error=error))
+                    self._seqs.pop(rid, None)
+                    self._failed.add(rid)   # until the scheduler reports it finished
+                    break
+                state.output_token_ids.append(tok.token_id)
+                lp = None
+                if tok.logprob is not None:
+                    lp = TokenLogprob(token_id=tok.token_id, logprob=tok.logprob,
+                                      top=tok.top_logprobs)
+                sampled.append(SampledToken(request_id=rid, token_id=tok.token_id, logprob=lp))
+        spec, draft_seconds = self._speculation(batch, launched.emitted)
+        return StepOutput(step=batch.step, sampled=sampled,
+                          compute_seconds=time.perf_counter() - launched.t0,
+                          swap_seconds=launched.swap_seconds, spec=spec,
+                          draft_seconds=draft_seconds)
+
+    def _sample_speculative(self, batch: ExecuteBatch, logits: torch.Tensor,
+                            sample_ids: list[str],
+                            drafts: dict[str, list[int]]) -> dict[str, list[Sample]]:
+        """A step with drafts to verify: plain rows sample as usual; each speculative
+        sequence's rows go through the rejection rule (kernels/spec_verify.py): its first
+        len(drafts[rid]) + 1 of the num_draft + 1 computed (fewer when a grammar cut the
+        proposal)."""
+        spans = {s.request_id: s.num_draft + 1 for s in batch.sequences if s.num_draft}
+        plain_rows, plain_ids, proposals, spec_rows, spec_ids = [], [], [], [], []
+        i = 0
+        while i < len(sample_ids):
+            rid = sample_ids[i]
+            state = self._seqs[rid]
+            d = drafts.get(rid)
+            if d is None:
+                plain_rows.append(i)
+                plain_ids.append(rid)
+                i += 1
+                continue
+            probs = state.draft_probs
+            state.draft_probs = None
+            if probs is not None:
+                probs = probs[: len(d)]
+            proposals.append(Proposal(expand_rows(state.row, d), d, probs))
+            spec_rows.extend(range(i, i + len(d) + 1))
+            spec_ids.append(rid)
+            i += spans[rid]
+        out: dict[str, list[Sample]] = {}
+        if plain_rows:
+            index = torch.tensor(plain_rows, dtype=torch.int64, device=logits.device)
+            for rid, tok in zip(plain_ids, sample(logits[index],
+                                                  [self._seqs[r].row for r in plain_ids])):
+                out[rid] = [tok]
+        index = torch.tensor(spec_rows, dtype=torch.int64, device=logits.device)
+        for rid, toks in zip(spec_ids, verify(logits[index], proposals)):
+            out[rid] = toks
+        return out
+
+    def _speculation(self, batch: ExecuteBatch,
+                     emitted: dict[str, list[Sample]] | None) -> tuple[list[SpecResult], float]:
+        """Each speculative sequence's acceptance, and the proposals asked for (after the
+        step's tokens are in the history they extend)."""
+        results: dict[str, SpecResult] = {}
+        for s in batch.sequences:
+            if s.num_draft and emitted is not None and s.request_id in emitted:
+                results[s.request_id] = SpecResult(
+                    request_id=s.request_id, num_draft=s.num_draft,
+                    num_accepted=len(emitted[s.request_id]) - 1)
+        wanted = [s for s in batch.sequences if s.propose and s.sample
+                  and s.request_id in self._seqs and s.request_id not in self._failed]
+        draft_seconds = 0.0
+        if wanted and self.proposer is not None:
+            t0 = time.perf_counter()
+            states = [self._seqs[s.request_id] for s in wanted]
+            for s, state, (tokens, probs) in zip(wanted, states,
+                                                 self.proposer.propose(wanted, states)):
+                if state.matcher is not None:   # drafts the grammar refuses: not verified
+                    tokens = tokens[:state.matcher.legal_prefix(tokens)]
+                state.draft_probs = probs
+                r = results.setdefault(s.request_id, SpecResult(request_id=s.request_id))
+                r.proposals = tokens
+            draft_seconds = time.perf_counter() - t0
+        return list(results.values()), draft_seconds
+
+    def _reference_decode(self) -> bool:
+        # Only the torch reference decode reads a precomputed mask; kernels do without.
+        return self.model.layers[0].self_attn.decode_fn is None
+
+    def forward_logits(self, batch: ExecuteBatch) -> torch.Tensor:
+        """The raw logits of a batch's sampled rows (for parity tests and debugging)."""
+        return self._forward(batch, None)[0].clone()
+
+    def graph_stats(self) -> dict:
+        stats = self.dispatcher.stats()
+        if self.graphs is not None:
+            stats["captured_sizes"] = list(self.graphs.sizes)
+            stats["capture_seconds"] = self.graphs.capture_seconds
+            stats["capture_bytes"] = self.graphs.capture_bytes
+            stats["replays"] = self.graphs.num_replays
+            stats["static_eager_runs"] = self.graphs.num_static_eager
+        if self.piecewise is not None:
+            stats["piecewise_captured_sizes"] = list(self.piecewise.sizes)
+            stats["piecewise_capture_seconds"] = self.piecewise.capture_seconds
+            stats["piecewise_capture_bytes"] = self.piecewise.capture_bytes
+            stats["piecewise_replays"] = self.piecewise.num_replays
+            stats["piecewise_static_eager_runs"] = self.piecewise.num_static_eager
+        return stats
+
+    def _forward(self, batch: ExecuteBatch, patch) -> tuple[torch.Tensor, list[str]]:
+        """Logits of the rows to sample [S, vocab] and their request ids. `patch`: None, or
+        (decode rows, token ids on the device) to write into the input ids first."""
+        seqs = batch.sequences
+        num_tokens = sum(len(s.token_ids) for s in seqs)
+        decision = self.dispatcher.dispatch(len(seqs), batch.num_decodes, num_tokens)
+        mirror = getattr(self.proposer, "mirror", None)  # a draft model follows every forward
+        if decision.mode == GRAPH:
+            logits = self.graphs.run(seqs, decision.padded_size, patch)  # [padded, vocab]
+            if mirror is not None:
+                inputs = build_batch_inputs(batch, self.kv.block_size, self.device,
+                                            with_decode_mask=self._reference_decode())
+                if patch is not None:
+                    inputs.input_ids.index_copy_(0, patch[0], patch[1])
+                mirror(inputs)
+            rows = [i for i, s in enumerate(seqs) if s.sample]
+            sample_ids = [seqs[i].request_id for i in rows]
+            if len(rows) == len(seqs):          # every decode samples: a view, no copy
+                return logits[: len(seqs)], sample_ids
+            return logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)], sample_ids
+        inputs = build_batch_inputs(batch, self.kv.block_size, self.device,
+                                    with_decode_mask=self._reference_decode())
+        if patch is not None:   # decodes come first in the flat batch: row i is token i
+            inputs.input_ids.index_copy_(0, patch[0], patch[1])
+        if decision.mode == PIECEWISE:
+            logits = self.piecewise.run(inputs.input_ids, inputs.positions, inputs.meta,
+                                        inputs.logits_indices, decision.padded_size)
+        else:
+            logits = self.model(inputs.input_ids, inputs.positions, self.kv, inputs.meta,
+                                inputs.logits_indices)
+        if mirror is not None:
+            mirror(inputs)
+        return logits, inputs.sample_ids
+
+
+def _no_token_error(p) -> str:
+    field = FIELD_OF_KIND[p.guided.kind]
+    why = " (min_tokens forbids ending it)" if p.min_tokens else ""
+    return (f"the output constraint ({field}) allows no further token{why}; the request "
+            f"was ended")

@@ -1,0 +1,462 @@
+"""KV cache manager: the only owner of block tables.
+
+Pure module (no torch, no asyncio); the KV-manager actor is a thin shell around it.
+
+Contract:
+- Each request id owns one block table (a list of physical block ids, in token order).
+  Tables only grow while a request runs; ``free`` releases a whole table.
+- ``allocate(grants)`` is atomic across all grants: either every table grows to hold its
+  requested token count, or nothing changes and it returns ``None``. It never raises for
+  lack of room: ``None`` means "does not fit" and the scheduler preempts or waits.
+- ``free`` is idempotent: freeing an unknown (or already freed) request releases nothing.
+- Misuse (negative token counts, the same request twice in one ``allocate``, asking for the
+  table of an unknown request) raises; those are scheduler bugs, not memory pressure.
+
+Sharing and prefix caching (``enable_prefix_caching=True``; off, behaviour is unchanged):
+- A block may be in several tables (a prefix hit, or an n>1 ``fork``); its ref_cnt is the
+  number of tables holding it. A request only ever writes KV into blocks it holds alone:
+  hits and fork-shared blocks are full, and it computes from after them.
+- ``lookup`` (read-only) says how many leading blocks of a request are cached;
+  ``allocate_with_prefix`` starts a new request's table with them (ref + 1, taken back
+  from the LRU free list if free), atomically with the rest of the allocation.
+- ``commit_full_blocks`` registers blocks that became full and computed. ``free`` keeps
+  their hashes: they go to the LRU free list (tail blocks first, evicted first), while
+  blocks without a hash go to its head (reused before any cached block is evicted).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+import msgspec
+
+from tokenloom.actors.kv.block_hash import BlockHash
+from tokenloom.actors.kv.block_pool import BlockPool
+from tokenloom.actors.kv.events import KVEventPublisher
+from tokenloom.actors.kv.prefix_cache import (FlushResult, PrefixCache, PrefixCacheStats,
+                                           PrefixQuery, PrefixRecord, empty_stats)
+
+
+class KVSnapshot(msgspec.Struct, frozen=True, gc=False):
+    """Block counts at one instant, sent to the scheduler and to metrics."""
+
+    num_free_blocks: int
+    num_used_blocks: int
+    num_blocks: int
+    block_size: int
+
+
+class PrefixLookup(msgspec.Struct, frozen=True, gc=False):
+    """What a prefix hit would give a request now. ``num_reclaimed_blocks`` of the hit
+    blocks are currently free: taking them consumes free blocks (the policy must count
+    them, once per distinct block, besides the new blocks)."""
+
+    num_hit_blocks: int = 0
+    num_cached_tokens: int = 0
+    num_reclaimed_blocks: int = 0
+
+
+class TableGrowth(msgspec.Struct, frozen=True, gc=False):
+    """One request's share of an allocation. ``block_ids`` were appended to its table in
+    order: cached hit blocks first (``num_cached_tokens`` tokens of KV already computed;
+    full blocks only), then fresh ones. ``prefix`` is set for requests given a query."""
+
+    block_ids: list[int]
+    num_cached_tokens: int = 0
+    prefix: PrefixRecord | None = None
+
+
+class KVCacheManager:
+    """Maps request ids to block tables over one ``BlockPool``."""
+
+    def __init__(self, num_blocks: int, block_size: int, *,
+                 enable_prefix_caching: bool = False,
+                 events: KVEventPublisher | None = None,
+                 evicted_memory: int | None = None) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self._pool = BlockPool(num_blocks)
+        self._block_size = block_size
+        self._tables: dict[str, list[int]] = {}
+        self.events = events if events is not None else KVEventPublisher()
+        self._cache: PrefixCache | None = None
+        if enable_prefix_caching:
+            self._cache = PrefixCache(self._pool, block_size, events=self.events,
+                                      evicted_memory=evicted_memory)
+        # Leading table blocks already offered to the cache (hits count as offered).
+        self._committed: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self._pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._pool.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self._pool.num_used_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use, in [0, 1] (vLLM's ``kv_cache_usage_perc``)."""
+        return self._pool.num_used_blocks / self._pool.num_blocks
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self._pool.num_blocks * self._block_size
+
+    def num_held(self, request_id: str) -> int:
+        """Blocks currently held by ``request_id`` (0 if unknown)."""
+        return len(self._tables.get(request_id, ()))
+
+    def block_table(self, request_id: str) -> list[int]:
+        """A copy of the request's block table. ``KeyError`` if the request holds no table."""
+        return list(self._tables[request_id])
+
+    @property
+    def num_requests(self) -> int:
+        """Requests holding a table (the ``num_running`` a flush refuses to disturb)."""
+        return len(self._tables)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._tables
+
+    def num_blocks_needed(self, request_id: str, num_total_tokens: int) -> int:
+        """Extra blocks ``request_id`` needs to hold ``num_total_tokens`` tokens (>= 0)."""
+        if num_total_tokens < 0:
+            raise ValueError(f"num_total_tokens must be >= 0, got {num_total_tokens}")
+        blocks_for_tokens = -(-num_total_tokens // self._block_size)
+        return max(0, blocks_for_tokens - self.num_held(request_id))
+
+    def snapshot(self) -> KVSnapshot:
+        return KVSnapshot(
+            num_free_blocks=self._pool.num_free_blocks,
+            num_used_blocks=self._pool.num_used_blocks,
+            num_blocks=self._pool.num_blocks,
+            block_size=self._block_size,
+        )
+
+    # ---------------------------------------------------------------- mutations
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self._cache is not None
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self._cache.num_cached_blocks if self._cache is not None else 0
+
+    def prefix_stats(self) -> PrefixCacheStats:
+        """A copy of the prefix-cache counters (all zero when caching is off)."""
+        if self._cache is None:
+            return empty_stats()
+        return self._cache.stats()
+
+    def lookup(self, request_id: str, query: PrefixQuery) -> PrefixLookup:
+        """How many leading blocks of ``query`` are cached and reusable now. Read-only.
+
+        The block holding the last token is never reused (it must be recomputed so that
+        logits exist), so at most ``(len(token_ids) - 1) // block_size`` blocks hit. A
+        request that already holds a table gets no hit. Valid until the next allocation:
+        ``free`` never removes cache entries, allocation may evict them.
+        """
+        self._check_query(query)
+        if self._cache is None or request_id in self._tables:
+            return PrefixLookup()
+        hits = self._match(query)
+        return PrefixLookup(num_hit_blocks=len(hits),
+                            num_cached_tokens=len(hits) * self._block_size,
+                            num_reclaimed_blocks=sum(self._pool.is_free(b) for b in hits))
+
+    def allocate(self, grants: Sequence[tuple[str, int]]) -> dict[str, list[int]] | None:
+        """Grow every listed table to hold its token count, atomically.
+
+        ``grants`` is a sequence of ``(request_id, num_total_tokens)`` with distinct ids.
+        Returns ``{request_id: newly_added_block_ids}`` for every entry (``[]`` when the
+        table is already large enough; tables never shrink), or ``None`` when the blocks
+        needed by all entries together exceed the free blocks, in which case nothing is
+        allocated. Never raises for lack of room. A request id seen here for the first
+        time gets a table, even if it needs no blocks yet.
+        """
+        grown = self.allocate_with_prefix(grants, {})
+        return None if grown is None else {rid: g.block_ids for rid, g in grown.items()}
+
+    def allocate_with_prefix(self, grants: Sequence[tuple[str, int]],
+                             prefixes: dict[str, PrefixQuery]) -> dict[str, TableGrowth] | None:
+        """``allocate``, where each request in ``prefixes`` (new: it holds no table) starts
+        its table with its cached prefix.
+
+        Atomic: the hits are matched, their blocks taken (ref + 1) and then the fresh
+        blocks allocated — so a hit cannot be evicted by the same call — or, when the
+        fresh blocks plus the distinct free hit blocks exceed the free blocks, nothing
+        changes (no touches, no counters) and it returns ``None``. A request's table covers
+        ``max(num_total_tokens, cached tokens)``. Each query is counted in the stats and
+        gets a ``PrefixRecord``. With caching off, queries hit nothing and are not counted.
+        """
+        duplicates = [rid for rid, count in Counter(rid for rid, _ in grants).items() if count > 1]
+        if duplicates:
+            raise ValueError(f"allocate got request ids more than once: {duplicates}")
+        unknown = set(prefixes) - {rid for rid, _ in grants}
+        if unknown:
+            raise ValueError(f"prefix queries for requests without a grant: {sorted(unknown)}")
+        holding = [rid for rid in prefixes if rid in self._tables]
+        if holding:
+            raise ValueError(f"prefix queries for requests that hold a table: {holding}")
+        for query in prefixes.values():
+            self._check_query(query)
+        hits = {rid: self._match(q) for rid, q in prefixes.items()}
+        needed = [
+            max(0, self.num_blocks_needed(rid, num_tokens) - len(hits.get(rid, ())))
+            for rid, num_tokens in grants
+        ]
+        reclaimed = {b for blocks in hits.values() for b in blocks if self._pool.is_free(b)}
+        if sum(needed) + len(reclaimed) > self._pool.num_free_blocks:
+            return None
+        # Explain misses before the allocation below can evict what they look at.
+        reasons = {rid: self._cache.classify_miss(q, len(hits[rid]))
+                   for rid, q in prefixes.items()} if self._cache is not None else {}
+        # Commit point: nothing below can fail for lack of room.
+        if self._cache is not None:
+            for blocks in hits.values():
+                self._cache.touch(blocks)
+        new_blocks = self._allocate_blocks(sum(needed))
+        assert new_blocks is not None, "free-block check passed but allocation failed"
+        # Split one all-or-nothing pool allocation in grant order: deterministic, and no
+        # partial state to roll back.
+        result: dict[str, TableGrowth] = {}
+        start = 0
+        for (rid, _), count in zip(grants, needed):
+            added = new_blocks[start : start + count]
+            start += count
+            if rid not in prefixes:
+                self._tables.setdefault(rid, []).extend(added)
+                result[rid] = TableGrowth(block_ids=added)
+                continue
+            hit = hits[rid]
+            self._tables[rid] = hit + added
+            record = None
+            if self._cache is not None:
+                self._committed[rid] = len(hit)
+                query = prefixes[rid]
+                record = PrefixRecord(num_query_tokens=len(query.token_ids),
+                                      num_hit_blocks=len(hit),
+                                      num_hit_tokens=len(hit) * self._block_size,
+                                      miss_reason=reasons[rid])
+                self._cache.record(record.num_query_tokens, record.num_hit_tokens,
+                                   record.miss_reason)
+            result[rid] = TableGrowth(block_ids=hit + added,
+                                      num_cached_tokens=len(hit) * self._block_size,
+                                      prefix=record)
+        return result
+
+    def admit(self, request_id: str, planned_tokens: int, query: PrefixQuery,
+              budget: int | None = None) -> TableGrowth:
+        """Admit a new request the scheduler planned to compute ``planned_tokens`` tokens
+        of from scratch, reusing its cached prefix when that fits ``budget`` free blocks.
+
+        The scheduler reserved ``ceil(planned_tokens / block_size)`` free blocks for it
+        (the default budget; the caller may add unreserved slack). With ``h`` hit blocks it
+        computes ``min(planned, len - h * block_size)`` tokens from position
+        ``h * block_size``; that costs the fresh blocks plus the hit blocks that are
+        currently free (taking them back uses free blocks). The longest hit whose cost fits
+        the budget is used — at worst none, which is exactly what was reserved — so an
+        admission the scheduler planned is never refused.
+        """
+        bs = self._block_size
+        reserved = -(-planned_tokens // bs)
+        if budget is not None:
+            reserved = max(reserved, budget)
+        hits = self._match(query)
+        length = len(query.token_ids)
+        h = len(hits)
+        while h > 0:
+            fresh = -(-min(planned_tokens, length - h * bs) // bs)
+            if fresh + sum(self._pool.is_free(b) for b in hits[:h]) <= reserved:
+                break
+            h -= 1
+        if h < len(hits):
+            query = msgspec.structs.replace(
+                query, block_hashes=query.block_hashes[:h],
+                content_hashes=None if query.content_hashes is None else query.content_hashes[:h])
+        total = h * bs + min(planned_tokens, length - h * bs)
+        grown = self.allocate_with_prefix([(request_id, total)], {request_id: query})
+        assert grown is not None, (f"admission of {request_id!r} refused within its "
+                                   f"reservation of {reserved} blocks")
+        return grown[request_id]
+
+    def num_exclusive(self, request_id: str) -> int:
+        """Blocks that freeing ``request_id`` would return to the free list right now
+        (those it holds alone); shared prefix blocks stay with their other holders."""
+        return sum(self._pool.ref_count(b) == 1 for b in self._tables.get(request_id, ()))
+
+    def commit_full_blocks(self, request_id: str, num_computed_tokens: int,
+                           block_hashes: Sequence[BlockHash], token_ids: Sequence[int],
+                           content_hashes: Sequence[BlockHash] | None = None) -> int:
+        """Offer the request's blocks that are full and computed (the first
+        ``num_computed_tokens // block_size``) to the cache; return how many became cached.
+
+        Called after a step, with the request's whole chain so far (``block_hashes`` must
+        cover those blocks; ``token_ids`` all its tokens). Blocks offered before are
+        skipped, so calling it every step costs only the new blocks. A request that holds
+        no table (freed meanwhile) commits nothing. A no-op when caching is off.
+        """
+        if self._cache is None or request_id not in self._tables:
+            return 0
+        table = self._tables[request_id]
+        bs = self._block_size
+        num_full = num_computed_tokens // bs
+        if num_full > len(table):
+            raise ValueError(f"request {request_id!r} computed {num_computed_tokens} tokens "
+                             f"but holds only {len(table)} blocks")
+        if len(block_hashes) < num_full or len(token_ids) < num_full * bs:
+            raise ValueError(f"commit of {num_full} full blocks needs their hashes and tokens")
+        done = self._committed.get(request_id, 0)
+        if num_full <= done:
+            return 0
+        stored = self._cache.cache_blocks(
+            table[done:num_full], block_hashes[done:num_full],
+            block_hashes[done - 1] if done > 0 else None,
+            [token_ids[i * bs:(i + 1) * bs] for i in range(done, num_full)],
+            content_hashes[done:num_full] if content_hashes is not None else None)
+        self._committed[request_id] = num_full
+        return stored
+
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> list[tuple[int, int]] | None:
+        """Give ``child_id`` (new) the parent's first ``num_tokens`` tokens of KV, for n>1
+        siblings. Full blocks are shared (ref + 1); a partially filled last block is copied
+        into a fresh block. Returns the ``(src_block, dst_block)`` copies the runner must
+        execute before the child's next step, or ``None`` (nothing changed) when no block
+        is free for the copy.
+
+        Copy-on-write happens at fork time rather than on first write: siblings diverge at
+        their very first sampled token, which lands in that partial block, so a lazy copy
+        would happen at the next step anyway — and copying now (at most block_size tokens)
+        keeps "a request writes only blocks it holds alone" true without a write barrier.
+        """
+        if child_id in self._tables:
+            raise ValueError(f"fork into {child_id!r}, which already holds a table")
+        table = self._tables[parent_id]
+        num_full, rem = divmod(num_tokens, self._block_size)
+        if num_tokens < 0 or num_full + (rem > 0) > len(table):
+            raise ValueError(f"fork of {num_tokens} tokens from {parent_id!r}, which holds "
+                             f"{len(table)} blocks")
+        shared = table[:num_full]
+        copies: list[tuple[int, int]] = []
+        child = list(shared)
+        if rem:
+            dst = self._allocate_blocks(1)
+            if dst is None:
+                return None
+            copies.append((table[num_full], dst[0]))
+            child.append(dst[0])
+        self._pool.incr_ref(shared)
+        self._tables[child_id] = child
+        if self._cache is not None:
+            self._committed[child_id] = min(self._committed.get(parent_id, 0), num_full)
+        return copies
+
+    def flush(self, force: bool = False, num_running: int = 0) -> FlushResult:
+        """Drop every unreferenced cached block (admin ``flush_cache``); see
+        ``PrefixCache.flush``. With caching off there is nothing to flush."""
+        if self._cache is None:
+            return FlushResult(0)
+        return self._cache.flush(force, num_running)
+
+    def free(self, request_id: str) -> int:
+        """Release ``request_id``'s whole table; return the number of blocks released.
+
+        Idempotent: an unknown or already freed request releases 0 blocks.
+        """
+        table = self._tables.pop(request_id, None)
+        if table is None:
+            return 0
+        self._committed.pop(request_id, None)
+        # Reversed so a request's tail blocks are reused first: its leading blocks are the
+        # ones most likely to be a shared prefix.
+        if self._cache is None:
+            self._pool.free(reversed(table))
+            return len(table)
+        reverse = table[::-1]
+        # Blocks without a hash hold nothing reusable: reuse them before evicting any.
+        self._pool.free([b for b in reverse if not self._cache.is_cached(b)], front=True)
+        self._pool.free([b for b in reverse if self._cache.is_cached(b)])
+        return len(table)
+
+    # --------------------------------------------------------------- invariants
+
+    def check_integrity(self) -> None:
+        """Raise ``AssertionError`` describing the first broken invariant, if any.
+
+        Pool invariants, plus: every block in a table is used; no table holds a block
+        twice; each table block's ref_cnt equals the number of tables holding it (blocks
+        are shared only through prefix hits and forks); the distinct table blocks are
+        exactly the used blocks; and, with caching, the prefix cache's own invariants.
+        """
+        self._pool.check_integrity()
+        holders: dict[int, list[str]] = {}
+        for rid, table in self._tables.items():
+            if len(set(table)) != len(table):
+                raise AssertionError(f"request {rid!r} holds a block twice: {table}")
+            for block_id in table:
+                if self._pool.is_free(block_id):
+                    raise AssertionError(f"request {rid!r} holds free block {block_id}")
+                holders.setdefault(block_id, []).append(rid)
+        for block_id, rids in holders.items():
+            ref_cnt = self._pool.ref_count(block_id)
+            if ref_cnt < len(rids):
+                raise AssertionError(
+                    f"block {block_id} is held by both {rids[0]!r} and {rids[1]!r}"
+                    f"{f' (and {len(rids) - 2} more)' if len(rids) > 2 else ''} but has "
+                    f"ref_cnt {ref_cnt}"
+                )
+            if ref_cnt > len(rids):
+                raise AssertionError(
+                    f"block {block_id} has ref_cnt {ref_cnt} but {len(rids)} table(s) hold it"
+                )
+        if len(holders) != self._pool.num_used_blocks:
+            raise AssertionError(
+                f"tables hold {len(holders)} blocks but the pool has "
+                f"{self._pool.num_used_blocks} used"
+            )
+        if self._cache is not None:
+            self._cache.check_integrity()
+            for rid, done in self._committed.items():
+                if rid not in self._tables or done > len(self._tables[rid]):
+                    raise AssertionError(f"request {rid!r} committed {done} blocks but holds "
+                                         f"{self.num_held(rid)}")
+
+    # ------------------------------------------------------------------ helpers
+
+    def _allocate_blocks(self, n: int) -> list[int] | None:
+        if self._cache is not None:
+            return self._cache.allocate(n)
+        return self._pool.allocate(n)
+
+    def _check_query(self, query: PrefixQuery) -> None:
+        if len(query.block_hashes) > len(query.token_ids) // self._block_size:
+            raise ValueError(f"{len(query.block_hashes)} block hashes for "
+                             f"{len(query.token_ids)} tokens")
+        if query.content_hashes is not None and \
+                len(query.content_hashes) != len(query.block_hashes):
+            raise ValueError("content_hashes must be None or match block_hashes")
+
+    def _match(self, query: PrefixQuery) -> list[int]:
+        if self._cache is None:
+            return []
+        reusable = max(0, (len(query.token_ids) - 1) // self._block_size)
+        return self._cache.match(query.block_hashes[:reusable])
+
+    def __repr__(self) -> str:
+        return (
+            f"KVCacheManager(num_blocks={self.num_blocks}, block_size={self._block_size}, "
+            f"free={self.num_free_blocks}, requests={len(self._tables)})"
+        )

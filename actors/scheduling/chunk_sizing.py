@@ -1,0 +1,68 @@
+"""SLO-driven chunk sizing: how many prefill tokens the next iteration may carry so that the
+running decodes still meet their inter-token latency target. Pure (no asyncio, no torch).
+
+The step-cost model (cost_model.py) predicts an iteration's time from its tokens and
+attention work. Each iteration gets the most prefill tokens within `target_itl_ms`
+(0 = `auto_itl_factor` × the predicted decode-only iteration), at least
+`min_prefill_chunk`; while the model has not seen prefill iterations, prefill gets
+`min_prefill_chunk`. The budget at most doubles from one iteration to the next, so one bad
+fit (noise) cannot turn into one multi-second iteration before the model sees its mistake.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+from tokenloom.actors.scheduling.cost_model import StepCostModel, attention_work
+from tokenloom.actors.scheduling.request import Request
+from tokenloom.config.schema import SchedulerConfig
+
+
+class ChunkSizer:
+    def __init__(self, config: SchedulerConfig, max_num_batched_tokens: int,
+                 cost: StepCostModel):
+        self.config = config
+        self.max_tokens = max_num_batched_tokens
+        self.cost = cost
+        self.last_budget: int | None = None   # for stats: the latest SLO budget, None = static
+        self._last_slo_chunk = 0
+
+    def prefill_budget(self, running: Sequence[Request], waiting: Sequence[Request],
+                       drafts: Mapping[str, int] | None = None) -> int | None:
+        """The prefill token budget for the next iteration; None: the static budget
+        (chunking "static", or nothing decoding to protect). `drafts`: the speculative
+        tokens decodes verify this iteration; they cost time inside the same target."""
+        cfg = self.config
+        self.last_budget = None
+        if cfg.chunking != "slo":
+            return None
+        decodes = [r for r in running if r.is_decode]
+        if not decodes:
+            return None
+        if not self.cost.knows_prefill:
+            # Streams are decoding but prefill costs are unknown yet: protect them with the
+            # smallest chunk until the model has seen prefill iterations.
+            self.last_budget = min(cfg.min_prefill_chunk, self.max_tokens - len(decodes))
+            return self.last_budget
+        plain_attn = sum(attention_work(1, r.num_computed_tokens) for r in decodes)
+        if cfg.target_itl_ms > 0:
+            target = cfg.target_itl_ms / 1000
+        else:
+            target = cfg.auto_itl_factor * self.cost.predict(len(decodes), plain_attn)
+        drafts = drafts or {}
+        spec = sum(drafts.get(r.request_id, 0) for r in decodes)
+        d_attn = plain_attn if not spec else sum(
+            attention_work(1 + drafts.get(r.request_id, 0), r.num_computed_tokens)
+            for r in decodes)
+        prefilling = [r for r in running if not r.is_decode and not r.is_awaiting_output]
+        head = prefilling[0] if prefilling else (waiting[0] if waiting else None)
+        if head is None:
+            return None
+        hi = max(1, self.max_tokens - len(decodes) - spec)
+        lo = min(cfg.min_prefill_chunk, hi)
+        budget = self.cost.max_prefill_tokens(target, len(decodes) + spec, d_attn,
+                                              head.num_computed_tokens, lo, hi)
+        budget = min(budget, max(lo, 2 * self._last_slo_chunk))
+        self._last_slo_chunk = budget
+        self.last_budget = budget
+        return budget

@@ -1,0 +1,252 @@
+"""The scheduling policy: which tokens run in the next iteration. Pure: no asyncio, no torch.
+
+Each iteration, under `max_num_seqs` and `max_num_batched_tokens`:
+  1. running decodes first (one token each), most important class first — streams keep
+     flowing: a running decode is only ever left out when it is preempted;
+  2. running prefills (the next chunk of a prompt already admitted), by class;
+  3. waiting requests in the order given (the scheduler orders them by class, fair share
+     and age: see fairness.py), each getting a chunk of whatever token budget is left.
+Steps 2 and 3 share `prefill_budget` tokens when the scheduler sizes chunks for a latency
+target (SLO-driven chunking); decodes never count against it.
+
+Admission follows a KV plan: a waiting request enters only if, after this iteration's
+grants, the free blocks still cover its whole prompt, the projected growth of every running
+request and of itself over the next `lookahead_tokens` tokens (bounded by each one's
+max_tokens), and `min_free_blocks` (the watermark; the scheduler raises it after a
+preemption until the pool recovers — hysteresis). With nothing running, only the chunk has
+to fit, so a large prompt is never blocked forever. A prompt that can never fit is rejected.
+
+A request that needs a new KV block when none is free preempts a victim chosen by
+`victim_key` (least important class, least often preempted, cheapest to redo, latest
+admitted). Each victim is recomputed later or, when `preempt_mode` says so, swapped out
+to host memory and back.
+
+The policy reads a view of the KV pool (free blocks, blocks each request holds) and returns
+a decision; the scheduler actor applies it and asks the KV manager for exactly the
+`grants` it lists, in one atomic call. A decision always fits the view it was made from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from typing import Callable, Mapping, Sequence
+
+from tokenloom.actors.scheduling.fairness import victim_key
+from tokenloom.actors.scheduling.request import Request
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyLimits:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    num_blocks: int
+
+
+@dataclasses.dataclass(frozen=True)
+class AdmissionParams:
+    """The KV plan's knobs for one iteration (the scheduler derives them from config)."""
+    min_free_blocks: int = 0      # watermark left free after admitting (raised after preemption)
+    lookahead_tokens: int = 0     # growth projected for each running request and the candidate
+
+
+@dataclasses.dataclass
+class ScheduledWork:
+    request: Request
+    num_tokens: int           # tokens computed this iteration
+    resumed: bool             # first time on the runner since (re)admission
+
+
+@dataclasses.dataclass
+class Decision:
+    decodes: list[ScheduledWork] = dataclasses.field(default_factory=list)
+    prefills: list[ScheduledWork] = dataclasses.field(default_factory=list)
+    admitted: list[Request] = dataclasses.field(default_factory=list)   # waiting -> running
+    preempted: list[Request] = dataclasses.field(default_factory=list)  # running -> waiting
+    swapped: set[str] = dataclasses.field(default_factory=set)          # preempted by swap
+    rejected: list[tuple[Request, str]] = dataclasses.field(default_factory=list)
+    grants: list[tuple[str, int]] = dataclasses.field(default_factory=list)  # (id, total tokens)
+    plans: dict[str, dict] = dataclasses.field(default_factory=dict)    # admitted id -> KV plan
+    # The first waiting request that could not enter, and why ("kv", "budget", "seqs").
+    blocked: tuple[Request, str, dict] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(w.num_tokens for w in self.decodes) + sum(w.num_tokens for w in self.prefills)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+def remaining_output(req: Request) -> int:
+    """Tokens the request may still generate (max_tokens, bounded by the context window)."""
+    left = req.sampling_params.max_tokens - req.num_output_tokens
+    if req.max_model_len is not None:
+        left = min(left, req.max_model_len - req.num_tokens)
+    return max(0, left)
+
+
+def projected_tokens(req: Request, lookahead: int) -> int:
+    """Tokens the request's table should hold soon: all its known tokens (the rest of the
+    prompt included) plus `lookahead` more, or fewer when it must stop before that."""
+    return req.num_tokens + min(lookahead, remaining_output(req))
+
+
+def schedule(running: Sequence[Request], waiting: deque[Request] | Sequence[Request],
+             num_free_blocks: int, held_blocks: Callable[[str], int],
+             limits: PolicyLimits,
+             freeable_blocks: Callable[[str], int] | None = None, *,
+             prefill_budget: int | None = None,
+             admission: AdmissionParams = AdmissionParams(),
+             preempt_mode: Callable[[Request], str] | None = None,
+             drafts: Mapping[str, int] | None = None, spec_lookahead: int = 0) -> Decision:
+    """Decide the next iteration. Does not mutate its arguments.
+
+    `held_blocks(id)` is the length of a request's block table; `freeable_blocks(id)` how
+    many blocks preempting it would return to the pool (fewer than it holds when prefix
+    blocks are shared); by default the same as held_blocks. `prefill_budget` caps the
+    tokens of prefill chunks (running and admitted) this iteration; `preempt_mode(victim)`
+    returns "swap" or "recompute" (default: recompute). `drafts[id]`: speculative tokens a
+    decode verifies this step (it computes 1 + that many, fewer when the token budget must
+    leave one token for every later decode); `spec_lookahead`: extra slots granted to
+    decodes of speculating requests, where a draft model writes its proposals' KV."""
+    freeable = freeable_blocks or held_blocks
+    d = Decision()
+    budget = limits.max_num_batched_tokens
+    free = num_free_blocks
+    bs = limits.block_size
+    order = {r.request_id: i for i, r in enumerate(running)}
+    victims: set[str] = set()
+    scheduled: set[str] = set()
+    table_tokens: dict[str, int] = {}   # tokens each scheduled table covers after grants
+
+    def need(req: Request, total_tokens: int) -> int:
+        return max(0, blocks_for(total_tokens, bs) - held_blocks(req.request_id))
+
+    def evict(victim: Request) -> None:
+        nonlocal free
+        rid = victim.request_id
+        victims.add(rid)
+        d.preempted.append(victim)
+        if preempt_mode is not None and preempt_mode(victim) == "swap":
+            d.swapped.add(rid)
+        free += freeable(rid)
+
+    def preempt_one(exclude: Request) -> bool:
+        eligible = [r for r in running if r.request_id not in victims
+                    and r.request_id not in scheduled and r is not exclude
+                    and not r.is_awaiting_output]
+        if not eligible:
+            return False
+        evict(min(eligible, key=lambda r: victim_key(r, order[r.request_id])))
+        return True
+
+    def place(req: Request, num_tokens: int, extra: int = 0) -> bool:
+        """Reserve blocks for req's next num_tokens (+ `extra` slots), preempting others
+        if needed."""
+        nonlocal free
+        total = req.num_computed_tokens + num_tokens + extra
+        while need(req, total) > free:
+            if not preempt_one(exclude=req):
+                return False
+        free -= need(req, total)
+        d.grants.append((req.request_id, total))
+        scheduled.add(req.request_id)
+        table_tokens[req.request_id] = total
+        return True
+
+    by_class = lambda r: (r.priority, order[r.request_id])  # noqa: E731
+    # 1. Decodes, most important first. They always fit the token budget (max_num_seqs <=
+    # max_num_batched_tokens); only KV exhaustion can stop one, and then it is preempted.
+    decodes = sorted((r for r in running if r.is_decode), key=by_class)
+    # Requests whose last token is already being sampled (overlapped steps) have nothing
+    # left to schedule; they hold their blocks until that token comes back.
+    prefilling = sorted((r for r in running if not r.is_decode and not r.is_awaiting_output),
+                        key=by_class)
+    drafts = drafts or {}
+    for i, req in enumerate(decodes):
+        if req.request_id in victims:
+            continue
+        later = len(decodes) - i - 1
+        n = 1 + max(0, min(drafts.get(req.request_id, 0), budget - 1 - later))
+        # (never past what it may still produce: a lone request must always fit the pool)
+        extra = min(spec_lookahead, max(0, remaining_output(req) - n)) \
+            if req.spec is not None and spec_lookahead else 0
+        if budget < 1 or not place(req, n, extra):
+            if req.request_id not in victims:
+                evict(req)
+            continue
+        budget -= n
+        d.decodes.append(ScheduledWork(req, n, resumed=False))
+
+    if prefill_budget is not None:
+        budget = min(budget, prefill_budget)
+    # 2. Running prefills continue their prompt with the next chunk.
+    for req in prefilling:
+        if req.request_id in victims or budget <= 0:
+            continue
+        n = min(req.num_remaining_tokens, budget)
+        if not place(req, n):
+            if req.request_id not in victims:
+                evict(req)
+            continue
+        budget -= n
+        d.prefills.append(ScheduledWork(req, n, resumed=False))
+
+    # 3. Admit waiting requests in the given order while budget, sequence slots and the KV
+    # plan allow. Never preempt running work to admit new work.
+    live = [r for r in running if r.request_id not in victims]
+    num_running = len(live)
+    la = admission.lookahead_tokens
+
+    def future_need(req: Request) -> int:
+        have = max(held_blocks(req.request_id),
+                   blocks_for(table_tokens.get(req.request_id, 0), bs))
+        return max(0, blocks_for(projected_tokens(req, la), bs) - have)
+
+    reserved = sum(future_need(r) for r in live)
+    for req in waiting:
+        if num_running >= limits.max_num_seqs:
+            d.blocked = (req, "seqs", {})
+            break
+        if budget <= 0:
+            d.blocked = (req, "budget", {})
+            break
+        prompt_blocks = blocks_for(req.num_tokens, bs)
+        if prompt_blocks > limits.num_blocks:
+            d.rejected.append((req, f"the prompt needs {prompt_blocks} KV blocks of {bs} tokens "
+                                    f"({req.num_tokens} tokens) but the KV pool has only "
+                                    f"{limits.num_blocks} blocks ({limits.num_blocks * bs} "
+                                    f"tokens)"))
+            continue
+        n = min(req.num_remaining_tokens, budget)
+        total = req.num_computed_tokens + n
+        chunk_blocks = need(req, total)
+        growth = blocks_for(projected_tokens(req, la), bs) - max(held_blocks(req.request_id),
+                                                                blocks_for(total, bs))
+        plan = {"prompt_blocks": prompt_blocks, "chunk_blocks": chunk_blocks,
+                "projected_growth_blocks": max(0, growth), "running_reserved_blocks": reserved,
+                "free_blocks": free, "watermark_blocks": admission.min_free_blocks}
+        if num_running == 0:
+            fits = chunk_blocks <= free  # alone: only the chunk must fit (liveness)
+        else:
+            fits = free - chunk_blocks - max(0, growth) - reserved >= admission.min_free_blocks
+        if not fits:
+            d.blocked = (req, "kv", plan)
+            break
+        free -= chunk_blocks
+        reserved += max(0, growth)
+        d.grants.append((req.request_id, total))
+        table_tokens[req.request_id] = total
+        budget -= n
+        num_running += 1
+        d.admitted.append(req)
+        d.plans[req.request_id] = plan
+        d.prefills.append(ScheduledWork(req, n, resumed=True))
+    return d

@@ -1,0 +1,127 @@
+"""From a policy decision and the KV manager's answer to the runner's batch. Pure (no
+asyncio, no torch): the scheduler's bookkeeping around one step.
+
+- `apply_prefix_hits`: admitted requests start after their cached prefix;
+- `note_plans`, `start_works`: the trace's admission events and the status transitions;
+- `build_batch`: the ScheduledSequences, each request's computed tokens advanced to the end
+  of its work and a placeholder counted for each token it will sample (see actors/scheduling/scheduler_actor.py);
+- `request_timings`: the timings a finished request's last output carries.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Mapping
+
+from tokenloom.actors.messages import (PLACEHOLDER, ExecuteBatch, KVGrant, NewSequence,
+                                       RequestTimings, ScheduledSequence)
+from tokenloom.actors.scheduling.policy import Decision
+from tokenloom.actors.scheduling.request import Request, RequestStatus
+
+S = RequestStatus
+
+
+def apply_prefix_hits(d: Decision, grant: KVGrant, block_size: int) -> None:
+    """Admitted requests start after their cached prefix: shrink their chunk to match."""
+    for w in d.prefills:
+        growth = grant.admitted.get(w.request.request_id)
+        if growth is None:
+            continue
+        req = w.request
+        cached = growth.num_cached_tokens
+        req.num_computed_tokens = cached
+        req.num_committed_blocks = cached // block_size
+        w.num_tokens = min(w.num_tokens, req.num_tokens - cached)
+        if req.num_preemptions == 0 and growth.prefix is not None:
+            req.num_cached_tokens = cached
+            req.prefix_hit_blocks = growth.prefix.num_hit_blocks
+            req.prefix_miss_reason = str(growth.prefix.miss_reason)
+
+
+def note_plans(d: Decision, now: float) -> None:
+    """The KV plan of each admission (and of the first request left waiting) in its trace."""
+    for req in d.admitted:
+        if req.trace is not None:
+            req.trace.plan = {**d.plans.get(req.request_id, {}), "decision": "admit"}
+            if not req.trace.has("prefix_cache_lookup_done"):
+                req.trace.mark("prefix_cache_lookup_done", now)
+            req.trace.mark("resumed" if req.trace.has("admitted") else "admitted", now)
+    if d.blocked is not None:
+        req, why, plan = d.blocked
+        if req.trace is not None:
+            req.trace.plan = {**plan, "decision": "wait", "reason": why}
+
+
+def start_works(d: Decision, now: float) -> None:
+    """Status transitions of the works this step runs (after the trace's admission)."""
+    for w in d.prefills:
+        if w.request.status == S.WAITING_PREFILL:
+            w.request.transition(S.PREFILLING)
+            if w.request.trace is not None and not w.request.trace.has("prefill_started"):
+                w.request.trace.mark("prefill_started", now)
+    for w in d.decodes:
+        if w.request.status == S.WAITING_DECODE:
+            w.request.transition(S.DECODING)
+
+
+def build_batch(d: Decision, tables: Mapping[str, list[int]], batch: ExecuteBatch,
+                spec=None) -> tuple[ExecuteBatch, list, list[int], list[int]]:
+    """Fill `batch` with the decision's works and the block tables the KV manager
+    reported: plain decodes first, then speculative decodes (their last token and drafts,
+    laid out like a chunk), then prefill chunks. Advances each request's computed tokens
+    to the end of its work (the step is as good as done for planning the next one; a
+    speculative work's rejected drafts are rolled back when its output comes) and counts
+    a placeholder for each token it will sample. `spec`: the SpecController, when
+    speculation is on. Returns the batch, the works in batch order, each work's first
+    position and each work's request's preemption count (to recognise requests preempted
+    while the step runs)."""
+    speculative = [w for w in d.decodes if w.num_tokens > 1]
+    plain = [w for w in d.decodes if w.num_tokens == 1]
+    works = plain + speculative + d.prefills
+    batch.num_decodes = len(plain)
+    num_decode_works = len(d.decodes)
+    starts, epochs = [], []
+    for i, w in enumerate(works):
+        req = w.request
+        start, end = req.num_computed_tokens, req.num_computed_tokens + w.num_tokens
+        num_draft = 0
+        is_decode = i < num_decode_works
+        if is_decode and w.num_tokens > 1:
+            num_draft = w.num_tokens - 1
+            ids = req.token_ids[start:start + 1] + req.draft_token_ids[:num_draft]
+            sample = True
+        else:
+            ids = req.token_ids[start:end]
+            if len(ids) < w.num_tokens:  # the token the step in flight is sampling
+                ids.append(PLACEHOLDER)
+            sample = end == req.num_tokens
+        assert len(ids) == w.num_tokens, f"{req}: {w.num_tokens} tokens scheduled"
+        propose = 0
+        if spec is not None and sample:
+            propose = spec.started(req, num_draft, is_decode)
+        new = None
+        if w.resumed or not req.on_runner:
+            new = NewSequence(prompt_token_ids=req.token_ids[: req.num_prompt_tokens],
+                              output_token_ids=req.output_token_ids,
+                              sampling_params=req.sampling_params)
+            req.on_runner = True
+        batch.sequences.append(ScheduledSequence(
+            request_id=req.request_id, token_ids=ids, start_pos=start,
+            block_table=tables[req.request_id], sample=sample, new=new,
+            num_draft=num_draft, propose=propose))
+        starts.append(start)
+        epochs.append(req.num_preemptions)
+        req.num_computed_tokens = end
+        req.num_placeholders += sample
+    return batch, works, starts, epochs
+
+
+def request_timings(req: Request) -> RequestTimings:
+    return RequestTimings(arrival=req.arrival_time, first_scheduled=req.first_scheduled_time,
+                          first_token=req.first_token_time, finished=time.monotonic(),
+                          token_times=list(req.token_times),
+                          num_preemptions=req.num_preemptions,
+                          num_cached_tokens=req.num_cached_tokens,
+                          prefix_hit_blocks=req.prefix_hit_blocks,
+                          prefix_miss_reason=req.prefix_miss_reason,
+                          trace=req.trace.as_dict() if req.trace is not None else None)

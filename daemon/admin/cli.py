@@ -1,0 +1,228 @@
+"""`tokenloom admin <command>`: talk to a running daemon's admin socket.
+
+    tokenloom admin stats
+    tokenloom admin flush-cache [--force]
+    tokenloom admin drain [--timeout S] [--wait]
+    tokenloom admin resume
+    tokenloom admin cancel ID          # the id the client saw (cmpl-…, chatcmpl-…)
+    tokenloom admin trace ID
+    tokenloom admin log-level LEVEL
+Common options: --socket PATH (default: admin.socket_path from --config / the environment /
+the defaults, i.e. /run/tokenloom/admin.sock, or where a daemon run by hand falls back to:
+$XDG_RUNTIME_DIR/tokenloom/admin.sock, else <tmp>/tokenloom-<uid>/admin.sock), --json (print the reply as JSON),
+--timeout-connect S.
+
+Exit status: 0 the command succeeded; 1 the daemon refused or failed it (the reply's error
+is printed); 2 bad usage; 3 the daemon could not be reached.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+
+import msgspec
+
+from tokenloom.daemon.admin import protocol as P
+
+EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+
+
+def add_parser(sub) -> None:
+    a = sub.add_parser("admin", help="send an admin command to a running daemon (UNIX socket)")
+    a.add_argument("--socket", help="admin socket path (default: admin.socket_path)")
+    a.add_argument("--config", help="TOML config file to read admin.socket_path from")
+    a.add_argument("--json", action="store_true", help="print the reply as JSON")
+    a.add_argument("--reply-timeout", type=float, default=30.0, metavar="S",
+                   help="seconds to wait for the reply (default 30; drain --wait: no limit)")
+    cmds = a.add_subparsers(dest="admin_command", required=True)
+    cmds.add_parser("stats", help="queues, running requests, KV blocks, hit rates, drain state")
+    cmds.add_parser("graph-histogram", help="the decode batch sizes seen, as the JSON file "
+                                            "graphs.histogram_path reads")
+    f = cmds.add_parser("flush-cache", help="drop every unreferenced prefix-cache block")
+    f.add_argument("--force", action="store_true", help="even while requests run")
+    d = cmds.add_parser("drain", help="stop admitting requests and let running ones finish")
+    d.add_argument("--timeout", type=float, metavar="S",
+                   help="end the requests still running after S seconds with an error")
+    d.add_argument("--wait", action="store_true", help="return once drained")
+    cmds.add_parser("resume", help="admit requests again after a drain")
+    c = cmds.add_parser("cancel", help="end a running request with an error, freeing its KV")
+    c.add_argument("request_id")
+    t = cmds.add_parser("trace", help="the per-request trace of a recent request")
+    t.add_argument("request_id")
+    ll = cmds.add_parser("log-level", help="change the log level at run time")
+    ll.add_argument("level", choices=["debug", "info", "warning", "error"])
+
+
+def build_command(args) -> P.Command:
+    match args.admin_command:
+        case "stats" | "graph-histogram":
+            return P.Stats()
+        case "flush-cache":
+            return P.FlushCache(force=args.force)
+        case "drain":
+            return P.Drain(timeout=args.timeout, wait=args.wait)
+        case "resume":
+            return P.Resume()
+        case "cancel":
+            return P.Cancel(request_id=args.request_id)
+        case "trace":
+            return P.Trace(request_id=args.request_id)
+        case "log-level":
+            return P.SetLogLevel(level=args.level)
+    raise ValueError(f"unknown admin command {args.admin_command!r}")
+
+
+def socket_path(args) -> str:
+    if args.socket:
+        return args.socket
+    from tokenloom.config.load import load_config
+    from tokenloom.daemon.admin.paths import find_socket
+    return find_socket(load_config(args.config).admin.socket_path)
+
+
+def send(path: str, command: P.Command, timeout: float | None = 30.0) -> P.Reply:
+    """One command, one reply. OSError if the socket cannot be reached or answers nothing."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(path)
+        s.sendall(P.encode(command))
+        buf = b""
+        while not buf.endswith(b"\n"):
+            chunk = s.recv(65536)
+            if not chunk:
+                raise ConnectionError("the daemon closed the connection without a reply")
+            buf += chunk
+    return P.decode_reply(buf)
+
+
+def render(reply: P.Reply) -> str:
+    """Human-readable text for a reply."""
+    match reply:
+        case P.ErrorReply(code=code, error=error):
+            return f"error ({code}): {error}"
+        case P.StatsReply():
+            return _render_stats(reply)
+        case P.FlushCacheReply(freed=freed):
+            return f"prefix cache flushed: {freed} block(s) freed"
+        case P.DrainReply(progress=p):
+            return _render_drain(p)
+        case P.ResumeReply(was_draining=was):
+            return "resumed: admitting requests" if was else "not draining: nothing to resume"
+        case P.CancelReply(request_id=rid, cancelled=ids):
+            return f"cancelled {rid} ({len(ids)} engine request(s): {', '.join(ids)})"
+        case P.TraceReply(trace=trace):
+            return msgspec.json.format(msgspec.json.encode(trace), indent=2).decode()
+        case P.LogLevelReply(level=level, previous=previous):
+            return f"log level: {previous} -> {level}"
+    return str(reply)
+
+
+def _render_drain(p: P.DrainProgress) -> str:
+    if not p.draining:
+        return "not draining"
+    state = "drained" if p.drained else "draining"
+    parts = [f"{state}: {p.in_flight} request(s) in flight"]
+    if p.elapsed_seconds is not None:
+        parts.append(f"{p.elapsed_seconds:.1f} s elapsed")
+    if p.timeout_seconds is not None:
+        parts.append(f"timeout {p.timeout_seconds:g} s")
+    if p.timed_out:
+        parts.append("timed out: the rest were ended with an error")
+    if p.exiting:
+        parts.append("the daemon exits when done")
+    return ", ".join(parts)
+
+
+def _render_stats(r: P.StatsReply) -> str:
+    rows = [
+        ("model", r.model),
+        ("ready", "yes" if r.ready else "no"),
+        ("drain", _render_drain(r.drain)),
+        ("uptime", f"{r.uptime_seconds:.0f} s"),
+        ("log level", r.log_level),
+        ("HTTP requests in flight", r.in_flight),
+        ("engine: running / waiting", f"{r.running} / {r.waiting}"),
+        ("engine: steps, preemptions", f"{r.num_steps}, {r.num_preemptions}"),
+        ("engine: stalled", f"{r.engine_stalled_seconds:.1f} s"),
+        ("KV blocks: used / free / total", f"{r.kv_blocks_used} / {r.kv_blocks_free} / "
+                                           f"{r.kv_blocks_total} ({100 * r.kv_usage:.1f}% used)"),
+        ("KV blocks cached", r.kv_blocks_cached),
+        ("prefix cache hit rate", f"{100 * r.prefix_cache_hit_rate:.1f}% "
+                                  f"({r.prefix_cache_hit_tokens} / "
+                                  f"{r.prefix_cache_queried_tokens} tokens)"),
+        ("hit rate after preemption", f"{100 * r.preempted_hit_rate:.1f}%"),
+        ("preemptions by swap", r.num_swap_preemptions),
+        ("max decode skip", r.max_decode_skip),
+        ("admission", "paused (KV resume watermark)" if r.admission_paused else "open"),
+        ("prefill budget", "static" if r.prefill_budget is None
+         else f"{r.prefill_budget} tokens (SLO)"),
+        ("step cost model", "not fitted" if r.cost_model is None else
+         "{:.2f} ms + {:.4f} ms/token + {:.3f} ms/M query-key pairs + {:.3f} ms/M keys "
+         "read + {:.4f} ms/sampled row".format(*(1000 * c for c in r.cost_model),
+                                               *(0.0,) * (5 - len(r.cost_model)))),
+        ("goodput", f"{r.goodput_requests} / {r.slo_evaluated_requests} requests"),
+        ("decode graphs", _graphs_row(r.graphs)),
+        ("engine loop", ("overlapped" if r.overlap else "serial") +
+         f", step {r.step_timings.forward_ms:.2f} ms forward + {r.step_timings.host_ms:.2f} ms "
+         f"host ({r.step_timings.exposed_host_ms:.2f} ms exposed), "
+         f"mean batch {r.step_timings.batch_size:g}"),
+    ]
+    if r.process is not None:
+        p = r.process
+        rows += [
+            ("process", f"RSS {p.rss_bytes / 2**20:.0f} MiB, {p.open_fds} fds, "
+                        f"{p.asyncio_tasks} tasks, {p.threads} threads"),
+            ("HTTP connections", f"{p.connections_open} open, {p.connections_refused} refused "
+                                 f"over the cap, {p.header_timeouts} header timeouts, "
+                                 f"{p.slow_readers_cut} slow readers cut"),
+        ]
+    for w in r.workers:
+        rows.append((f"worker {w.worker}", (
+            f"up, pid {w.pid}" if w.up else f"DOWN (last exit {w.last_exit_code})")
+            + (", draining" if w.draining else "")
+            + f", {w.restarts} restarts, {w.in_flight} in flight, {w.routed} routed "
+              f"({w.expected_hit_blocks} blocks expected cached), KV {100 * w.kv_usage:.1f}%, "
+              f"prefix hit rate {100 * w.prefix_cache_hit_rate:.1f}%"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _graphs_row(g: dict) -> str:
+    """Decode graph, piecewise and eager steps, why eager, padding waste, and the decode
+    batch sizes seen."""
+    if not g:
+        return "no data yet"
+    reasons = ", ".join(f"{n} {why}" for why, n in sorted(g.get("eager_reasons", {}).items()))
+    sizes = g.get("decode_batch_size_histogram", {})
+    piecewise = (f"{g.get('piecewise_steps', 0)} piecewise (padding "
+                 f"{100 * g.get('piecewise_padding_waste_fraction', 0.0):.1f}%), "
+                 if g.get("piecewise") else "")
+    return (f"{g.get('graph_steps', 0)} graph, {piecewise}{g.get('eager_steps', 0)} eager"
+            + (f" ({reasons})" if reasons else "")
+            + f"; padding waste {100 * g.get('padding_waste_fraction', 0.0):.1f}%"
+            + (f"; decode batch sizes {sizes}" if sizes else ""))
+
+
+def run(args) -> int:
+    try:
+        command = build_command(args)
+    except (ValueError, msgspec.ValidationError) as e:
+        print(f"tokenloom admin: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    path = socket_path(args)
+    waits = isinstance(command, P.Drain) and command.wait
+    try:
+        reply = send(path, command, timeout=None if waits else args.reply_timeout)
+    except (OSError, msgspec.DecodeError) as e:
+        print(f"tokenloom admin: cannot talk to the daemon at {path}: {e}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    if args.admin_command == "graph-histogram" and isinstance(reply, P.StatsReply):
+        # {batch_size: count}: save it and point graphs.histogram_path at the file.
+        print(json.dumps(reply.graphs.get("decode_batch_size_histogram", {})))
+    elif args.json:
+        print(msgspec.json.encode(reply).decode())
+    else:
+        print(render(reply), file=sys.stdout if reply.ok else sys.stderr)
+    return EXIT_OK if reply.ok else EXIT_REFUSED

@@ -1,0 +1,236 @@
+"""One HTTP request's choices, driven through the engine: outputs in, text deltas out.
+
+A request with several prompts and/or `n` > 1 becomes one engine request per choice (choice
+`index` = prompt_index * n + i, as OpenAI numbers them). Their outputs share one queue, so a
+single consumer turns them into `Delta`s in arrival order, with per-choice accounting.
+Detokenization and stop strings happen inside the engine (actors/output/output_processor.py): a
+stop string ends the engine request with finish_reason "stop", like EOS.
+
+Contract:
+- `start()` returns once every choice is admitted (the router's acknowledgement), or raises
+  APIError for the first refusal (bad prompt: 400, waiting queue full: 429) after aborting
+  the others. So a handler can pick the HTTP status before sending anything.
+- `deltas()` yields until every choice has finished; the last Delta of a choice carries its
+  finish_reason. An engine failure mid-way raises APIError(500).
+- `close()` (always call it; idempotent) aborts whatever has not finished — this is how a
+  client disconnect frees KV blocks — and closes the streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import AsyncIterator
+
+
+from tokenloom.actors.messages import (ERROR_INVALID, ERROR_OVERLOADED, GenerateRequest,
+                                       RequestOutput, RequestTimings, TokenLogprob)
+from tokenloom.actors.output.output_processor import fan_out
+from tokenloom.actors.sampling_params import SamplingParams
+from tokenloom.daemon.errors import APIError
+
+
+@dataclasses.dataclass
+class Delta:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None = None
+
+
+@dataclasses.dataclass
+class Choice:
+    index: int
+    request_id: str
+    text: list[str] = dataclasses.field(default_factory=list)
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    num_prompt_tokens: int = 0
+    finish_reason: str | None = None    # set once the choice is over for the client
+    timings: RequestTimings | None = None
+    closed: bool = False                # the engine stream has ended
+
+    @property
+    def full_text(self) -> str:
+        return "".join(self.text)
+
+
+class Generation:
+    def __init__(self, engine, request_id: str, prompts: list[str | list[int] | None],
+                 messages: list[dict] | None, params: SamplingParams, fit_max_tokens: bool,
+                 metrics=None, log=None, cache_salt: str | None = None,
+                 priority: int = 0, tenant: str | None = None, affinity: str | None = None,
+                 tools: list[dict] | None = None):
+        self.engine = engine
+        self.request_id = request_id
+        self.metrics = metrics
+        self.log = log
+        self.arrival = time.monotonic()
+        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.choices: dict[str, Choice] = {}
+        self.n = params.n
+        self._requests: list[GenerateRequest] = fan_out(
+            request_id, prompts, params, arrival_time=self.arrival, messages=messages,
+            fit_max_tokens=fit_max_tokens, cache_salt=cache_salt, priority=priority,
+            tenant=tenant, tools=tools, affinity=affinity)
+        for index, req in enumerate(self._requests):
+            self.choices[req.request_id] = Choice(index, req.request_id)
+        self._open: set[str] = set()
+        self._early: list[RequestOutput] = []
+
+    # -- lifecycle -----------------------------------------------------------------------
+    async def start(self) -> None:
+        for req in self._requests:
+            self.engine.submit(req, self.queue)
+            self._open.add(req.request_id)
+        unacknowledged = set(self._open)
+        while unacknowledged:
+            out = await self.queue.get()
+            unacknowledged.discard(out.request_id)
+            if out.num_prompt_tokens:
+                self.choices[out.request_id].num_prompt_tokens = out.num_prompt_tokens
+            if out.finished and out.finish_reason == "error":
+                self._open.discard(out.request_id)
+                self.close()
+                raise _engine_error(out)
+            if out.new_token_ids or out.finished:
+                self._early.append(out)
+
+    def close(self) -> int:
+        """Abort every choice still running; returns how many were aborted."""
+        aborted = 0
+        for rid in self._open:
+            self.engine.abort(rid)
+            self.engine.streams.close(rid)
+            c = self.choices[rid]
+            if c.finish_reason is None:
+                aborted += 1
+                if self.metrics is not None:
+                    self.metrics.observe_finished(c.num_prompt_tokens, len(c.token_ids),
+                                                  "abort", None)
+        self._open.clear()
+        return aborted
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        early, self._early = self._early, []
+        for out in early:
+            delta = self._process(out)
+            if delta is not None:
+                yield delta
+        while self._open:
+            delta = self._process(await self.queue.get())
+            if delta is not None:
+                yield delta
+
+    async def run_to_end(self) -> list[Choice]:
+        async for _ in self.deltas():
+            pass
+        return self.results()
+
+    def results(self) -> list[Choice]:
+        return sorted(self.choices.values(), key=lambda c: c.index)
+
+    # -- one output ----------------------------------------------------------------------
+    def _process(self, out: RequestOutput) -> Delta | None:
+        c = self.choices.get(out.request_id)
+        if c is None or c.closed:
+            return None
+        if out.num_prompt_tokens:
+            c.num_prompt_tokens = out.num_prompt_tokens
+        if out.finished:
+            c.closed = True
+            c.timings = out.timings
+            self._open.discard(out.request_id)
+            if out.finish_reason == "error" or (out.finish_reason == "abort" and out.error):
+                self.close()
+                raise _engine_error(out)
+            c.finish_reason = out.finish_reason
+        new = out.new_token_ids
+        c.token_ids.extend(new)
+        lps = list(out.new_logprobs or ())
+        c.logprobs.extend(lps)
+        if out.text:
+            c.text.append(out.text)
+        if out.finished:
+            self._observe(c)
+        if not (out.text or new or c.finish_reason):
+            return None
+        return Delta(c.index, out.text, list(new), lps, c.finish_reason)
+
+    def _observe(self, c: Choice) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_finished(c.num_prompt_tokens, len(c.token_ids),
+                                          c.finish_reason, c.timings)
+        if self.log is not None:
+            self.log.info("choice finished", request_id=c.request_id, index=c.index,
+                          finish_reason=c.finish_reason, prompt_tokens=c.num_prompt_tokens,
+                          completion_tokens=len(c.token_ids))
+
+    # -- the opt-in per-request metrics --------------------------------------------------
+    def request_metrics(self) -> dict:
+        """Seconds, measured from when the HTTP request arrived. With several choices:
+        queue time and TTFT of the earliest, decode time from the first token of any
+        choice to the last token of all, preemptions and cached tokens summed."""
+        ts = [c.timings for c in self.choices.values() if c.timings is not None]
+
+        def earliest(attr):
+            vals = [getattr(t, attr) for t in ts if getattr(t, attr) is not None]
+            return min(vals) if vals else None
+
+        first_sched, first_tok = earliest("first_scheduled"), earliest("first_token")
+        last_tok = max((t.token_times[-1] for t in ts if t.token_times), default=None)
+        finished = max((t.finished for t in ts if t.finished is not None), default=None)
+        rel = lambda x: None if x is None else round(x - self.arrival, 6)  # noqa: E731
+        return {
+            "queue_time": rel(first_sched),
+            "time_to_first_token": rel(first_tok),
+            "decode_time": (None if first_tok is None or last_tok is None
+                            else round(last_tok - first_tok, 6)),
+            "e2e_time": rel(finished if finished is not None else time.monotonic()),
+            "cached_tokens": self.cached_tokens(),
+            "num_preemptions": sum(t.num_preemptions for t in ts),
+            # Per choice: prefix-cache blocks that hit and why the first miss happened.
+            "prefix_cache": [{"index": c.index, "hit_blocks": c.timings.prefix_hit_blocks,
+                              "cached_tokens": c.timings.num_cached_tokens,
+                              "first_miss_reason": c.timings.prefix_miss_reason}
+                             for c in sorted(self.choices.values(), key=lambda c: c.index)
+                             if c.timings is not None],
+            # Per choice: the scheduler's trace (events, decode gaps, preemptions, KV plan).
+            "trace": [c.timings.trace
+                      for c in sorted(self.choices.values(), key=lambda c: c.index)
+                      if c.timings is not None and c.timings.trace is not None],
+        }
+
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache, counted once per prompt (like
+        prompt_tokens): the best of its choices, full blocks only."""
+        by_prompt: dict[int, int] = {}
+        for c in self.choices.values():
+            if c.timings is not None:
+                p = c.index // self.n
+                by_prompt[p] = max(by_prompt.get(p, 0), c.timings.num_cached_tokens)
+        return sum(by_prompt.values())
+
+    def usage(self) -> dict:
+        # A prompt's tokens count once however many choices it has.
+        by_prompt: dict[int, int] = {}
+        for c in self.choices.values():
+            by_prompt.setdefault(c.index // self.n, c.num_prompt_tokens)
+        prompt = sum(by_prompt.values())
+        completion = sum(len(c.token_ids) for c in self.choices.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens()}}
+
+
+def _engine_error(out: RequestOutput) -> APIError:
+    message = out.error or f"request ended: {out.finish_reason}"
+    if out.error_kind == ERROR_INVALID:
+        return APIError(400, message, param=out.error_param)
+    if out.error_kind == ERROR_OVERLOADED:
+        return APIError(429, message)
+    if out.finish_reason == "abort":
+        return APIError(503, message)
+    return APIError(500, message)

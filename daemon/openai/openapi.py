@@ -1,0 +1,150 @@
+"""The OpenAPI 3.1 document, served at /openapi.json: generated, never hand-written.
+
+Request bodies are the very msgspec Structs the handlers decode (`protocol`), responses the
+Structs of `responses`; `msgspec.json.schema_components` turns them into JSON Schema. The
+bounds that come from configuration (`n` up to server.max_n, `max_tokens` up to
+server.max_tokens or the context window, logprobs up to server.max_logprobs, the served
+model names) are written into the document from the running server's limits, so a client
+or a fuzzer reads the bounds this server enforces.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from tokenloom.daemon.openai import protocol as Q
+from tokenloom.daemon.openai import responses as R
+
+REF = "#/components/schemas/{name}"
+JSON = "application/json"
+
+
+def _ref(t: type) -> dict:
+    return {"$ref": REF.format(name=t.__name__)}
+
+
+def _error(description: str) -> dict:
+    return {"description": description, "content": {JSON: {"schema": _ref(R.ErrorResponse)}}}
+
+
+# Statuses every POST endpoint may answer with besides 200 (see README "Errors").
+_POST_ERRORS = {
+    "400": "malformed JSON, wrong types, values out of range, prompt too long, invalid UTF-8",
+    "404": "unknown model", "408": "the body was not received within the read timeout",
+    "413": "body over server.max_body_bytes", "415": "Content-Type is not application/json",
+    "429": "the waiting queue is full (Retry-After)",
+    "503": "draining, loading, or the engine has stopped (Retry-After when draining)",
+}
+
+
+def _post(summary: str, body: type, ok: dict) -> dict:
+    return {"post": {"summary": summary,
+                     "requestBody": {"required": True,
+                                     "content": {JSON: {"schema": _ref(body)}}},
+                     "responses": {"200": ok, **{code: _error(why) for code, why
+                                                 in _POST_ERRORS.items()}}}}
+
+
+def _get(summary: str, ok: dict, errors: dict[str, str] | None = None,
+         parameters: list | None = None) -> dict:
+    op: dict[str, Any] = {"summary": summary,
+                          "responses": {"200": ok, **{c: _error(w)
+                                                      for c, w in (errors or {}).items()}}}
+    if parameters:
+        op["parameters"] = parameters
+    return {"get": op}
+
+
+def _generation(response: type) -> dict:
+    return {"description": "the completion (JSON), or with `stream: true` SSE frames "
+                           "`data: <chunk>` ending with `data: [DONE]`",
+            "content": {JSON: {"schema": _ref(response)},
+                        # OpenAPI 3.1: `schema` describes one event; its data is a chunk
+                        # (JSON) or the final "[DONE]".
+                        "text/event-stream": {"schema": {
+                            "type": "object", "required": ["data"],
+                            "properties": {"data": {"type": "string", "minLength": 1}}}}}}
+
+
+def _set_bounds(prop: dict, **bounds) -> None:
+    """Bounds on a property, or on the non-null branch of an optional one."""
+    for branch in prop.get("anyOf", [prop]):
+        if branch.get("type") in ("integer", "number"):
+            branch.update(bounds)
+
+
+def _apply_limits(components: dict, limits: Q.Limits | None, max_tokens: int | None,
+                  max_logprobs: int) -> None:
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        props = components[name]["properties"]
+        _set_bounds(props["n"], minimum=1, **({"maximum": limits.max_n} if limits else {}))
+        for field in ("max_tokens", "max_completion_tokens"):
+            if field in props:
+                _set_bounds(props[field], minimum=1,
+                            **({"maximum": max_tokens} if max_tokens else {}))
+        _set_bounds(props["temperature"], minimum=0)
+        _set_bounds(props["top_p"], exclusiveMinimum=0, maximum=1)
+        _set_bounds(props["priority"], minimum=-(2**31), maximum=2**31 - 1)
+        if limits is not None:
+            props["model"] = {"type": "string", "enum": sorted(limits.model_names)}
+    # `prompt` is decoded as `str | list[Any]` (msgspec unions allow one array type) and
+    # checked by hand (protocol._completion_prompts); the document states what is accepted.
+    ids = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+    components["CompletionRequest"]["properties"]["prompt"] = {"anyOf": [
+        {"type": "string", "minLength": 1}, ids,
+        {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+        {"type": "array", "minItems": 1, "items": ids}]}
+    _set_bounds(components["CompletionRequest"]["properties"]["logprobs"], minimum=0,
+                maximum=max_logprobs)
+    _set_bounds(components["ChatCompletionRequest"]["properties"]["top_logprobs"], minimum=0,
+                maximum=max_logprobs)
+    _set_bounds(components["DetokenizeRequest"]["properties"]["tokens"].get("items", {}),
+                minimum=0)
+
+
+def document(limits: Q.Limits | None = None, max_tokens: int | None = None,
+             max_logprobs: int = 20, title: str = "tokenloom") -> dict:
+    """The OpenAPI 3.1 document. `limits`: the running server's (None: no server bounds);
+    `max_tokens`: the most tokens one choice may ask for (None: unbounded here)."""
+    types = [Q.CompletionRequest, Q.ChatCompletionRequest, Q.TokenizeRequest,
+             Q.DetokenizeRequest, R.CompletionResponse, R.ChatCompletionResponse, R.ModelList,
+             R.TokenizeResponse, R.DetokenizeResponse, R.ReadyResponse, R.ErrorResponse]
+    _, components = msgspec.json.schema_components(types, ref_template=REF)
+    _apply_limits(components, limits, max_tokens, max_logprobs)
+    json_ok = lambda t: {"description": "OK", "content": {JSON: {"schema": _ref(t)}}}  # noqa
+    paths = {
+        "/v1/completions": _post("Create a completion (OpenAI-compatible)",
+                                 Q.CompletionRequest, _generation(R.CompletionResponse)),
+        "/v1/chat/completions": _post("Create a chat completion (OpenAI-compatible)",
+                                      Q.ChatCompletionRequest,
+                                      _generation(R.ChatCompletionResponse)),
+        "/v1/models": _get("The served model", json_ok(R.ModelList)),
+        "/v1/requests/{request_id}/trace": _get(
+            "The per-request trace of a recent request",
+            {"description": "the trace", "content": {JSON: {"schema": {"type": "object"}}}},
+            {"404": "no such request in the trace history", "503": "loading"},
+            [{"name": "request_id", "in": "path", "required": True,
+              "schema": {"type": "string"}}]),
+        "/tokenize": _post("Tokenize a prompt or a conversation", Q.TokenizeRequest,
+                           json_ok(R.TokenizeResponse)),
+        "/detokenize": _post("Token ids to text", Q.DetokenizeRequest,
+                             json_ok(R.DetokenizeResponse)),
+        "/health": _get("Liveness", {"description": "the engine makes progress"},
+                        {"503": "the engine has stopped or made no step for "
+                                "server.health_stall_seconds with work queued"}),
+        "/ready": _get("Readiness", json_ok(R.ReadyResponse),
+                       {"503": "loading or draining"}),
+        "/metrics": _get("Prometheus metrics", {"description": "text format", "content": {
+            "text/plain": {"schema": {"type": "string"}}}}),
+        "/openapi.json": _get("This document", {"description": "OpenAPI 3.1", "content": {
+            JSON: {"schema": {"type": "object"}}}}),
+    }
+    for item in paths.values():
+        for op in item.values():
+            op["responses"].setdefault("405", _error("the wrong method"))
+    return {"openapi": "3.1.0",
+            "info": {"title": title, "version": "0.1.0",
+                     "description": "OpenAI-compatible LLM serving (tokenloom)"},
+            "paths": paths, "components": {"schemas": components}}

@@ -1,0 +1,494 @@
+"""OpenAI request bodies as msgspec Structs, validated into engine requests.
+
+Contract: `parse_completion(body, limits)` / `parse_chat(body, limits)` either return a
+`ParsedRequest` (prompts + SamplingParams + options) or raise `APIError` whose `param` names
+the field at fault, in the body's own spelling (`max_completion_tokens`, `messages[1].role`).
+Decoding (JSON syntax, types, required fields) is msgspec's; ranges and cross-field rules are
+checked here and by `SamplingParams`. Unknown fields are ignored, as vLLM does.
+
+Extensions beyond OpenAI, as in vLLM: top_k, min_p, repetition_penalty, ignore_eos,
+min_tokens, stop_token_ids, cache_salt, priority, guided_regex, guided_choice,
+guided_grammar (structured output, like `response_format`), and tokenloom's `return_metrics`
+and `speculative` ("auto" | "on" | "off": this request's speculative decoding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from typing import Any
+
+import msgspec
+
+from tokenloom.actors.sampling_params import MAX_LOGPROBS, GuidedDecoding, SamplingParams
+from tokenloom.daemon.errors import APIError
+from tokenloom.daemon.openai.tools import ToolSpec, parse_tools
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Sampling(msgspec.Struct, kw_only=True):
+    """Fields shared by both endpoints."""
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # OpenAI's prompt-caching hint: requests with the same key share a prefix. With worker
+    # processes it is the routing affinity key (README, Worker processes).
+    prompt_cache_key: str | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    cache_salt: str | None = None
+    priority: int | str | None = None   # a number (lower runs first) or a class name
+    return_metrics: bool = False
+    speculative: str | None = None      # "auto" | "on" | "off" (speculative decoding)
+    # Structured output (vLLM's names): the output matches a regex, is one of the strings,
+    # or follows an EBNF grammar (xgrammar's dialect, root rule `root`).
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    response_format: dict | None = None  # {"type": "text" | "json_object" | "json_schema"}
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    # str | list[str] | list[int] | list[list[int]]; msgspec unions allow one array type,
+    # so the list is checked by hand (see `_completion_prompts`).
+    prompt: str | list[Any]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ContentPart(msgspec.Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[Any] | None = None     # an assistant's earlier calls
+    tool_call_id: str | None = None         # a tool message: the call it answers
+
+
+class ChatCompletionRequest(_Sampling, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None   # false: at most one call per answer
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    max_n: int
+    served_name: str
+    model_names: frozenset[str]             # the served name and the aliases accepted
+    max_model_len: int
+    max_tokens: int = 0                     # server.max_tokens: most per choice (0: no cap)
+    max_logprobs: int = MAX_LOGPROBS        # server.max_logprobs
+
+
+@dataclasses.dataclass
+class ParsedRequest:
+    prompts: list[str | list[int]] | None       # completions: one entry per prompt
+    messages: list[dict] | None                 # chat: the conversation
+    params: SamplingParams
+    fit_max_tokens: bool                        # max_tokens unset: fill the context window
+    stream: bool
+    include_usage: bool
+    return_metrics: bool
+    logprobs: int | None                        # None: no logprobs in the response
+    model: str
+    max_tokens_field: str = "max_tokens"        # how the body spelled it (for error params)
+    cache_salt: str | None = None               # prefix-cache isolation (tenant)
+    priority: int | str | None = None           # as given; see resolve_priority
+    user: str | None = None                     # the fair-share tenant unless X-Tenant says
+    prompt_cache_key: str | None = None         # routing affinity (see resolve_affinity)
+    tools: ToolSpec | None = None               # chat: tools and tool_choice (daemon/openai/tools.py)
+
+
+# -- decoding ----------------------------------------------------------------------------
+_PATH = re.compile(r" - at `\$\.?(.*)`$")
+
+
+def decode(body: bytes, kind: type[msgspec.Struct]):
+    """JSON bytes -> `kind`, or APIError naming the field (msgspec's path, `$.` removed)."""
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        m = _PATH.search(msg)
+        param = m.group(1) if m else None
+        missing = re.match(r"Object missing required field `(\w+)`", msg)
+        if missing:
+            field = missing.group(1)
+            param = f"{param}.{field}" if param else field
+        where = f" (field `{param}`)" if param and not missing else ""
+        raise APIError(400, _PATH.sub("", msg) + where, param=param) from None
+    except msgspec.DecodeError as e:
+        if isinstance(e.__cause__, UnicodeDecodeError) or "UTF-8" in str(e):
+            raise APIError(400, f"the request body is not valid UTF-8: {e}") from None
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+
+
+# -- validation --------------------------------------------------------------------------
+def _check_model(req, limits: Limits) -> None:
+    if req.model not in limits.model_names:
+        raise APIError(404, f"the model `{req.model}` does not exist (served: "
+                            f"{limits.served_name})",
+                       param="model", code="model_not_found")
+
+
+def _stops(stop) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if any(not s for s in stops):
+        raise APIError(400, "stop strings must be non-empty", param="stop")
+    return tuple(stops)
+
+
+def _sampling_params(req: _Sampling, limits: Limits, max_tokens: int | None,
+                     max_tokens_field: str, logprobs: int | None, logprobs_field: str,
+                     default_max_tokens: int, guided: GuidedDecoding | None = None
+                     ) -> SamplingParams:
+    def need(ok: bool, param: str, message: str) -> None:
+        if not ok:
+            raise APIError(400, f"{param} {message}", param=param)
+
+    if max_tokens is not None:
+        need(max_tokens >= 1, max_tokens_field, f"must be at least 1, got {max_tokens}")
+        need(not limits.max_tokens or max_tokens <= limits.max_tokens, max_tokens_field,
+             f"must be at most {limits.max_tokens} (server.max_tokens), got {max_tokens}")
+    elif limits.max_tokens:
+        default_max_tokens = min(default_max_tokens, limits.max_tokens)
+    if req.temperature is not None:
+        need(req.temperature >= 0, "temperature", f"must be >= 0, got {req.temperature}")
+    if req.top_p is not None:
+        need(0 < req.top_p <= 1, "top_p", f"must be in (0, 1], got {req.top_p}")
+    need(1 <= req.n <= limits.max_n, "n", f"must be in [1, {limits.max_n}], got {req.n}")
+    if logprobs is not None:
+        need(0 <= logprobs <= limits.max_logprobs, logprobs_field,
+             f"must be in [0, {limits.max_logprobs}], got {logprobs}")
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    if req.cache_salt is not None:
+        need(bool(req.cache_salt), "cache_salt", "must be a non-empty string")
+    if isinstance(req.priority, int):
+        need(-(2**31) <= req.priority < 2**31, "priority", "must be a 32-bit integer")
+    fields = dict(n=req.n, max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+                  min_tokens=req.min_tokens, seed=req.seed, stop=_stops(req.stop),
+                  stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+                  logprobs=logprobs, guided=guided)
+    if guided is not None:
+        # Drafts are verified without grammar masks: constrained requests never speculate.
+        need(req.speculative in (None, "auto", "off"), "speculative",
+             f"must be auto or off with structured output, got {req.speculative!r}")
+        need(not req.ignore_eos, "ignore_eos", "cannot be true with structured output "
+             "(a finished constraint allows only EOS)")
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty", "speculative"):
+        if getattr(req, name) is not None:
+            fields[name] = getattr(req, name)
+    try:
+        return SamplingParams(**fields)
+    except ValueError as e:
+        # SamplingParams names the field first ("min_tokens must be ..."); map our renames.
+        param = str(e).split(" ", 1)[0]
+        param = {"max_tokens": max_tokens_field, "logprobs": logprobs_field}.get(param, param)
+        raise APIError(400, str(e), param=param) from None
+
+
+def _completion_prompts(prompt) -> list[str | list[int]]:
+    def is_tokens(x) -> bool:
+        return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                           for t in x)
+
+    if isinstance(prompt, str):
+        prompts: list = [prompt]
+    elif prompt and is_tokens(prompt):
+        prompts = [prompt]
+    elif prompt and all(isinstance(p, str) for p in prompt):
+        prompts = list(prompt)
+    elif prompt and all(isinstance(p, list) and is_tokens(p) for p in prompt):
+        prompts = list(prompt)
+    elif not prompt:
+        raise APIError(400, "prompt is empty", param="prompt")
+    else:
+        raise APIError(400, "prompt must be a string, a list of strings, a list of token ids "
+                            "or a list of token-id lists", param="prompt")
+    for i, p in enumerate(prompts):
+        where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        if not p:
+            raise APIError(400, f"{where} is empty", param=where)
+        if isinstance(p, list) and any(t < 0 for t in p):
+            raise APIError(400, f"{where} has a negative token id", param=where)
+    return prompts
+
+
+def parse_completion(body: bytes, limits: Limits) -> ParsedRequest:
+    req = decode(body, CompletionRequest)
+    _check_model(req, limits)
+    prompts = _completion_prompts(req.prompt)
+    if req.echo:
+        raise APIError(400, "echo is not supported", param="echo")
+    if req.suffix:
+        raise APIError(400, "suffix is not supported", param="suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError(400, "best_of other than n is not supported", param="best_of")
+    # OpenAI's default for the legacy endpoint is 16 tokens.
+    params = _sampling_params(req, limits, req.max_tokens, "max_tokens", req.logprobs, "logprobs",
+                              default_max_tokens=16, guided=guided_decoding(req))
+    return ParsedRequest(prompts=prompts, messages=None, params=params, fit_max_tokens=False,
+                         stream=req.stream, include_usage=_include_usage(req),
+                         return_metrics=req.return_metrics, logprobs=req.logprobs,
+                         model=req.model, cache_salt=req.cache_salt, priority=req.priority,
+                         user=req.user, prompt_cache_key=req.prompt_cache_key)
+
+
+def chat_messages(messages: list[ChatMessage], param: str = "messages") -> list[dict]:
+    """Messages as plain dicts for the chat template; text parts are joined."""
+    if not messages:
+        raise APIError(400, f"{param} is empty", param=param)
+    out = []
+    for i, m in enumerate(messages):
+        if m.role not in CHAT_ROLES:
+            raise APIError(400, f"{param}[{i}].role must be one of {', '.join(CHAT_ROLES)}, "
+                                f"got {m.role!r}", param=f"{param}[{i}].role")
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise APIError(400, f"only text content parts are supported, got "
+                                        f"{part.type!r}", param=f"{param}[{i}].content[{j}]")
+                texts.append(part.text)
+            content = "".join(texts)
+        if not content and m.tool_calls:
+            # Earlier calls, written the way the model is asked to make them (several: an
+            # array).
+            calls = [{"name": (c.get("function") or {}).get("name"),
+                      "arguments": _arguments((c.get("function") or {}).get("arguments"))}
+                     for c in m.tool_calls if isinstance(c, dict)]
+            content = json.dumps(calls[0] if len(calls) == 1 else calls)
+        msg = {"role": m.role, "content": content or ""}
+        if m.name is not None:
+            msg["name"] = m.name
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        out.append(msg)
+    return out
+
+
+def _arguments(text):
+    try:
+        return json.loads(text) if isinstance(text, str) else text
+    except ValueError:
+        return text
+
+
+def parse_chat(body: bytes, limits: Limits) -> ParsedRequest:
+    req = decode(body, ChatCompletionRequest)
+    _check_model(req, limits)
+    messages = chat_messages(req.messages)
+    tools = parse_tools(req.tools, req.tool_choice, _unsupported_keyword,
+                        req.parallel_tool_calls)
+    max_tokens, field = req.max_completion_tokens, "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens, field = req.max_tokens, "max_tokens"
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    # Unset max tokens: whatever the context window leaves (the tokenizer fits it).
+    guided = guided_decoding(req)
+    if tools is not None and tools.forced:
+        if guided is not None:
+            raise APIError(400, "a forced tool_choice cannot be combined with another output "
+                                "constraint", param="tool_choice")
+        # The answer is in the call format: one call, or an array of calls when parallel
+        # calls are allowed (daemon/openai/tools.py).
+        guided = GuidedDecoding("json_schema", json.dumps(tools.call_schema()))
+    params = _sampling_params(req, limits, max_tokens, field, logprobs, "top_logprobs",
+                              default_max_tokens=limits.max_model_len, guided=guided)
+    return ParsedRequest(prompts=None, messages=messages, params=params,
+                         fit_max_tokens=max_tokens is None, stream=req.stream,
+                         include_usage=_include_usage(req), return_metrics=req.return_metrics,
+                         logprobs=logprobs, model=req.model, max_tokens_field=field,
+                         cache_salt=req.cache_salt, priority=req.priority, user=req.user,
+                         prompt_cache_key=req.prompt_cache_key, tools=tools)
+
+
+# JSON-schema keywords the grammar engine cannot enforce: refused (400) rather than ignored,
+# so an output that "matches the schema" never silently breaks one of them.
+UNSUPPORTED_SCHEMA_KEYWORDS = ("patternProperties", "propertyNames", "dependentSchemas",
+                               "dependentRequired", "dependencies", "if", "then", "else",
+                               "not", "contains", "minContains", "maxContains",
+                               "unevaluatedProperties", "unevaluatedItems", "uniqueItems",
+                               "multipleOf")
+
+
+def _unsupported_keyword(schema, path: str) -> tuple[str, str] | None:
+    """The first (keyword, path) of `schema` outside what the engine enforces."""
+    if isinstance(schema, list):
+        for i, sub in enumerate(schema):
+            found = _unsupported_keyword(sub, f"{path}[{i}]")
+            if found:
+                return found
+        return None
+    if not isinstance(schema, dict):
+        return None
+    for key, value in schema.items():
+        if key in ("properties", "$defs", "definitions") and isinstance(value, dict):
+            # Property names are data, not keywords.
+            for name, sub in value.items():
+                found = _unsupported_keyword(sub, f"{path}.{key}.{name}")
+                if found:
+                    return found
+            continue
+        if key in ("enum", "const", "default", "examples", "required", "description",
+                   "title"):
+            continue
+        if key in UNSUPPORTED_SCHEMA_KEYWORDS:
+            return key, path
+        found = _unsupported_keyword(value, f"{path}.{key}")
+        if found:
+            return found
+    return None
+
+
+def _json_schema_spec(rf: dict) -> str:
+    param = "response_format.json_schema"
+    js = rf.get("json_schema")
+    if not isinstance(js, dict):
+        raise APIError(400, f"{param} must be an object with a `schema`", param=param)
+    schema = js.get("schema")
+    if not isinstance(schema, (dict, bool)):
+        raise APIError(400, f"{param}.schema must be a JSON schema object, got "
+                            f"{type(schema).__name__}", param=f"{param}.schema")
+    if isinstance(schema, dict) and "type" in schema and not isinstance(
+            schema["type"], (str, list)):
+        raise APIError(400, f"{param}.schema.type must be a string or a list",
+                       param=f"{param}.schema")
+    found = _unsupported_keyword(schema, f"{param}.schema")
+    if found:
+        keyword, where = found
+        raise APIError(400, f"{where} uses `{keyword}`, which structured output does not "
+                            f"support", param=f"{param}.schema")
+    return msgspec.json.encode(schema).decode()
+
+
+def guided_decoding(req: _Sampling) -> GuidedDecoding | None:
+    """The request's output constraint from `response_format` or a guided_* field (at
+    most one). The grammar itself is compiled, and so fully checked, by the tokenizer actor
+    off the event loop; a failure there is a 400 naming the same field."""
+    given = []
+    rf = req.response_format
+    if rf is not None:
+        kind = rf.get("type", "text")
+        if kind == "json_object":
+            given.append(("response_format", GuidedDecoding("json_object")))
+        elif kind == "json_schema":
+            given.append(("response_format", GuidedDecoding("json_schema",
+                                                            _json_schema_spec(rf))))
+        elif kind != "text":
+            raise APIError(400, "response_format.type must be text, json_object or "
+                                f"json_schema, got {kind!r}", param="response_format.type")
+    if req.guided_regex is not None:
+        if not req.guided_regex:
+            raise APIError(400, "guided_regex must be non-empty", param="guided_regex")
+        given.append(("guided_regex", GuidedDecoding("regex", req.guided_regex)))
+    if req.guided_choice is not None:
+        if not req.guided_choice or not all(req.guided_choice):
+            raise APIError(400, "guided_choice must be a non-empty list of non-empty strings",
+                           param="guided_choice")
+        given.append(("guided_choice", GuidedDecoding(
+            "choice", msgspec.json.encode(req.guided_choice).decode())))
+    if req.guided_grammar is not None:
+        if not req.guided_grammar.strip():
+            raise APIError(400, "guided_grammar must be non-empty", param="guided_grammar")
+        given.append(("guided_grammar", GuidedDecoding("grammar", req.guided_grammar)))
+    if len(given) > 1:
+        raise APIError(400, f"{given[1][0]} cannot be combined with {given[0][0]}: give one "
+                            "output constraint", param=given[1][0])
+    return given[0][1] if given else None
+
+
+def resolve_priority(body_value: int | str | None, header: str | None,
+                     classes: dict[str, int]) -> int:
+    """The request's priority number: the body's `priority` (a number, or a class name from
+    scheduler.priority_classes), else the X-Priority header (same forms), else 0."""
+    if body_value is not None:
+        value, param = body_value, "priority"
+    elif header is not None:
+        value, param = header.strip(), "X-Priority"
+        if value.lstrip("-").isdigit():
+            value = int(value)
+    else:
+        return 0
+    if isinstance(value, int) and not isinstance(value, bool):
+        if not -(2**31) <= value < 2**31:
+            raise APIError(400, f"{param} must be a 32-bit integer, got {value}", param=param)
+        return value
+    if value in classes:
+        return classes[value]
+    names = ", ".join(sorted(classes)) or "none configured"
+    raise APIError(400, f"{param} must be an integer or a priority class ({names}), got "
+                        f"{value!r}", param=param)
+
+
+def resolve_tenant(user: str | None, header: str | None) -> str | None:
+    """The fair-share tenant: the X-Tenant header (set by a gateway), else `user`."""
+    if header:
+        return header.strip()[:256]
+    return user[:256] if user else None
+
+
+def resolve_affinity(prompt_cache_key: str | None, session: str | None,
+                     tenant: str | None) -> str | None:
+    """The key whose requests the router keeps on one worker when costs tie:
+    `prompt_cache_key`, else the X-Session-Id header, else the tenant (`user`)."""
+    key = prompt_cache_key or (session.strip() if session else None) or tenant
+    return key[:256] if key else None
+
+
+def _include_usage(req: _Sampling) -> bool:
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed when stream is true",
+                       param="stream_options")
+    return bool(req.stream_options and req.stream_options.include_usage)

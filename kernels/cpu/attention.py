@@ -1,0 +1,57 @@
+"""The CPU decode-attention kernel (C++, built on first use) and its fallback.
+
+Decode attention is memory-bound: the torch reference gathers every sequence's K/V into a
+padded copy and then reads it again. The C++ kernel reads each key/value row once, straight
+from the block pool. It is compiled with torch's cpp_extension the first time it is needed
+(~1 min, cached under the torch extensions directory); if the toolchain is missing or the
+build fails, the engine logs why and keeps the torch reference.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import structlog
+import torch
+
+log = structlog.get_logger("tokenloom.kernels")
+_SRC = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
+_lock = threading.Lock()
+_module = None
+_failed: str | None = None
+
+
+def load_cpu_decode_kernel():
+    """The compiled module, or None (with the reason logged once) if it cannot be built."""
+    global _module, _failed
+    if _module is not None or _failed is not None:
+        return _module
+    with _lock:
+        if _module is not None or _failed is not None:
+            return _module
+        if os.environ.get("TOKENLOOM_DISABLE_CPU_KERNEL"):
+            _failed = "disabled by TOKENLOOM_DISABLE_CPU_KERNEL"
+            return None
+        try:
+            from tokenloom.kernels.cpu.cpp_build import build
+
+            _module = build("tokenloom_paged_decode_cpu", _SRC.name)
+        except Exception as e:  # a missing compiler must not stop the engine
+            _failed = f"{type(e).__name__}: {e}"
+            log.warning("cpu decode kernel unavailable; using the torch reference", reason=_failed)
+        return _module
+
+
+def cpu_kernel_status() -> str:
+    return "loaded" if _module is not None else (_failed or "not loaded")
+
+
+def paged_decode_cpu(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor,
+                     max_context: int = 0, scale: float = 1.0,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [B, H, D] -> [B, H, D]; the same signature as attention.decode_attention
+    (max_context and mask are not needed: the kernel stops at each context length)."""
+    return _module.paged_decode(q, key_cache, value_cache, block_tables, context_lens, scale)

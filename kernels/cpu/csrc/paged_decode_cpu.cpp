@@ -1,0 +1,182 @@
+// Paged-attention decode for the CPU: one query token per sequence, keys and values read
+// straight from the block pool through each sequence's block table (no gathered copy).
+//
+// Work item = one sequence; all its heads are processed together so every key/value row
+// ([kv_heads, head_dim], contiguous in its block) is loaded once, in order. Two passes over
+// the context: scores (q . k) then the weighted sum of values; softmax in fp32 in between.
+// Decode attention is memory-bound: each pass prefetches one block ahead (prefetch_row).
+//
+// Built with -fopenmp (kernels/cpu/attention.py): without it at::parallel_for compiles to a plain
+// loop and every sequence runs on the calling thread. (Splitting a sequence's kv heads
+// across threads was measured too: no faster for a lone sequence, slower when one thread.)
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+template <typename T>
+static inline float to_f(T x) { return static_cast<float>(x); }
+
+// Ask for a K/V row of a later block now. Blocks sit anywhere in the pool, so the hardware
+// prefetcher stalls at every block boundary; loading the row one block ahead keeps the
+// next block in flight while this one is computed on (~2x on contexts that are not in the
+// cache, which is every real step: each layer reads its own KV).
+template <typename T>
+static inline void prefetch_row(const T* row, int64_t n) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64) __builtin_prefetch(p + i);
+}
+
+template <typename T>
+static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* tables,
+                          const int64_t* lens, T* out, int64_t B, int64_t H, int64_t KVH,
+                          int64_t D, int64_t BS, int64_t max_blocks, int64_t blk_stride,
+                          int64_t row_stride, float scale) {
+  const int64_t G = H / KVH;
+  // One work item per sequence: a token's keys for all kv heads are one contiguous row
+  // ([KVH, D]) of its block, so walking t in order streams each block front to back.
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(H * D), acc(H * D), scores, row(row_stride);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t ctx = lens[b];
+      const int64_t* table = tables + b * max_blocks;
+      for (int64_t i = 0; i < H * D; ++i) qf[i] = to_f(q[b * H * D + i]) * scale;
+      scores.assign(H * ctx, 0.f);
+      // Pass 1: scores[h, t] = q_h . k_t(kv head of h)
+      for (int64_t t = 0; t < ctx; ++t) {
+        const T* k = kc + table[t / BS] * blk_stride + (t % BS) * row_stride;
+        if (t + BS < ctx) prefetch_row(kc + table[t / BS + 1] * blk_stride + (t % BS) * row_stride, row_stride);
+        const float* kf;
+        if constexpr (std::is_same_v<T, float>) {
+          kf = k;
+        } else {
+          for (int64_t i = 0; i < row_stride; ++i) row[i] = to_f(k[i]);
+          kf = row.data();
+        }
+        for (int64_t h = 0; h < H; ++h) {
+          const float* qh = &qf[h * D];
+          const float* kh = kf + (h / G) * D;
+          float s = 0.f;
+          for (int64_t d = 0; d < D; ++d) s += qh[d] * kh[d];
+          scores[h * ctx + t] = s;
+        }
+      }
+      // Softmax per query head (fp32).
+      for (int64_t h = 0; h < H; ++h) {
+        float* s = &scores[h * ctx];
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < ctx; ++t) m = s[t] > m ? s[t] : m;
+        float sum = 0.f;
+        for (int64_t t = 0; t < ctx; ++t) { s[t] = std::exp(s[t] - m); sum += s[t]; }
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < ctx; ++t) s[t] *= inv;
+      }
+      // Pass 2: acc[h] = sum_t p[h, t] * v_t(kv head of h)
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < ctx; ++t) {
+        const T* v = vc + table[t / BS] * blk_stride + (t % BS) * row_stride;
+        if (t + BS < ctx) prefetch_row(vc + table[t / BS + 1] * blk_stride + (t % BS) * row_stride, row_stride);
+        const float* vf;
+        if constexpr (std::is_same_v<T, float>) {
+          vf = v;
+        } else {
+          for (int64_t i = 0; i < row_stride; ++i) row[i] = to_f(v[i]);
+          vf = row.data();
+        }
+        for (int64_t h = 0; h < H; ++h) {
+          const float p = scores[h * ctx + t];
+          const float* vh = vf + (h / G) * D;
+          float* a = &acc[h * D];
+          for (int64_t d = 0; d < D; ++d) a[d] += p * vh[d];
+        }
+      }
+      for (int64_t i = 0; i < H * D; ++i) out[b * H * D + i] = static_cast<T>(acc[i]);
+    }
+  });
+}
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
+                           torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3, "q must be [B, H, D]");
+  TORCH_CHECK(key_cache.dim() == 4, "key_cache must be [num_blocks, block_size, kv_heads, D]");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && context_lens.scalar_type() == torch::kInt64,
+              "block_tables and context_lens must be int64");
+  q = q.contiguous();
+  block_tables = block_tables.contiguous();
+  context_lens = context_lens.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t BS = key_cache.size(1), KVH = key_cache.size(2);
+  TORCH_CHECK(D <= 256, "head_dim must be <= 256");
+  TORCH_CHECK(H % KVH == 0, "heads must be a multiple of kv_heads");
+  auto out = torch::empty_like(q);
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t blk_stride = BS * KVH * D, row_stride = KVH * D;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+    decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(),
+                            value_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int64_t>(),
+                            context_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), B, H, KVH,
+                            D, BS, max_blocks, blk_stride, row_stride, static_cast<float>(scale));
+  });
+  return out;
+}
+
+// How many threads at::parallel_for spreads `n` one-item tasks over: 1 if the module was
+// built without OpenMP, whatever torch's thread setting (tested).
+int64_t parallel_threads(int64_t n) {
+  std::vector<int> used(at::get_num_threads(), 0);
+  at::parallel_for(0, n, 1, [&](int64_t, int64_t) { used[at::get_thread_num()] = 1; });
+  int64_t count = 0;
+  for (int u : used) count += u;
+  return count;
+}
+
+// Write key/value [T, KVH, D] into their cache slots; slot < 0 (a padded row of a static
+// decode program) is skipped in place, without filtering on the host.
+void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
+              torch::Tensor value_cache, torch::Tensor slots) {
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64, "slots must be int64");
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == key_cache.scalar_type(),
+              "key/value and cache dtypes differ");
+  const int64_t T = key.size(0), row = key.size(1) * key.size(2);
+  TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(2) == 1 &&
+              value.stride(1) == value.size(2), "each token's K/V rows must be contiguous");
+  slots = slots.contiguous();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t capacity = key_cache.numel() / row;
+  const int64_t elem = key.element_size();
+  char* kc = static_cast<char*>(key_cache.data_ptr());
+  char* vc = static_cast<char*>(value_cache.data_ptr());
+  const char* k = static_cast<const char*>(key.data_ptr());
+  const char* v = static_cast<const char*>(value.data_ptr());
+  for (int64_t t = 0; t < T; ++t) {
+    if (slot[t] < 0) continue;
+    TORCH_CHECK(slot[t] < capacity, "slot ", slot[t], " is outside the cache");
+    std::memcpy(kc + slot[t] * row * elem, k + t * key.stride(0) * elem, row * elem);
+    std::memcpy(vc + slot[t] * row * elem, v + t * value.stride(0) * elem, row * elem);
+  }
+}
+
+// The same kernels as dispatcher operators, so that a compiled (torch.compile) decode
+// program can call them (graphs/cpu_compile.py registers their shape functions).
+TORCH_LIBRARY_FRAGMENT(tokenloom, m) {
+  m.def("paged_decode_cpu(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+        "Tensor context_lens, float scale) -> Tensor");
+  m.def("store_kv_cpu(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+        "Tensor slots) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(tokenloom, CPU, m) {
+  m.impl("paged_decode_cpu", &paged_decode);
+  m.impl("store_kv_cpu", &store_kv);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged-attention decode over the block pool (CPU)");
+  m.def("store_kv", &store_kv, "write K/V rows into their cache slots, skipping slot < 0");
+  m.def("parallel_threads", &parallel_threads, "threads at::parallel_for uses for n items");
+}

@@ -1,0 +1,211 @@
+// Decode-sized matmuls on the CPU: y[M, N] = x[M, K] . W[N, K]^T (+ bias), for the few rows
+// of a decode batch, with W stored as fp32, bf16 or int8 (per-row scales).
+//
+// A decode step is bound by streaming the weights once from memory. This kernel walks W
+// front to back exactly once per call, in 4-row strips split across threads, and multiplies
+// each strip by every row of x while the strip is in L1: bytes read = W's bytes, whatever M.
+// Weights are widened to fp32 in registers (bf16: a 16-bit shift; int8: sign-extend +
+// convert, the row's scale applied once to the finished dot product), products are summed
+// in fp32, so fp32 activations stay fp32 whatever the weight storage.
+//
+// AVX-512 path when the compiler targets it (-march=native on an AVX-512 machine); otherwise
+// plain loops the compiler vectorises for what the machine has (AVX2...). Which kernel a
+// model uses is measured at start-up (kernels/cpu/linear.py), never assumed.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define TL_AVX512 1
+#endif
+
+namespace {
+
+constexpr int64_t kStrip = 4;   // weight rows per inner block
+constexpr int64_t kMRows = 4;   // activation rows per inner block (4 x 4 accumulators)
+
+enum class WType { F32, BF16, I8 };
+
+#ifdef TL_AVX512
+template <WType WT>
+inline __m512 load_w(const void* w, int64_t k, __mmask16 m) {
+  if constexpr (WT == WType::F32) {
+    return _mm512_maskz_loadu_ps(m, static_cast<const float*>(w) + k);
+  } else if constexpr (WT == WType::BF16) {
+    __m256i h = _mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(w) + k);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  } else {
+    __m128i b = _mm_maskz_loadu_epi8(m, static_cast<const int8_t*>(w) + k);
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+  }
+}
+
+// acc[r][m] = sum_k W[r, k] * x[m, k] for R weight rows and MS x rows, all compile-time so
+// that the R x MS accumulators stay in registers.
+template <WType WT, int R, int MS>
+inline void strip_dot(const char* w, int64_t w_row_bytes, const float* x, int64_t K,
+                      float acc[kStrip][kMRows]) {
+  __m512 a[R][MS];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MS; ++m) a[r][m] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 xv[MS];
+    for (int m = 0; m < MS; ++m) xv[m] = _mm512_loadu_ps(x + m * K + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512 wv = load_w<WT>(w + r * w_row_bytes, k, (__mmask16)0xFFFF);
+      for (int m = 0; m < MS; ++m) a[r][m] = _mm512_fmadd_ps(wv, xv[m], a[r][m]);
+    }
+  }
+  if (k < K) {
+    const __mmask16 mask = (__mmask16)((1u << (K - k)) - 1);
+    __m512 xv[MS];
+    for (int m = 0; m < MS; ++m) xv[m] = _mm512_maskz_loadu_ps(mask, x + m * K + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512 wv = load_w<WT>(w + r * w_row_bytes, k, mask);
+      for (int m = 0; m < MS; ++m) a[r][m] = _mm512_fmadd_ps(wv, xv[m], a[r][m]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MS; ++m) acc[r][m] = _mm512_reduce_add_ps(a[r][m]);
+}
+#else
+template <WType WT>
+inline float w_at(const void* w, int64_t k) {
+  if constexpr (WT == WType::F32) {
+    return static_cast<const float*>(w)[k];
+  } else if constexpr (WT == WType::BF16) {
+    uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(w)[k]) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  } else {
+    return static_cast<float>(static_cast<const int8_t*>(w)[k]);
+  }
+}
+
+template <WType WT, int R, int MS>
+inline void strip_dot(const char* w, int64_t w_row_bytes, const float* x, int64_t K,
+                      float acc[kStrip][kMRows]) {
+  for (int r = 0; r < R; ++r) {
+    const void* wr = w + r * w_row_bytes;
+    for (int m = 0; m < MS; ++m) {
+      const float* xm = x + m * K;
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t k = 0; k < K; ++k) s += w_at<WT>(wr, k) * xm[k];
+      acc[r][m] = s;
+    }
+  }
+}
+#endif
+
+template <WType WT, int R>
+inline void dispatch_ms(int64_t ms, const char* w, int64_t wb, const float* x, int64_t K,
+                        float acc[kStrip][kMRows]) {
+  switch (ms) {
+    case 1: strip_dot<WT, R, 1>(w, wb, x, K, acc); break;
+    case 2: strip_dot<WT, R, 2>(w, wb, x, K, acc); break;
+    case 3: strip_dot<WT, R, 3>(w, wb, x, K, acc); break;
+    default: strip_dot<WT, R, 4>(w, wb, x, K, acc); break;
+  }
+}
+
+template <WType WT>
+inline void dispatch(int rows, int64_t ms, const char* w, int64_t wb, const float* x, int64_t K,
+                     float acc[kStrip][kMRows]) {
+  if (rows == kStrip) {
+    dispatch_ms<WT, kStrip>(ms, w, wb, x, K, acc);
+  } else {  // the last strip of a matrix whose row count is not a multiple of kStrip
+    for (int r = 0; r < rows; ++r) {
+      float one[kStrip][kMRows];
+      dispatch_ms<WT, 1>(ms, w + r * wb, wb, x, K, one);
+      for (int m = 0; m < ms; ++m) acc[r][m] = one[0][m];
+    }
+  }
+}
+
+template <WType WT>
+void run(const float* x, const char* w, const float* scale, const float* bias, float* y,
+         int64_t M, int64_t N, int64_t K, int64_t w_elem) {
+  const int64_t w_row_bytes = K * w_elem;
+  const int64_t strips = (N + kStrip - 1) / kStrip;
+  // ~16 strips per task: enough to balance two to a few dozen threads.
+  at::parallel_for(0, strips, 16, [&](int64_t begin, int64_t end) {
+    float acc[kStrip][kMRows];
+    for (int64_t s = begin; s < end; ++s) {
+      const int64_t n0 = s * kStrip;
+      const int rows = static_cast<int>(std::min<int64_t>(kStrip, N - n0));
+      const char* ws = w + n0 * w_row_bytes;
+      for (int64_t m0 = 0; m0 < M; m0 += kMRows) {
+        const int64_t ms = std::min<int64_t>(kMRows, M - m0);
+        dispatch<WT>(rows, ms, ws, w_row_bytes, x + m0 * K, K, acc);
+        for (int r = 0; r < rows; ++r) {
+          const float sc = scale ? scale[n0 + r] : 1.f;
+          const float b = bias ? bias[n0 + r] : 0.f;
+          for (int m = 0; m < ms; ++m) y[(m0 + m) * N + n0 + r] = acc[r][m] * sc + b;
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// x: [M, K] fp32 or bf16; w: [N, K] fp32, bf16 or int8 (contiguous); scale: [N] fp32 (int8
+// only, else empty); bias: [N] or empty. Returns [M, N] in x's dtype (sums in fp32).
+torch::Tensor small_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
+                         torch::Tensor bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "small_gemm: shapes");
+  TORCH_CHECK(w.is_contiguous(), "small_gemm: weight must be contiguous");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  auto xf = x.to(torch::kFloat32).contiguous();
+  auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
+  const bool has_scale = scale.numel() > 0, has_bias = bias.numel() > 0;
+  torch::Tensor sf = has_scale ? scale.to(torch::kFloat32).contiguous() : scale;
+  torch::Tensor bf = has_bias ? bias.to(torch::kFloat32).contiguous() : bias;
+  const float* sp = has_scale ? sf.data_ptr<float>() : nullptr;
+  const float* bp = has_bias ? bf.data_ptr<float>() : nullptr;
+  const char* wp = static_cast<const char*>(w.data_ptr());
+  if (M > 0 && N > 0) {
+    switch (w.scalar_type()) {
+      case torch::kFloat32:
+        run<WType::F32>(xf.data_ptr<float>(), wp, sp, bp, y.data_ptr<float>(), M, N, K, 4);
+        break;
+      case torch::kBFloat16:
+        run<WType::BF16>(xf.data_ptr<float>(), wp, sp, bp, y.data_ptr<float>(), M, N, K, 2);
+        break;
+      case torch::kInt8:
+        TORCH_CHECK(has_scale, "small_gemm: int8 weights need per-row scales");
+        run<WType::I8>(xf.data_ptr<float>(), wp, sp, bp, y.data_ptr<float>(), M, N, K, 1);
+        break;
+      default:
+        TORCH_CHECK(false, "small_gemm: weight dtype must be float32, bfloat16 or int8");
+    }
+  }
+  return x.scalar_type() == torch::kFloat32 ? y : y.to(x.scalar_type());
+}
+
+bool avx512_build() {
+#ifdef TL_AVX512
+  return true;
+#else
+  return false;
+#endif
+}
+
+// As a dispatcher operator too, so a compiled decode program can call it.
+TORCH_LIBRARY_FRAGMENT(tokenloom, m) {
+  m.def("small_gemm(Tensor x, Tensor w, Tensor scale, Tensor bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenloom, CPU, m) {
+  m.impl("small_gemm", &small_gemm);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("small_gemm", &small_gemm, "decode-sized x . W^T with fp32/bf16/int8 weights");
+  m.def("avx512_build", &avx512_build, "whether the AVX-512 path was compiled");
+}

@@ -1,0 +1,412 @@
+"""fp32 projections on CPU through oneDNN with prepacked weights, when it measures faster.
+
+torch's default CPU matmul (MKL) streams a decode batch's weights at a fraction of the
+memory bandwidth; oneDNN's inner-product primitive on a weight reordered once into its
+blocked layout (`torch.ops.mkldnn._reorder_linear_weight` + `_linear_pointwise`, the
+path torch's own CPU inductor uses) streams them far better. Measured on a 2-core AVX2
+machine, SmolLM2-135M's 30 layers of projections: 20 -> 12 ms at 1 row, 32 -> 11 ms at
+4, 41 -> 15 ms at 16, 44 -> 18 ms for a 256-token chunk of one gate_up projection x10;
+the 49k-vocabulary head 6.8 -> 2.7 ms at 1 row.
+
+Which is faster depends on the CPU (ISA, caches, core count), so the choice is made by
+measuring on this machine at start-up (`choose`), never by a constant. Results differ from
+MKL's only in the rounding of the sums (as they do between batch sizes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import structlog
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = structlog.get_logger("tokenloom.startup", logger_name="tokenloom.startup")
+
+ROWS_HINT = 16   # the batch size oneDNN picks the packed layout for (any size works)
+
+
+def onednn_available() -> bool:
+    return (torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+class PackedLinear(nn.Module):
+    """A Linear whose weight is reordered once for oneDNN (CPU, fp32). Same contract as
+    nn.Linear for 2-D inputs [rows, in_features] -> [rows, out_features]."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        w = linear.weight.detach().contiguous()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, ROWS_HINT)
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return onednn_linear(x, self.packed, self.bias)
+
+
+# oneDNN builds (JIT-compiles) a primitive for every input shape it sees and keeps it in its
+# process-wide primitive cache (1,024 entries): 0.3-0.6 MiB of native memory each (measured
+# on the tiny test model's shapes and SmolLM2's: benchmarks/onednn_shapes.py). A server's
+# steps have every row count from 1 to the batch-token budget, so keyed by the exact count
+# the cache grew by ~0.8 KiB a request under mixed traffic (the soak: ~9 MiB a minute,
+# until the cache is full at 0.3-0.6 GiB). Calls are therefore made at a bounded set of row counts: exact up to
+# ONEDNN_EXACT_ROWS (decode batches, where the weights' memory traffic dominates), above it
+# rounded up to 1/8 of the power of two below (at most 12.5% padding rows, 8 shapes per
+# doubling: 72 up to 2,048 rows).
+ONEDNN_EXACT_ROWS = 16
+
+
+def onednn_rows(rows: int) -> int:
+    """The row count a oneDNN call for `rows` rows is made at (>= rows)."""
+    if rows <= ONEDNN_EXACT_ROWS:
+        return rows
+    step = 1 << ((rows - 1).bit_length() - 4)
+    return -(-rows // step) * step
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    """x . W^T + b through oneDNN's packed weight, at a padded row count (onednn_rows)."""
+    rows = x.shape[0]
+    padded = onednn_rows(rows)
+    if padded != rows:
+        x = F.pad(x, (0, 0, 0, padded - rows))
+    out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return out if padded == rows else out[:rows]
+
+
+def _median_ms(fn, reps: int = 5) -> float:
+    fn()  # warm-up (first call allocates)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1000
+
+
+def choose(linears: list[nn.Linear], rows: tuple[int, ...] = (1, 16, 128)) -> bool:
+    """Whether oneDNN with packed weights beats the current layout on these projections
+    (e.g. one decoder layer's), summed over decode- and prefill-sized batches."""
+    if not onednn_available() or not linears:
+        return False
+    try:
+        packed = [PackedLinear(lin) for lin in linears]
+    except RuntimeError as e:  # a torch build without the primitive
+        log.info("oneDNN linear unavailable; using MKL", reason=str(e))
+        return False
+    with torch.inference_mode():
+        mkl = onednn = 0.0
+        for n in rows:
+            xs = [torch.randn(n, lin.in_features) for lin in linears]
+            mkl += _median_ms(lambda: [lin(x) for lin, x in zip(linears, xs)])
+            onednn += _median_ms(lambda: [p(x) for p, x in zip(packed, xs)])
+    use = onednn < mkl
+    log.info(f"CPU projections: {'oneDNN packed' if use else 'MKL'} (measured {onednn:.2f} ms "
+             f"oneDNN vs {mkl:.2f} ms MKL for one layer at {', '.join(map(str, rows))} rows)",
+             onednn_ms=round(onednn, 3), mkl_ms=round(mkl, 3))
+    return use
+
+
+
+# -- per-batch-size kernels, chosen by measuring -------------------------------------------
+#
+# A projection's weights can be multiplied by several kernels, each best at some batch size
+# on some CPU: MKL (torch's default), oneDNN with a prepacked weight (above), the C++
+# small-batch kernel (csrc/small_gemm_cpu.cpp: streams the weight once, fp32/bf16/int8
+# storage, fp32 sums), torch's packed int8 matmul. `plan` times the candidates on one
+# layer's projections at a ladder of row counts and keeps the fastest per band of rows;
+# CpuLinear then dispatches each call on its row count. Measured, never assumed: which wins
+# depends on the ISA, the caches and the core count.
+
+ROW_LADDER = (1, 2, 4, 8, 16, 64, 256)
+NOT_TRACEABLE = {"onednn"}   # kernels torch.compile cannot call (an opaque packed weight)
+HEAD_ROW_LADDER = (1, 4, 16, 64)
+INT8 = "int8"
+
+_small_gemm = None
+_small_gemm_failed: str | None = None
+
+
+def small_gemm_module():
+    """The C++ small-batch kernel (built on first use), or None with the reason logged."""
+    global _small_gemm, _small_gemm_failed
+    if _small_gemm is None and _small_gemm_failed is None:
+        try:
+            from tokenloom.kernels.cpu.cpp_build import build
+            _small_gemm = build("tokenloom_small_gemm_cpu", "small_gemm_cpu.cpp")
+        except Exception as e:  # no compiler: the torch kernels still work
+            _small_gemm_failed = f"{type(e).__name__}: {e}"
+            log.info("C++ small-batch matmul unavailable", reason=_small_gemm_failed)
+    return _small_gemm
+
+
+def has_int8_weight_op() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: w [out, in] ~= q [out, in] * scale [out] (fp32)."""
+    w = w.detach().float()
+    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale
+
+
+class KernelSet(nn.Module):
+    """One projection's weight in the forms its kernels need, and the kernels by name.
+
+    storage "float": the weight is kept in act_dtype (fp32 or bf16); "int8": per-channel
+    int8 with fp32 scales, activations stay act_dtype. `only`: build just these (the rest
+    would hold copies of the weight for nothing). The forms are buffers and `run` is plain
+    code, so that a compiled region (graphs/cpu_compile.py) traced for one layer serves
+    every layer: the layers differ only in their tensors."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, storage: str,
+                 act_dtype: torch.dtype, only: set[str] | None = None):
+        super().__init__()
+
+        def want(name: str) -> bool:
+            return only is None or name in only
+
+        names = []
+        self.register_buffer("bias", None if bias is None else bias.detach().to(act_dtype),
+                             persistent=False)
+        self.register_buffer("empty", torch.empty(0), persistent=False)
+        gemm = small_gemm_module()
+        if storage == INT8:
+            q, scale = quantize_int8(weight)
+            self.register_buffer("q", q, persistent=False)
+            self.register_buffer("scale", scale, persistent=False)
+            if gemm is not None and want("small_gemm_int8"):
+                names.append("small_gemm_int8")
+            # torch's packed int8 matmul takes bf16 activations: a candidate only when the
+            # model's activations are bf16 anyway. With fp32 activations it would round
+            # them to bf16 whenever it measured fastest, so the numerics (and the quality
+            # gate's verdict) would depend on a timing.
+            if has_int8_weight_op() and want("int8pack_bf16") and act_dtype == torch.bfloat16:
+                self.register_buffer("scale16", scale.to(torch.bfloat16), persistent=False)
+                names.append("int8pack_bf16")
+            if want("dequant_mkl"):
+                names.append("dequant_mkl")
+        else:
+            self.register_buffer("w", weight.detach().to(act_dtype).contiguous(),
+                                 persistent=False)
+            if want("mkl"):
+                names.append("mkl")
+            if onednn_available() and want("onednn"):
+                try:
+                    packed = torch.ops.mkldnn._reorder_linear_weight(self.w, ROWS_HINT)
+                    self.register_buffer("packed", packed, persistent=False)
+                    names.append("onednn")
+                except RuntimeError as e:  # a torch build without the primitive for this dtype
+                    log.info("oneDNN linear unavailable", dtype=str(act_dtype), reason=str(e))
+            if gemm is not None and want("small_gemm"):
+                names.append("small_gemm")
+        self.names = tuple(names)
+
+    def run(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        b = self.bias
+        if name == "mkl":
+            return F.linear(x, self.w, b)
+        if name == "onednn":
+            return onednn_linear(x, self.packed, b)
+        if name == "small_gemm":
+            return torch.ops.tokenloom.small_gemm(x, self.w, self.empty,
+                                                  self.empty if b is None else b)
+        if name == "small_gemm_int8":
+            return torch.ops.tokenloom.small_gemm(x, self.q, self.scale,
+                                                  self.empty if b is None else b)
+        if name == "int8pack_bf16":   # its fp32-activation path is scalar; bf16 is vectorised
+            y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.q,
+                                                   self.scale16).to(x.dtype)
+            return y if b is None else y + b
+        if name == "dequant_mkl":     # large batches: widen once per call, then a dense matmul
+            return F.linear(x, self.q.to(x.dtype) * self.scale[:, None].to(x.dtype), b)
+        raise ValueError(f"unknown CPU matmul kernel {name!r}")
+
+
+def _min_ms(fn, reps: int = 5) -> float:
+    """Best of `reps` (the machine may be shared: the minimum is the kernel's own time)."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best * 1000
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Kernel per band of rows: bands[i] = (max_rows, name); the last band takes the rest."""
+    bands: tuple[tuple[int, str], ...]
+    timings: dict            # rows -> {kernel: ms}
+
+    def describe(self) -> str:
+        parts, lo = [], 1
+        for i, (hi, name) in enumerate(self.bands):
+            last = i == len(self.bands) - 1
+            parts.append(f"{lo}+ rows {name}" if last else
+                         (f"{lo} row {name}" if lo == hi else f"{lo}-{hi} rows {name}"))
+            lo = hi + 1
+        return ", ".join(parts)
+
+    @property
+    def kernels(self) -> set[str]:
+        return {name for _, name in self.bands}
+
+    def excluding(self, names: set[str]) -> "Plan":
+        """The same measurements without these kernels: the fastest of the rest per row
+        count (e.g. for a compiled program, which cannot call oneDNN's packed weights)."""
+        if not names & self.kernels:
+            return self
+        best = []
+        for n, times in sorted(self.timings.items()):
+            allowed = {k: v for k, v in times.items() if k not in names}
+            best.append((n, min(allowed, key=allowed.get) if allowed else "mkl"))
+        if not best:
+            best = [(1, "mkl")]
+        return Plan(_merge_bands(best), self.timings)
+
+
+def _available(name: str) -> bool:
+    """Whether kernel `name` can run in this process (a remembered plan may name one that
+    cannot any more, e.g. the C++ build failed this time)."""
+    if name.startswith("small_gemm"):
+        return small_gemm_module() is not None
+    if name == "onednn":
+        return onednn_available()
+    if name == "int8pack_bf16":
+        return has_int8_weight_op()
+    return name in ("mkl", "dequant_mkl")
+
+
+def plan_cache_key(weights: list[tuple[torch.Tensor, torch.Tensor | None]], storage: str,
+                   act_dtype: torch.dtype, rows: tuple[int, ...]) -> str:
+    """What a measured plan depends on: the projections' shapes and dtypes, the storage,
+    the row ladder, this CPU, torch and the thread count."""
+    import hashlib
+
+    from tokenloom.kernels.cpu.features import detect
+
+    parts = [storage, str(act_dtype), repr(rows), detect().summary(), torch.__version__,
+             str(torch.get_num_threads())]
+    parts += [f"{tuple(w.shape)}:{w.dtype}:{b is not None}" for w, b in weights]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def cached_plan(weights: list[tuple[torch.Tensor, torch.Tensor | None]], storage: str,
+                act_dtype: torch.dtype, rows: tuple[int, ...] = ROW_LADDER,
+                cache_dir=None) -> Plan:
+    """`plan`, remembered in `cache_dir` (when given) for the next start on this machine:
+    the choice stays the same from one start to the next (measurements are noisy), so the
+    compiled decode programs that call the chosen kernels stay in their on-disk cache."""
+    import json
+    from pathlib import Path
+
+    path = None
+    if cache_dir is not None:
+        path = Path(cache_dir) / "cpu_kernel_plans" / f"{plan_cache_key(weights, storage, act_dtype, rows)}.json"
+        try:
+            raw = json.loads(path.read_text())
+            cached = Plan(tuple((int(hi), str(name)) for hi, name in raw["bands"]),
+                          {int(n): {str(k): float(v) for k, v in t.items()}
+                           for n, t in raw["timings"].items()})
+            if all(_available(name) for name in cached.kernels):
+                return cached
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass
+    chosen = plan(weights, storage, act_dtype, rows)
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"bands": chosen.bands, "timings": chosen.timings}))
+        except OSError as e:
+            log.info("could not remember the CPU kernel plan", path=str(path), reason=str(e))
+    return chosen
+
+
+def plan(weights: list[tuple[torch.Tensor, torch.Tensor | None]], storage: str,
+         act_dtype: torch.dtype, rows: tuple[int, ...] = ROW_LADDER) -> Plan:
+    """Time every candidate kernel on these projections (e.g. one decoder layer's) at each
+    row count and keep the fastest per row count, merged into bands."""
+    cands = [KernelSet(w, b, storage, act_dtype) for w, b in weights]
+    names = [n for n in cands[0].names if all(n in c.names for c in cands)]
+    timings: dict[int, dict[str, float]] = {}
+    best: list[str] = []
+    with torch.inference_mode():
+        for n in rows:
+            xs = [torch.randn(n, w.shape[1]).to(act_dtype) for w, _ in weights]
+            timings[n] = {name: _min_ms(lambda: [c.run(name, x) for c, x in zip(cands, xs)])
+                          for name in names}
+            best.append(min(timings[n], key=timings[n].get))
+    return Plan(_merge_bands(list(zip(rows, best))), timings)
+
+
+def _band_kernel(bands: tuple[tuple[int, str], ...], rows: int) -> str:
+    for hi, name in bands:
+        if rows <= hi:
+            return name
+    return bands[-1][1]
+
+
+def _merge_bands(best: list[tuple[int, str]]) -> tuple[tuple[int, str], ...]:
+    """(rows, kernel) per measured row count -> bands of consecutive equal kernels."""
+    bands: list[tuple[int, str]] = []
+    for n, name in best:
+        if bands and bands[-1][1] == name:
+            bands[-1] = (n, name)
+        else:
+            bands.append((n, name))
+    return tuple(bands)
+
+
+class CpuLinear(nn.Module):
+    """A projection whose kernel depends on the call's row count (a measured Plan). Same
+    contract as nn.Linear for 2-D inputs [rows, in_features] -> [rows, out_features]."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, storage: str,
+                 act_dtype: torch.dtype, chosen: Plan):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.storage = storage
+        # What a call streams: the weight once (int8: plus its fp32 scales).
+        self.weight_bytes = (self.out_features * self.in_features
+                             * (1 if storage == INT8 else torch.tensor([], dtype=act_dtype).element_size())
+                             + (4 * self.out_features if storage == INT8 else 0))
+        # Compiled decode programs (graphs/cpu_compile.py) cannot call oneDNN's packed
+        # weights: while tracing, the fastest other kernel for the row count is used.
+        traced = chosen.excluding(NOT_TRACEABLE)
+        self.kernels = KernelSet(weight, bias, storage, act_dtype,
+                                 chosen.kernels | traced.kernels)
+        self._bands = chosen.bands
+        self._traced_bands = traced.bands
+        self.kernel_names = tuple(name for _, name in chosen.bands)
+        self.traced_kernel_names = tuple(name for _, name in traced.bands)
+
+    def kernel_for(self, rows: int) -> str:
+        """The kernel an eager call with `rows` rows runs."""
+        return _band_kernel(self._bands, rows)
+
+    def traced_kernel_for(self, rows: int) -> str:
+        """The kernel a compiled program with `rows` rows runs."""
+        return _band_kernel(self._traced_bands, rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        bands = self._traced_bands if torch.compiler.is_compiling() else self._bands
+        for hi, name in bands:
+            if rows <= hi:
+                return self.kernels.run(name, x)
+        return self.kernels.run(bands[-1][1], x)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"storage={self.storage}, kernels={self.kernel_names}")

@@ -1,0 +1,300 @@
+"""The Llama-family decoder (Llama 2/3, Mistral-style, SmolLM, Qwen2 with qkv bias).
+
+Our own forward over a paged KV cache. q/k/v and gate/up projections are fused into one
+matmul each (the loader concatenates the checkpoint's weights once). The model is built on
+the meta device; the loader assigns real tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from tokenloom.kernels.attention import paged_attention, with_chunk_masks
+from tokenloom.kernels.forward_context import AttentionMetadata
+from tokenloom.kernels.kv_store import KVCache, store_kv
+from tokenloom.kernels.models.layers import (RMSNorm, RotaryEmbedding, add_rms_norm, rope_and_store,
+                                      silu_and_mul)
+from tokenloom.kernels.cpu import linear as cpu_linear
+from tokenloom.kernels.models.model_spec import ModelSpec
+
+
+# On CPU, decoder layers whose weights fit in a core's cache and whose multiply-add work for
+# the step is below these run on one thread; the LM head keeps every thread. Such small
+# matmuls gain nothing from a second thread but pay a barrier each, and stall whenever
+# another thread holds the other core (the serving event loop, a client): ~5% of a tiny
+# model's HTTP throughput at 64 decodes. Real models stream megabytes of weights a layer
+# (SmolLM2-135M: 14 MB in fp32) and keep every thread, even at batch 1.
+ONE_THREAD_LAYER_BYTES = 2 << 20
+ONE_THREAD_LAYER_WORK = 4_000_000
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.num_heads = spec.num_heads
+        self.num_kv_heads = spec.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.q_size, self.kv_size = spec.q_size, spec.kv_size
+        self.scale = spec.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=spec.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
+        self.decode_fn = None  # None: torch reference; see LlamaForCausalLM.set_decode_kernel
+        self.store_fn = None   # None: kv_store.store_kv; see LlamaForCausalLM.set_kv_store_kernel
+        # None: rope_and_store + the KV store above; else a kernel that rotates q and k and
+        # writes k and v into the cache in one launch (LlamaForCausalLM.set_fused_kernels).
+        self.rope_store_fn = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                key_cache: torch.Tensor, value_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.project(x, cos, sin, key_cache, value_cache, meta.slot_mapping,
+                               meta.has_skip_slots)
+        o = self.attend(q, key_cache, value_cache, meta, k, v)
+        return self.o_proj(o.reshape(x.shape[0], self.q_size))
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                has_skip_slots: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of the step's tokens, rotated; k and v also written into the cache at
+        `slot_mapping` (slot -1: skipped). Everything before attention, and shape-static:
+        a piecewise graph captures it (graphs/piecewise.py)."""
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)                                          # [T, q + 2kv]
+        if self.rope_store_fn is not None:
+            return self.rope_store_fn(qkv, cos, sin, h, kvh, d, key_cache, value_cache,
+                                      slot_mapping)
+        q, k, v = rope_and_store(qkv, cos, sin, h, kvh, d)
+        if self.store_fn is None:
+            store_kv(k, v, key_cache, value_cache, slot_mapping, has_skip_slots)
+        else:
+            self.store_fn(k, v, key_cache, value_cache, slot_mapping)
+        return q, k, v
+
+    def attend(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               meta: AttentionMetadata, k: torch.Tensor | None = None,
+               v: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, H, D] against the cache (the step's k and v already stored) -> [T, H, D].
+        The one part of a layer whose work depends on the batch's contexts: a piecewise
+        graph runs it eagerly between its captured pieces."""
+        return paged_attention(q, key_cache, value_cache, meta, self.scale, k, v, self.decode_fn)
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.act_fn = silu_and_mul   # or a fused kernel (LlamaForCausalLM.set_fused_kernels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.self_attn = Attention(spec)
+        self.mlp = MLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+def decoder_layer_step(layer: DecoderLayer, m: torch.Tensor, h: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                       meta: AttentionMetadata, add_norm) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoder layer on the residual stream `h`, given the previous layer's MLP output
+    `m` (zeros before the first layer). Each residual add is fused into the norm after it.
+    Returns (this layer's MLP output, the residual stream before it is added). Tensor code
+    only and the same for every layer: a compiled CPU decode program compiles it once per
+    batch size and runs it for all layers (graphs/cpu_compile.py)."""
+    x, h = add_norm(m, h, layer.input_layernorm)
+    a = layer.self_attn(x, cos, sin, key_cache, value_cache, meta)
+    x, h = add_norm(a, h, layer.post_attention_layernorm)
+    return layer.mlp(x), h
+
+
+def layer_before_attention(layer: DecoderLayer, m: torch.Tensor, h: torch.Tensor,
+                           cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,
+                           value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                           add_norm) -> tuple[torch.Tensor, torch.Tensor]:
+    """`decoder_layer_step` up to attention: (q [T, H, D], the residual stream), with this
+    layer's k and v stored. Shape-static (padded slots are -1), so it can be captured."""
+    x, h = add_norm(m, h, layer.input_layernorm)
+    q, _, _ = layer.self_attn.project(x, cos, sin, key_cache, value_cache, slot_mapping, True)
+    return q, h
+
+
+def layer_after_attention(layer: DecoderLayer, o: torch.Tensor, h: torch.Tensor,
+                          add_norm) -> tuple[torch.Tensor, torch.Tensor]:
+    """`decoder_layer_step` from attention's output o [T, H * D]: (MLP output, residual)."""
+    x, h = add_norm(layer.self_attn.o_proj(o), h, layer.post_attention_layernorm)
+    return layer.mlp(x), h
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.rope: RotaryEmbedding | None = None  # built by init_rope() on the real device
+        self._layer_params: int | None = None     # counted at the first forward
+        self._layout_done = False                 # see _use_cpu_weight_layout
+        # (x, residual, norm) -> (norm(residual + x), residual + x); see set_fused_kernels.
+        self.add_norm_fn = add_rms_norm
+        self._norm_fn = None   # None: RMSNorm modules; else a fused rms_norm kernel
+        # Where the CPU kernel choice per batch size is remembered (None: measured each start).
+        self.plan_cache_dir = None
+
+    def init_rope(self, max_positions: int, device: torch.device, dtype: torch.dtype) -> None:
+        self.rope = RotaryEmbedding(self.spec.rope, self.spec.head_dim, max_positions, dtype).to(device)
+
+    def set_decode_kernel(self, decode_fn) -> None:
+        """Route decode attention through `decode_fn` (same contract as decode_attention)."""
+        for layer in self.layers:
+            layer.self_attn.decode_fn = decode_fn
+
+    def set_kv_store_kernel(self, store_fn) -> None:
+        """Route the KV store through `store_fn(key, value, key_cache, value_cache, slots)`,
+        which must skip slots < 0 without a host sync (what a captured graph needs)."""
+        for layer in self.layers:
+            layer.self_attn.store_fn = store_fn
+
+    def set_fused_kernels(self, rms_norm_fn, silu_mul_fn, rope_store_fn) -> None:
+        """Route the layer's small ops through fused kernels (triton_fused's contracts):
+        `rms_norm_fn(x, weight, eps, residual=None)` (residual updated in place),
+        `silu_mul_fn(gate_up)` and `rope_store_fn(qkv, cos, sin, H, KVH, D, key_cache,
+        value_cache, slots)`, which also replaces the KV store. None restores the torch
+        reference for that op."""
+        if rms_norm_fn is None:
+            self.add_norm_fn = add_rms_norm
+        else:
+            def add_norm(x, residual, norm):
+                return rms_norm_fn(x, norm.weight, norm.eps, residual), residual
+            self.add_norm_fn = add_norm
+        self._norm_fn = rms_norm_fn
+        for layer in self.layers:
+            layer.mlp.act_fn = silu_mul_fn or silu_and_mul
+            layer.self_attn.rope_store_fn = rope_store_fn
+
+    def _norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        fn = self._norm_fn
+        return norm(x) if fn is None else fn(x, norm.weight, norm.eps)
+
+    def tie_weights(self) -> None:
+        if self.spec.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCache,
+                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T] -> logits [len(logits_indices), vocab] (fp32).
+
+        Only the rows that will be sampled go through the LM head: for a prefill chunk
+        that is its last token, if the chunk completes the prompt.
+        """
+        self.prepare()
+        meta = with_chunk_masks(meta, self.embed_tokens.weight.dtype)  # once, not per layer
+        with self.layer_threads(input_ids, meta):
+            h = self.hidden_states(input_ids, positions, kv, meta)
+        return self.logits(h, logits_indices)
+
+    def prepare(self) -> None:
+        """One-time set-up before the first forward (the CPU kernels per batch size)."""
+        if not self._layout_done:
+            self._use_cpu_weight_layout()
+
+    @contextlib.contextmanager
+    def layer_threads(self, input_ids: torch.Tensor, meta: AttentionMetadata):
+        """Run the decoder layers of a small step on one thread (see ONE_THREAD_LAYER_*)."""
+        threads = torch.get_num_threads()
+        narrow = (threads > 1 and input_ids.device.type == "cpu"
+                  and self._layer_work(input_ids.shape[0], meta) < ONE_THREAD_LAYER_WORK)
+        if narrow:
+            torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            if narrow:
+                torch.set_num_threads(threads)
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCache,
+                      meta: AttentionMetadata) -> torch.Tensor:
+        """The residual stream after the last decoder layer, [T, hidden]. Tensor code only
+        (no host-side state), so a static-shape decode program can compile it."""
+        h = self.embed_tokens(input_ids)                                # [T, hidden]
+        cos, sin = self.rope.lookup(positions)                          # [T, 1, D] each
+        m = torch.zeros_like(h)   # h + 0 == h: the first layer's input norm sees h as is
+        for i, layer in enumerate(self.layers):
+            m, h = decoder_layer_step(layer, m, h, cos, sin, kv.key[i], kv.value[i], meta,
+                                      self.add_norm_fn)
+        return h + m
+
+    def logits(self, h: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        """The sampled rows' logits (fp32) from the last residual stream."""
+        return self.lm_head(self._norm(h[logits_indices], self.norm)).float()
+
+    def _use_cpu_weight_layout(self) -> None:
+        """On CPU, every projection and the LM head get the kernel that measures fastest on
+        this machine for each band of batch sizes (cpu_linear.plan): MKL, oneDNN with a
+        prepacked weight, or the C++ small-batch kernel. Same values; the sums may round
+        differently in the last bit, as they do between batch sizes."""
+        self._layout_done = True
+        w = self.layers[0].self_attn.qkv_proj.weight
+        if w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16):
+            self.specialize_cpu("float")
+
+    def specialize_cpu(self, storage: str = "float") -> dict[str, str]:
+        """Replace the projections and the head by CpuLinear modules ("float": weights kept
+        in the model dtype; "int8": weight-only int8, per-channel scales), each with the
+        kernel per batch-size band measured fastest here. Returns what was chosen."""
+        self._layout_done = True
+        self._count_layer_params()   # before the weights leave the parameters
+        act = self.rope.cos.dtype if self.rope is not None else self.embed_tokens.weight.dtype
+        first = self.layers[0]
+        linears = [first.self_attn.qkv_proj, first.self_attn.o_proj, first.mlp.gate_up_proj,
+                   first.mlp.down_proj]
+        layer_plan = cpu_linear.cached_plan([(lin.weight, lin.bias) for lin in linears], storage,
+                                             act, cache_dir=self.plan_cache_dir)
+        head_plan = cpu_linear.cached_plan([(self.lm_head.weight, None)], storage, act,
+                                           cpu_linear.HEAD_ROW_LADDER,
+                                           cache_dir=self.plan_cache_dir)
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_proj = cpu_linear.CpuLinear(attn.qkv_proj.weight, attn.qkv_proj.bias,
+                                                 storage, act, layer_plan)
+            attn.o_proj = cpu_linear.CpuLinear(attn.o_proj.weight, None, storage, act, layer_plan)
+            mlp.gate_up_proj = cpu_linear.CpuLinear(mlp.gate_up_proj.weight, None, storage, act,
+                                                    layer_plan)
+            mlp.down_proj = cpu_linear.CpuLinear(mlp.down_proj.weight, None, storage, act,
+                                                 layer_plan)
+        # A tied head keeps the embedding for lookups (one row a token) and gets its own
+        # copy in the head's storage.
+        self.lm_head = cpu_linear.CpuLinear(self.lm_head.weight, None, storage, act, head_plan)
+        chosen = {"layers": layer_plan.describe(), "head": head_plan.describe()}
+        self.cpu_kernels = chosen   # part of a compiled program's cache key
+        cpu_linear.log.info(f"CPU projections ({storage} weights, {str(act).removeprefix('torch.')} "
+                            f"activations): layers {chosen['layers']}; head {chosen['head']}",
+                            storage=storage, **chosen)
+        return chosen
+
+    def _count_layer_params(self) -> None:
+        params = list(self.layers[0].parameters())
+        nbytes = sum(p.numel() * p.element_size() for p in params)
+        # Layers too large to ever run on one thread count as infinite work.
+        self._layer_params = (sum(p.numel() for p in params)
+                              if nbytes < ONE_THREAD_LAYER_BYTES else ONE_THREAD_LAYER_WORK)
+
+    def _layer_work(self, num_tokens: int, meta: AttentionMetadata) -> int:
+        """Multiply-adds of one decoder layer for this batch (projections and attention)."""
+        if self._layer_params is None:
+            self._count_layer_params()
+        keys = meta.num_decodes * meta.decode_max_context + sum(
+            s.query_len * s.context_len for s in meta.prefills)
+        return num_tokens * self._layer_params + 2 * keys * self.spec.q_size

@@ -1,0 +1,93 @@
+"""The C++ CPU decode kernel against the torch reference (kernels/attention.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tokenloom.kernels.attention import decode_attention
+from tokenloom.kernels.cpu.attention import cpu_kernel_status, load_cpu_decode_kernel, paged_decode_cpu
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    if load_cpu_decode_kernel() is None:
+        pytest.fail(f"the CPU decode kernel must build on the CI machine: {cpu_kernel_status()}")
+
+
+CASES = [  # (heads, kv_heads, head_dim, block_size)
+    (4, 4, 64, 16),     # GQA ratio 1 (MHA)
+    (9, 3, 64, 16),     # ratio 3 (SmolLM2)
+    (32, 4, 128, 32),   # ratio 8
+    (8, 1, 128, 16),    # MQA
+]
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_reference(heads, kv_heads, head_dim, block_size, dtype):
+    g = torch.Generator().manual_seed(heads * 1000 + head_dim)
+    num_blocks = 300
+    # Context lengths straddle block boundaries: 1, a full block, one past it, long ones.
+    lens = torch.tensor([1, block_size, block_size + 1, 2 * block_size - 1, 777, 2000])
+    batch = len(lens)
+    max_blocks = -(-int(lens.max()) // block_size)
+    kc = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    vc = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:max_blocks]
+                          for _ in range(batch)])
+    q = torch.randn(batch, heads, head_dim, generator=g).to(dtype)
+    scale = head_dim ** -0.5
+    ref = decode_attention(q.float(), kc.float(), vc.float(), tables, lens, int(lens.max()), scale)
+    out = paged_decode_cpu(q, kc, vc, tables, lens, int(lens.max()), scale)
+    assert out.dtype == dtype and out.shape == q.shape
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (out.float() - ref).abs().max().item() < tol
+
+
+def test_padded_table_entries_are_never_read():
+    """Block-table columns past a sequence's context may hold garbage (padding)."""
+    kc = torch.randn(8, 16, 2, 64)
+    vc = torch.randn(8, 16, 2, 64)
+    tables = torch.tensor([[3, 10**9], [5, 1]])  # row 0's second entry is out of range
+    lens = torch.tensor([16, 20])
+    q = torch.randn(2, 4, 64)
+    out = paged_decode_cpu(q, kc, vc, tables, lens, 20, 0.125)
+    ref = decode_attention(q, kc, vc, torch.tensor([[3, 0], [5, 1]]), lens, 20, 0.125)
+    assert torch.allclose(out, ref, atol=1e-5)
+
+
+def _with_threads(n: int, fn):
+    saved = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(saved)
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two cores")
+def test_kernel_spreads_sequences_over_torch_threads():
+    """Built without OpenMP, at::parallel_for is a plain loop: the kernel then runs on one
+    core whatever torch's thread count (the decode half of every step at half speed)."""
+    module = load_cpu_decode_kernel()
+    assert _with_threads(2, lambda: module.parallel_threads(64)) == 2
+    assert _with_threads(1, lambda: module.parallel_threads(64)) == 1
+
+
+def test_output_does_not_depend_on_thread_count_or_prefetch():
+    """Each sequence is computed whole by one thread, in the same order: bit-identical.
+    Long contexts (many blocks ahead to prefetch) and short ones (none) alike."""
+    g = torch.Generator().manual_seed(7)
+    kc = torch.randn(200, 16, 3, 64, generator=g)
+    vc = torch.randn(200, 16, 3, 64, generator=g)
+    lens = torch.tensor([1, 15, 16, 17, 33, 700, 1500, 64])
+    tables = torch.stack([torch.randperm(200, generator=g)[:94] for _ in range(len(lens))])
+    q = torch.randn(len(lens), 9, 64, generator=g)
+    run = lambda: paged_decode_cpu(q, kc, vc, tables, lens, 1500, 0.125)  # noqa: E731
+    one, two = _with_threads(1, run), _with_threads(2, run)
+    assert torch.equal(one, two)
+    ref = decode_attention(q, kc, vc, tables, lens, 1500, 0.125)
+    assert (one - ref).abs().max().item() < 1e-5

@@ -1,0 +1,150 @@
+"""oneDNN packed projections (kernels/cpu/linear.py) against nn.Linear; the default model's
+greedy parity with transformers on this path is checked by tests/e2e (the start-up choice
+picks oneDNN wherever it measures faster, as on the CI machines so far)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tokenloom.kernels.cpu import linear as cpu_linear
+
+pytestmark = pytest.mark.skipif(not cpu_linear.onednn_available(),
+                                reason="this torch build has no oneDNN linear")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 16, 200])
+def test_packed_linear_matches_nn_linear(rows, bias):
+    torch.manual_seed(rows)
+    lin = nn.Linear(96, 160, bias=bias)
+    packed = cpu_linear.PackedLinear(lin)
+    x = torch.randn(rows, 96)
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x), lin(x), rtol=1e-5, atol=1e-5)
+    assert (packed.in_features, packed.out_features) == (96, 160)
+
+
+def test_choose_measures_and_answers():
+    layer = [nn.Linear(64, 192, bias=False), nn.Linear(64, 64, bias=False)]
+    assert cpu_linear.choose(layer, rows=(1, 8)) in (True, False)
+    assert cpu_linear.choose([]) is False
+
+
+# -- per-batch-size kernels (plan + CpuLinear) ----------------------------------------------
+def _weights(seed: int, shapes=((96, 64), (40, 96))):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(o, i, generator=g) * 0.1, torch.randn(o, generator=g) * 0.1)
+            for o, i in shapes]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 17, 70])
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
+def test_every_candidate_matches_the_reference(rows, act):
+    """Each kernel the planner may pick computes x . W^T + b, at sizes on both sides of the
+    small kernel's 4-row and 4-column blocking (K=100 leaves a 16-lane tail)."""
+    (w, b), = _weights(rows, shapes=((37, 100),))
+    x = torch.randn(rows, 100).to(act)
+    ref = torch.nn.functional.linear(x.float(), w.to(act).float(), b.to(act).float())
+    kernels = cpu_linear.KernelSet(w, b, "float", act)
+    assert "mkl" in kernels.names
+    tol = 1e-4 if act == torch.float32 else 3e-2
+    with torch.inference_mode():
+        for name in kernels.names:
+            y = kernels.run(name, x)
+            assert y.dtype == act and y.shape == (rows, 37), name
+            torch.testing.assert_close(y.float(), ref, rtol=tol, atol=tol, msg=name)
+
+
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
+def test_int8_candidates_match_dequantized_weights(act):
+    (w, b), = _weights(7, shapes=((50, 96),))
+    q, scale = cpu_linear.quantize_int8(w)
+    assert q.dtype == torch.int8 and q.abs().max() <= 127
+    deq = q.float() * scale[:, None]
+    assert (deq - w).abs().max() <= scale.max() / 2 + 1e-6   # half a step at most
+    x = torch.randn(6, 96).to(act)
+    ref = torch.nn.functional.linear(x.float(), deq, b.float())
+    kernels = cpu_linear.KernelSet(w, b, cpu_linear.INT8, act)
+    assert "dequant_mkl" in kernels.names
+    with torch.inference_mode():
+        for name in kernels.names:
+            # int8pack rounds activations to bf16; bf16 activations round the output.
+            tol = 1e-4 if act == torch.float32 and name != "int8pack_bf16" else 3e-2
+            torch.testing.assert_close(kernels.run(name, x).float(), ref, rtol=tol, atol=tol,
+                                       msg=name)
+
+
+def test_plan_bands_cover_every_row_count_and_dispatch():
+    weights = _weights(3)
+    chosen = cpu_linear.plan(weights, "float", torch.float32, rows=(1, 4, 16))
+    assert chosen.bands and chosen.bands[-1][0] == 16
+    assert set(chosen.timings) == {1, 4, 16}
+    his = [hi for hi, _ in chosen.bands]
+    assert his == sorted(his)
+    assert chosen.describe()
+    w, b = weights[0]
+    layer = cpu_linear.CpuLinear(w, b, "float", torch.float32, chosen)
+    with torch.inference_mode():
+        for rows in (1, 2, 4, 9, 16, 40):   # 40: past the last band, uses the last kernel
+            x = torch.randn(rows, 64)
+            torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, w, b),
+                                       rtol=1e-4, atol=1e-4)
+
+
+def test_forced_plan_dispatches_by_rows(monkeypatch):
+    """Bands are honoured: a call with r rows runs the kernel of the first band >= r."""
+    calls = []
+    weights = _weights(4)
+    forced = cpu_linear.Plan(((2, "mkl"), (8, "onednn")), {})
+    w, b = weights[0]
+    layer = cpu_linear.CpuLinear(w, b, "float", torch.float32, forced)
+    run = layer.kernels.run
+    monkeypatch.setattr(layer.kernels, "run", lambda name, x: calls.append(name) or run(name, x))
+    with torch.inference_mode():
+        for rows in (1, 2, 3, 8, 30):
+            layer(torch.randn(rows, 64))
+    assert calls == ["mkl", "mkl", "onednn", "onednn", "onednn"]
+
+
+# -- oneDNN's per-shape primitives stay bounded ----------------------------------------------
+def test_onednn_rows_pads_at_most_an_eighth_and_bounds_the_shapes():
+    """Exact up to 16 rows; above, rounded up by less than 1/8; 72 shapes up to 2,048."""
+    for rows in range(1, 5000):
+        padded = cpu_linear.onednn_rows(rows)
+        assert padded >= rows and (padded == rows if rows <= 16 else padded - rows < rows / 8)
+        assert cpu_linear.onednn_rows(padded) == padded        # a bucket maps to itself
+    assert len({cpu_linear.onednn_rows(r) for r in range(1, 2049)}) == 72
+    for rows in (1, 2, 4, 8, 16, 64, 256):                     # the planner's ladder: unpadded
+        assert cpu_linear.onednn_rows(rows) == rows
+
+
+def test_onednn_calls_at_every_row_count_build_a_bounded_set_of_primitives(monkeypatch):
+    """oneDNN keeps a JIT-compiled primitive (~280 KiB of native memory) per input shape in
+    its process-wide cache: a server sending every row count grew by ~0.8 KiB a request (the
+    soak). Calls from 1 to 400 rows reach oneDNN at 16 + 8 per doubling distinct row counts,
+    and give the same values as unpadded calls."""
+    (w, b), = _weights(5, shapes=((48, 32),))
+    kernels = cpu_linear.KernelSet(w, b, "float", torch.float32, {"onednn"})
+
+    def onednn(x):
+        return kernels.run("onednn", x)
+    real = torch.ops.mkldnn._linear_pointwise
+    seen = set()
+
+    def spy(x, *args):
+        seen.add(x.shape[0])
+        return real(x, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for rows in range(1, 401):
+            x = torch.randn(rows, 32, generator=g)
+            y = onednn(x)
+            assert y.shape == (rows, 48) and y.is_contiguous()
+            torch.testing.assert_close(y, torch.nn.functional.linear(x, w, b),
+                                       rtol=1e-4, atol=1e-4)
+    assert seen == {cpu_linear.onednn_rows(r) for r in range(1, 401)}
+    assert len(seen) == 16 + 8 * 4 + 5      # (16, 32], ..., (128, 256]: 8 each; 5 to 416
