@@ -112,7 +112,7 @@ class _EngineCollector:
         yield missed
         yield gauge("tokenloom:prefix_cache_blocks", "KV blocks holding a cached prefix.",
                     kv.cached_blocks)
-        # Scheduling promises (see README, Scheduling).
+        # Scheduling promises (see docs/scheduling.md).
         by_mode = CounterMetricFamily("tokenloom:preemptions",
                                       "Preemptions by mode (recompute or swap).",
                                       labels=labels + ["mode"])
@@ -187,7 +187,8 @@ class _EngineCollector:
             for size, n in g.get("decode_batch_size_histogram", {}).items():
                 sizes.add_metric(value + [str(size)], n)
             yield sizes
-        # Where a step's time goes (means over the last 256 steps), see README "Engine loop".
+        # Where a step's time goes (means over the last 256 steps), see docs/architecture.md,
+        # "The engine loop".
         t = sched.timings
         step = GaugeMetricFamily("tokenloom:step_time_ms",
                                  "Mean engine step time by part over the last steps: forward "

@@ -130,7 +130,7 @@ class StatsReply(_Reply, tag="stats", kw_only=True):
     prefix_cache_hit_rate: float        # hit / queried tokens (requests not preempted)
     preempted_hit_rate: float           # the same for recomputation after preemption
     drain: DrainProgress
-    # Scheduling (README, Scheduling): swap preemptions, most consecutive iterations a
+    # Scheduling (docs/scheduling.md): swap preemptions, most consecutive iterations a
     # running decode was skipped, admission paused after a preemption, the SLO chunker's
     # last prefill budget (None: static) and cost model (c0, c1, c2; None: not fitted).
     num_swap_preemptions: int = 0
