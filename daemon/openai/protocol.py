@@ -54,7 +54,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # OpenAI's prompt-caching hint: requests with the same key share a prefix. With worker
-    # processes it is the routing affinity key (README, Worker processes).
+    # processes it is the routing affinity key (docs/workers-and-routing.md).
     prompt_cache_key: str | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
