@@ -4,17 +4,16 @@ asyncio, no torch): the scheduler's bookkeeping around one step.
 - `apply_prefix_hits`: admitted requests start after their cached prefix;
 - `note_plans`, `start_works`: the trace's admission events and the status transitions;
 - `build_batch`: the ScheduledSequences, each request's computed tokens advanced to the end
-  of its work and a placeholder counted for each token it will sample (see actors/scheduling/scheduler_actor.py);
-- `request_timings`: the timings a finished request's last output carries.
+  of its work and a placeholder counted for each token it will sample (see
+  scheduler_actor.py).
 """
 
 from __future__ import annotations
 
-import time
 from typing import Mapping
 
 from tokenloom.actors.messages import (PLACEHOLDER, ExecuteBatch, KVGrant, NewSequence,
-                                       RequestTimings, ScheduledSequence)
+                                       ScheduledSequence)
 from tokenloom.actors.scheduling.policy import Decision
 from tokenloom.actors.scheduling.request import Request, RequestStatus
 
@@ -114,14 +113,3 @@ def build_batch(d: Decision, tables: Mapping[str, list[int]], batch: ExecuteBatc
         req.num_computed_tokens = end
         req.num_placeholders += sample
     return batch, works, starts, epochs
-
-
-def request_timings(req: Request) -> RequestTimings:
-    return RequestTimings(arrival=req.arrival_time, first_scheduled=req.first_scheduled_time,
-                          first_token=req.first_token_time, finished=time.monotonic(),
-                          token_times=list(req.token_times),
-                          num_preemptions=req.num_preemptions,
-                          num_cached_tokens=req.num_cached_tokens,
-                          prefix_hit_blocks=req.prefix_hit_blocks,
-                          prefix_miss_reason=req.prefix_miss_reason,
-                          trace=req.trace.as_dict() if req.trace is not None else None)
