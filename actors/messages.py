@@ -407,6 +407,9 @@ class SchedulerStats(_Msg):
                                         "objectives.")]
     num_slo_good: Annotated[int, C("tokenloom:goodput_requests", "Finished requests within "
                                    "the TTFT and ITL objectives.")]
+    num_kv_plan_waits: Annotated[int, C("tokenloom:kv_plan_waits", "Iterations in which the "
+                                        "first waiting request was held back by the KV plan "
+                                        "(pool pressure).")] = 0
     timings: StepTimings = StepTimings()
     spec: SpecStats | None = None
 

@@ -134,6 +134,7 @@ class SchedulerActor(Actor):
         self._resume_watermark = int(cfg.kv_resume_watermark * limits.num_blocks)
         self.num_forks = 0
         self.num_steps = 0
+        self.num_kv_plan_waits = 0
         self.last_step_time = time.monotonic()
 
     # -- inbox ---------------------------------------------------------------------------
@@ -265,6 +266,8 @@ class SchedulerActor(Actor):
                      preempt_mode=self.preemptor.mode_fn(self.view),
                      drafts=drafts, spec_lookahead=self.spec_lookahead)
         swap_outs = self.preemptor.apply(d, self.view, self.running, self.waiting)
+        if d.blocked is not None and d.blocked[1] == "kv":
+            self.num_kv_plan_waits += 1
         if d.preempted:
             self._admission_paused = True
         for req, why in d.rejected:
@@ -533,7 +536,8 @@ class SchedulerActor(Actor):
             cost_model=None if self.cost.coef is None else [float(c) for c in self.cost.coef],
             swap_free_slots=None if p.swap is None else p.swap.num_free,
             num_slo_evaluated=o.num_slo_evaluated, num_slo_good=o.num_slo_good,
-            timings=o.timings(), spec=self.spec.stats() if self.spec is not None else None)
+            num_kv_plan_waits=self.num_kv_plan_waits, timings=o.timings(),
+            spec=self.spec.stats() if self.spec is not None else None)
 
     def stalled_seconds(self, now: float | None = None) -> float:
         """Seconds the loop has gone without completing a step while it has work; 0 when
