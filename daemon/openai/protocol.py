@@ -59,6 +59,9 @@ class _Sampling(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     min_tokens: int = 0
     cache_salt: str | None = None
+    # OpenAI's `metadata`: up to 16 string pairs the client labels the request with (kept in
+    # its trace: RequestMeta.labels).
+    metadata: dict[str, str] | None = None
     priority: int | str | None = None   # a number (lower runs first) or a class name
     return_metrics: bool = False
     speculative: str | None = None      # "auto" | "on" | "off" (speculative decoding)
@@ -266,8 +269,17 @@ def request_meta(req: _Sampling, headers, priority_classes: dict[str, int]) -> R
     priority (body, else X-Priority), the fair-share tenant (X-Tenant, else `user`) and the
     routing affinity key (`prompt_cache_key`, else X-Session-Id, else the tenant)."""
     tenant = resolve_tenant(req.user, headers.get("X-Tenant"))
+    labels = req.metadata
+    if labels is not None:
+        if len(labels) > 16:
+            raise APIError(400, f"metadata has {len(labels)} keys; at most 16 are allowed",
+                           param="metadata")
+        for key, value in labels.items():
+            if len(key) > 64 or len(value) > 512:
+                raise APIError(400, f"metadata key {key[:64]!r}: keys are at most 64 "
+                                    f"characters and values at most 512", param="metadata")
     return RequestMeta(
-        cache_salt=req.cache_salt,
+        cache_salt=req.cache_salt, labels=labels or None,
         priority=resolve_priority(req.priority, headers.get("X-Priority"), priority_classes),
         tenant=tenant,
         affinity=resolve_affinity(req.prompt_cache_key, headers.get("X-Session-Id"), tenant))
