@@ -36,9 +36,12 @@ EVENT_ORDER = ["request_received", "routed", "prefix_cache_lookup_done", "admitt
 
 async def test_trace_in_metrics_and_by_id(server, model_name):
     status, body, _ = await post(server, "/v1/completions", dict(
-        model=model_name, prompt="w5 w6 w7", max_tokens=6, return_metrics=True, **GREEDY))
+        model=model_name, prompt="w5 w6 w7", max_tokens=6, return_metrics=True,
+        metadata={"cohort": "b"}, **GREEDY))
     assert status == 200, body
     (trace,) = body["metrics"]["trace"]
+    # the request's metadata, whole as parsed (the client's labels included)
+    assert trace["meta"]["labels"] == {"cohort": "b"} and trace["meta"]["priority"] == 0
     assert [e["event"] for e in trace["events"]] == EVENT_ORDER
     times = [e["t"] for e in trace["events"]]
     assert times == sorted(times) and times[0] == 0.0
