@@ -44,9 +44,9 @@ from tokenloom.kernels.device import pick_device, pick_dtype, select_decode_back
 from tokenloom.kernels.models.loader import load_model, resolve_model_dir, weights_digest
 from tokenloom.kernels.models.weights import apply_weight_dtype
 from tokenloom.kernels.models.model_spec import ModelSpec
+from tokenloom.startup_log import startup_log
 
 log = structlog.get_logger("tokenloom.engine")
-startup_log = structlog.get_logger("tokenloom.startup", logger_name="tokenloom.startup")
 
 
 @dataclasses.dataclass(frozen=True)

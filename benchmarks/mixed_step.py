@@ -47,6 +47,8 @@ from pathlib import Path
 
 import torch
 
+from tokenloom.arith import cdiv
+
 ROOT = Path(__file__).resolve().parent
 REPO = ROOT.parent
 
@@ -91,7 +93,7 @@ class Bench:
                 self.backend = "cpu_kernel"
             elif backend == "cpu_kernel":
                 sys.exit("the CPU decode kernel is unavailable")
-        self.blocks_per_seq = -(-max_context // block_size)
+        self.blocks_per_seq = cdiv(max_context, block_size)
         num_blocks = (max_seqs + 1) * self.blocks_per_seq + 1
         self.kv = KVCache.allocate(spec.num_layers, num_blocks, block_size, spec.num_kv_heads,
                                    spec.head_dim, torch.float32, "cpu")
@@ -102,7 +104,7 @@ class Bench:
     def table(self, seq: int, context: int) -> list[int]:
         """Sequence `seq` owns a disjoint run of blocks, shuffled (as a real pool's are)."""
         first = 1 + seq * self.blocks_per_seq
-        blocks = list(range(first, first + -(-context // self.block_size)))
+        blocks = list(range(first, first + cdiv(context, self.block_size)))
         random.Random(seq).shuffle(blocks)
         return blocks
 

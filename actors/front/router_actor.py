@@ -26,6 +26,7 @@ from tokenloom.actors.messages import (ERROR_INTERNAL, ERROR_OVERLOADED, AbortRe
                                        RouterStats, RoutingStats, Shutdown, WorkerDown,
                                        WorkerKVEvents, WorkerReport, WorkerUp)
 from tokenloom.actors.front.routing import RouteDecision, RoutingCore
+from tokenloom.arith import cdiv
 
 
 class AdmissionGate:
@@ -151,8 +152,8 @@ class WorkerRouterActor(Actor):
     def _add(self, msg: AddRequest) -> None:
         now = self.clock()
         hashes = self.hashes(msg)
-        need = -(-(len(msg.prompt_token_ids) + msg.sampling_params.max_tokens)
-                 // self.block_size)
+        need = cdiv(len(msg.prompt_token_ids) + msg.sampling_params.max_tokens,
+                    self.block_size)
         leader = self._requests.get(msg.group_id) if msg.group_id else None
         key = msg.affinity or msg.tenant
         if leader is not None and self.core.loads[leader.worker].up:

@@ -34,6 +34,7 @@ from typing import Callable, Mapping, Sequence
 
 from tokenloom.actors.scheduling.fairness import victim_key
 from tokenloom.actors.scheduling.request import Request
+from tokenloom.arith import cdiv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,10 +81,6 @@ class Decision:
         return not self.decodes and not self.prefills
 
 
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
-
-
 def remaining_output(req: Request) -> int:
     """Tokens the request may still generate (max_tokens, bounded by the context window)."""
     left = req.sampling_params.max_tokens - req.num_output_tokens
@@ -127,7 +124,7 @@ def schedule(running: Sequence[Request], waiting: deque[Request] | Sequence[Requ
     table_tokens: dict[str, int] = {}   # tokens each scheduled table covers after grants
 
     def need(req: Request, total_tokens: int) -> int:
-        return max(0, blocks_for(total_tokens, bs) - held_blocks(req.request_id))
+        return max(0, cdiv(total_tokens, bs) - held_blocks(req.request_id))
 
     def evict(victim: Request) -> None:
         nonlocal free
@@ -207,8 +204,8 @@ def schedule(running: Sequence[Request], waiting: deque[Request] | Sequence[Requ
 
     def future_need(req: Request) -> int:
         have = max(held_blocks(req.request_id),
-                   blocks_for(table_tokens.get(req.request_id, 0), bs))
-        return max(0, blocks_for(projected_tokens(req, la), bs) - have)
+                   cdiv(table_tokens.get(req.request_id, 0), bs))
+        return max(0, cdiv(projected_tokens(req, la), bs) - have)
 
     reserved = sum(future_need(r) for r in live)
     for req in waiting:
@@ -218,7 +215,7 @@ def schedule(running: Sequence[Request], waiting: deque[Request] | Sequence[Requ
         if budget <= 0:
             d.blocked = (req, "budget", {})
             break
-        prompt_blocks = blocks_for(req.num_tokens, bs)
+        prompt_blocks = cdiv(req.num_tokens, bs)
         if prompt_blocks > limits.num_blocks:
             d.rejected.append((req, f"the prompt needs {prompt_blocks} KV blocks of {bs} tokens "
                                     f"({req.num_tokens} tokens) but the KV pool has only "
@@ -228,8 +225,8 @@ def schedule(running: Sequence[Request], waiting: deque[Request] | Sequence[Requ
         n = min(req.num_remaining_tokens, budget)
         total = req.num_computed_tokens + n
         chunk_blocks = need(req, total)
-        growth = blocks_for(projected_tokens(req, la), bs) - max(held_blocks(req.request_id),
-                                                                blocks_for(total, bs))
+        growth = cdiv(projected_tokens(req, la), bs) - max(held_blocks(req.request_id),
+                                                          cdiv(total, bs))
         plan = {"prompt_blocks": prompt_blocks, "chunk_blocks": chunk_blocks,
                 "projected_growth_blocks": max(0, growth), "running_reserved_blocks": reserved,
                 "free_blocks": free, "watermark_blocks": admission.min_free_blocks}
