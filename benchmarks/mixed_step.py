@@ -47,10 +47,16 @@ from pathlib import Path
 
 import torch
 
-from tokenloom.arith import cdiv
+from harness import write_json
 
 ROOT = Path(__file__).resolve().parent
 REPO = ROOT.parent
+
+
+def cdiv(a: int, b: int) -> int:
+    """tokenloom.arith.cdiv, copied: the worker imports older revisions of the package (--rev),
+    which do not all have it."""
+    return -(a // -b)
 
 
 @dataclasses.dataclass
@@ -384,9 +390,7 @@ def main(argv: list[str] | None = None) -> dict:
         "raw_ms": {f"{v[0]} D={v[1]} C={v[2]} P={v[3]} S={v[4]} [{name}]":
                    [t * 1000 for t in ts] for (v, name), ts in times.items()},
     }
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(summary, indent=2))
+    out = write_json(args.json, summary)
     print(f"wrote {out}")
     for w in workers.values():
         w.close()

@@ -143,6 +143,7 @@ def _get(url: str) -> int:
         return e.code
 
 
+@pytest.mark.slow   # ~80 s on 2 busy cores: two worker processes load torch and the model
 def test_the_installed_command_serves_with_two_workers(venv, tiny_model, tmp_path):
     outside = tmp_path / "elsewhere"
     outside.mkdir()
