@@ -43,15 +43,17 @@ CLEAN_ENV = {"PYTHONPATH": None, "VIRTUAL_ENV": None, "PYTHONHOME": None}
 
 
 def _package_dirs() -> list[str]:
-    """Every package of the tree as its path inside the wheel (tokenloom/...)."""
-    out = []
-    for init in sorted(REPO.rglob("__init__.py")):
-        rel = init.parent.relative_to(REPO)
-        if rel.parts and rel.parts[0] in {"tests", "benchmarks", ".venv", "build", "site"}:
+    """Every package of the tree as its path inside the wheel (tokenloom/...): each folder
+    with an __init__.py under a top-level folder that is not tests, benchmarks or a venv."""
+    out = ["tokenloom"]
+    skip = {"tests", "benchmarks", "build", "site", "venv", "gpu-wheels"}
+    for top in sorted(REPO.iterdir()):
+        if not top.is_dir() or top.name in skip or top.name.startswith("."):
             continue
-        if any(part.startswith(".") for part in rel.parts):
-            continue
-        out.append("/".join(("tokenloom", *rel.parts)))
+        for init in sorted(top.rglob("__init__.py")):
+            rel = init.parent.relative_to(REPO)
+            if "__pycache__" not in rel.parts:
+                out.append("/".join(("tokenloom", *rel.parts)))
     return out
 
 
@@ -107,6 +109,8 @@ def test_the_wheel_lists_every_package_the_kernel_sources_and_the_default_config
     names = set(zipfile.ZipFile(wheel).namelist())
     for package in _package_dirs():
         assert f"{package}/__init__.py" in names, f"{package} is missing from the wheel"
+    for module in REPO.glob("*.py"):             # tokenloom.arith, tokenloom.startup_log...
+        assert f"tokenloom/{module.name}" in names
     sources = sorted((REPO / "kernels" / "cpu" / "csrc").glob("*.cpp"))
     assert sources
     for cpp in sources:
