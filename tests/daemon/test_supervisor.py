@@ -76,7 +76,8 @@ class Supervisor:
 
 def test_watchdog_restarts_a_daemon_whose_engine_died(tiny_model_dir, tmp_path, model_name):
     listener = NotifyListener(str(tmp_path / "notify.sock"))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS),
+    pythonpath = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath,
            "TOKENLOOM_FAULT_INJECTION": "1",
            "TOKENLOOM_FAULTS": json.dumps([{"point": "kv_actor", "tenant": "victim"}])}
     args = ["--model", str(tiny_model_dir), "--set", "model.device=\"cpu\"",
