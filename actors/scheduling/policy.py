@@ -34,6 +34,7 @@ from typing import Callable, Mapping, Sequence
 
 from tokenloom.actors.scheduling.fairness import victim_key
 from tokenloom.actors.scheduling.request import Request
+from tokenloom.arith import cdiv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,10 +79,6 @@ class Decision:
     @property
     def empty(self) -> bool:
         return not self.decodes and not self.prefills
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
 
 
 def remaining_output(req: Request) -> int:
@@ -154,7 +151,7 @@ class StepPlanner:
 
     # -- KV: what a table needs, and preemption to find it ---------------------------------
     def need(self, req: Request, total_tokens: int) -> int:
-        return max(0, blocks_for(total_tokens, self.limits.block_size)
+        return max(0, cdiv(total_tokens, self.limits.block_size)
                    - self.held(req.request_id))
 
     def evict(self, victim: Request) -> None:
@@ -240,8 +237,8 @@ class StepPlanner:
 
         def future_need(req: Request) -> int:
             have = max(self.held(req.request_id),
-                       blocks_for(self.table_tokens.get(req.request_id, 0), bs))
-            return max(0, blocks_for(projected_tokens(req, la), bs) - have)
+                       cdiv(self.table_tokens.get(req.request_id, 0), bs))
+            return max(0, cdiv(projected_tokens(req, la), bs) - have)
 
         reserved = sum(future_need(r) for r in live)
         for req in waiting:
@@ -251,7 +248,7 @@ class StepPlanner:
             if self.budget <= 0:
                 d.blocked = (req, "budget", {})
                 break
-            prompt_blocks = blocks_for(req.num_tokens, bs)
+            prompt_blocks = cdiv(req.num_tokens, bs)
             if prompt_blocks > limits.num_blocks:
                 d.rejected.append((req, f"the prompt needs {prompt_blocks} KV blocks of {bs} "
                                         f"tokens ({req.num_tokens} tokens) but the KV pool has "
@@ -261,8 +258,8 @@ class StepPlanner:
             n = min(req.num_remaining_tokens, self.budget)
             total = req.num_computed_tokens + n
             chunk_blocks = self.need(req, total)
-            growth = blocks_for(projected_tokens(req, la), bs) - max(self.held(req.request_id),
-                                                                    blocks_for(total, bs))
+            growth = cdiv(projected_tokens(req, la), bs) - max(self.held(req.request_id),
+                                                                    cdiv(total, bs))
             plan = {"prompt_blocks": prompt_blocks, "chunk_blocks": chunk_blocks,
                     "projected_growth_blocks": max(0, growth),
                     "running_reserved_blocks": reserved, "free_blocks": self.free,
