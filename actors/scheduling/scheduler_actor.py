@@ -35,7 +35,6 @@ RequestOutputs streams are sent).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from collections import deque
 from typing import Callable
@@ -48,7 +47,7 @@ from tokenloom.actors.scheduling.fairness import FairShare
 from tokenloom.actors.scheduling.kv_view import KVView
 from tokenloom.actors.messages import (ERROR_INTERNAL, ERROR_INVALID, AbortRequest, AddRequest,
                                        ExecuteBatch, ForgetRequests, GetSchedulerStats, GetTrace,
-                                       IsIdle, KVAdmission, KVCommit, KVGrant, KVUpdate,
+                                       IsIdle, KVCommit, KVGrant,
                                        RequestOutput,
                                        SampledToken, SchedulerStats, Shutdown, StepOutput)
 from tokenloom.actors.output.output_processor import OutputProcessor
@@ -56,8 +55,9 @@ from tokenloom.actors.scheduling.policy import AdmissionParams, Decision, Policy
 from tokenloom.actors.scheduling.preemption import Preemptor
 from tokenloom.actors.scheduling.prefix_tracker import PrefixTracker
 from tokenloom.actors.scheduling.request import FinishReason, Request, RequestStatus
-from tokenloom.actors.scheduling.step_batch import (apply_prefix_hits, build_batch, note_plans,
-                                                    start_works)
+from tokenloom.actors.scheduling.step_batch import (InFlightStep, apply_prefix_hits,
+                                                    build_batch, kv_update, note_plans,
+                                                    process_oldest_now, start_works)
 from tokenloom.actors.speculation.controller import SpecController
 from tokenloom.actors.scheduling.step_observer import StepObserver
 from tokenloom.actors.scheduling.swap import SwapSpace
@@ -65,22 +65,6 @@ from tokenloom.actors.scheduling.trace import RequestTrace, TraceHistory
 from tokenloom.config.schema import SchedulerConfig
 
 S = RequestStatus
-
-
-@dataclasses.dataclass
-class InFlightStep:
-    """A step handed to the runner, until its output has been processed."""
-    decision: Decision
-    batch: ExecuteBatch
-    works: list                       # the decision's works in batch order
-    starts: list[int]                 # each work's first position
-    epochs: list[int]                 # each work's request's num_preemptions at launch
-    host_seconds: float               # planning + KV round trip
-    kv_seconds: float
-    continues: bool                   # planned while the runner had work (not after idling)
-    # It verifies drafts or asks for proposals: the next step is planned only after its
-    # output (how many tokens each request gained, and the proposals) is known.
-    serial: bool = False
 
 
 class SchedulerActor(Actor):
@@ -344,28 +328,15 @@ class SchedulerActor(Actor):
                          swap_ins=()) -> KVGrant:
         """One round trip to the KV manager: queued commits and frees, the decision's
         grants and admissions (or forks); the answer becomes the scheduler's view."""
-        grants, admissions, tables_for = [], [], []
-        if d is not None:
-            # New admissions may start from a cached prefix; a request swapped back in
-            # resumes from its own KV instead (a plain grant plus the swap-in copies).
-            swapped_in = {rid for rid, _ in swap_ins}
-            admitted = {r.request_id for r in d.admitted} - swapped_in
-            grants = [g for g in d.grants if g[0] not in admitted]
-            admissions = [KVAdmission(request_id=w.request.request_id, planned_tokens=w.num_tokens,
-                                      query=self.prefix.query(w.request))
-                          for w in d.prefills if w.request.request_id in admitted]
-            tables_for = [w.request.request_id for w in d.decodes + d.prefills]
-        self.kv_inbox.put_nowait(KVUpdate(
-            frees=self.view.take_frees(), grants=grants, commits=self._pending_commits,
-            admissions=admissions, report=[r.request_id for r in self.running],
-            tables_for=tables_for, forks=list(forks), swap_outs=list(swap_outs),
-            swap_ins=list(swap_ins)))
+        update = kv_update(d, self.view.take_frees(), self._pending_commits, self.running,
+                           self.prefix.query, forks, swap_outs, swap_ins)
+        self.kv_inbox.put_nowait(update)
         self._pending_commits = []
         grant = await self._reply(KVGrant)
         if grant.new_blocks is None:
             # Cannot happen while the view is a lower bound of what is free: fail loudly.
             raise AssertionError(f"KV manager refused a decision made from its own report: "
-                                 f"{grants} {admissions}")
+                                 f"{update.grants} {update.admissions}")
         self.view.update(grant)
         return grant
 
@@ -548,12 +519,3 @@ class SchedulerActor(Actor):
         now = time.monotonic() if now is None else now
         return max(0.0, now - self.last_step_time)
 
-
-def process_oldest_now(num_in_flight: int, launched: bool, overlap: bool) -> bool:
-    """The overlap rule: after launching (or not) a step, process the oldest step in flight
-    now unless it is the only one and the runner has a new one to run meanwhile. With
-    overlap on, at most one step waits in flight while the next is planned; off, every
-    step is processed as soon as it is launched (the serial loop)."""
-    if not num_in_flight:
-        return False
-    return num_in_flight > 1 or not launched or not overlap
