@@ -24,15 +24,37 @@ import msgspec
 import structlog
 
 from tokenloom.actors.engine import Engine
-from tokenloom.actors.messages import (CheckIntegrity, FlushPrefixCache, GenerateRequest,
-                                       GetGraphStats, GetKVStats, GetSchedulerStats, GetTrace,
-                                       GraphStats, IsIdle, KVStats, RequestMeta, RequestOutput,
-                                       SchedulerStats, SubscribeKVEvents, TokenLogprob)
 from tokenloom.actors.front.fan_out import fan_out
 from tokenloom.actors.kv.prefix_cache import FlushResult
+from tokenloom.actors.messages import (
+    CheckIntegrity,
+    FlushPrefixCache,
+    GenerateRequest,
+    GetGraphStats,
+    GetKVStats,
+    GetSchedulerStats,
+    GetTrace,
+    GraphStats,
+    IsIdle,
+    KVStats,
+    RequestMeta,
+    RequestOutput,
+    SchedulerStats,
+    SubscribeKVEvents,
+    TokenLogprob,
+)
 from tokenloom.actors.sampling_params import SamplingParams
 from tokenloom.config.load import load_config
-from tokenloom.config.schema import ConfigError, EngineConfig, field_types, CacheConfig, ModelConfig, SchedulerConfig, GraphsConfig, SpeculativeConfig
+from tokenloom.config.schema import (
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    GraphsConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    field_types,
+)
 from tokenloom.startup_log import STARTUP_LOGGER
 
 _SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,

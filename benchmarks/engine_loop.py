@@ -48,10 +48,23 @@ from pathlib import Path
 import numpy as np
 
 import interference  # benchmarks/interference.py
-from harness import (PEERS, VOCAB_HI, VOCAB_LO, PeerStream, build_tiny_vocab_model,
-                     model_name, percentile, print_table, resolve_dir, run_async, run_load,
-                     start_llama_server, start_tokenloom, summarise, write_json)
-
+from harness import (
+    PEERS,
+    VOCAB_HI,
+    VOCAB_LO,
+    PeerStream,
+    build_tiny_vocab_model,
+    model_name,
+    percentile,
+    print_table,
+    resolve_dir,
+    run_async,
+    run_load,
+    start_llama_server,
+    start_tokenloom,
+    summarise,
+    write_json,
+)
 
 
 # -- servers -----------------------------------------------------------------------------

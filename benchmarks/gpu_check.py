@@ -200,7 +200,6 @@ def seqs_for(batch: int, context: int, blocks_per_seq: int, vocab: int):
 
 def build(shape: str, device: str, max_batch: int, context: int, dtype):
     """Random model + KV pool + static buffers; Triton kernels on CUDA."""
-    import torch
 
     from tokenloom.arith import cdiv
     from tokenloom.graphs.buffers import DecodeBuffers
@@ -325,8 +324,8 @@ def kernel_bandwidth(context: int, copy_bw: float) -> list[dict]:
 
     from tokenloom.arith import cdiv
     from tokenloom.kernels.attention import decode_attention
-    from tokenloom.kernels.models.random_model import SHAPES
     from tokenloom.kernels.gpu.triton_attention import make_decode_kernel
+    from tokenloom.kernels.models.random_model import SHAPES
 
     heads, kvh, d = 32, 8, 128
     nb = cdiv(context, BLOCK_SIZE)

@@ -46,8 +46,12 @@ from harness import build_tiny_vocab_model, percentile, resolve_dir, write_json
 
 
 def _queries():
-    from tokenloom.actors.messages import (GetKVStats, GetRouterStats, GetRunnerState,
-                                           GetSchedulerStats)
+    from tokenloom.actors.messages import (
+        GetKVStats,
+        GetRouterStats,
+        GetRunnerState,
+        GetSchedulerStats,
+    )
     return GetKVStats, GetRouterStats, GetRunnerState, GetSchedulerStats
 
 

@@ -33,8 +33,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import os
+import random
 import sys
 import tempfile
 import time

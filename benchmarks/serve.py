@@ -32,9 +32,19 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import (build_tiny_vocab_model, model_name, print_table, resolve_dir, run_async,
-                     run_load, start_tokenloom, start_transformers, summarise, text_prompts,
-                     write_json)
+from harness import (
+    build_tiny_vocab_model,
+    model_name,
+    print_table,
+    resolve_dir,
+    run_async,
+    run_load,
+    start_tokenloom,
+    start_transformers,
+    summarise,
+    text_prompts,
+    write_json,
+)
 
 
 def run_offline(model: str, prompts, output_len: int, settings: list[str],

@@ -171,8 +171,12 @@ def mask_time(llm, tokenizer, vocab: int, eos) -> dict:
     import torch
 
     from tokenloom import SamplingParams
-    from tokenloom.actors.execution.guided import (GuidedCompiler, GuidedMatcher, allocate_bitmask,
-                                         apply_bitmask)
+    from tokenloom.actors.execution.guided import (
+        GuidedCompiler,
+        GuidedMatcher,
+        allocate_bitmask,
+        apply_bitmask,
+    )
     from tokenloom.actors.sampling_params import GuidedDecoding
 
     guided = GuidedDecoding("json_schema", json.dumps(SCHEMA))

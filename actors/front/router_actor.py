@@ -19,13 +19,26 @@ import time
 from typing import Callable
 
 from tokenloom.actors.base import Actor, resolve
-from tokenloom.actors.kv.block_hash import CacheIdentity, hash_request_blocks
-from tokenloom.actors.messages import (ERROR_INTERNAL, ERROR_OVERLOADED, AbortRequest,
-                                       AddRequest, GetRouterStats, GetRoutingStats,
-                                       RequestFinished, RequestOutput, RequestStarted,
-                                       RouterStats, RoutingStats, Shutdown, WorkerDown,
-                                       WorkerKVEvents, WorkerReport, WorkerUp)
 from tokenloom.actors.front.routing import RouteDecision, RoutingCore
+from tokenloom.actors.kv.block_hash import CacheIdentity, hash_request_blocks
+from tokenloom.actors.messages import (
+    ERROR_INTERNAL,
+    ERROR_OVERLOADED,
+    AbortRequest,
+    AddRequest,
+    GetRouterStats,
+    GetRoutingStats,
+    RequestFinished,
+    RequestOutput,
+    RequestStarted,
+    RouterStats,
+    RoutingStats,
+    Shutdown,
+    WorkerDown,
+    WorkerKVEvents,
+    WorkerReport,
+    WorkerUp,
+)
 from tokenloom.arith import cdiv
 
 

@@ -33,8 +33,13 @@ from typing import Any, Callable
 import msgspec
 
 from tokenloom.actors.base import Actor
-from tokenloom.actors.messages import (ERROR_INVALID, AddRequest, GenerateRequest, RequestOutput,
-                                       Shutdown)
+from tokenloom.actors.messages import (
+    ERROR_INVALID,
+    AddRequest,
+    GenerateRequest,
+    RequestOutput,
+    Shutdown,
+)
 
 # Measured with SmolLM2's tokenizer on 2 CPU cores: a hop to the worker thread costs the
 # loop ~20 us of CPU (~30 us of added latency), whatever the prompt size; encoding inline

@@ -41,16 +41,20 @@ from __future__ import annotations
 import enum
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
-
 from typing import Annotated
 
 import msgspec
 
 from tokenloom.actors.kv.block_hash import BlockHash
 from tokenloom.actors.kv.block_pool import BlockPool
+from tokenloom.actors.kv.events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventPublisher,
+)
 from tokenloom.actors.metric_fields import counter
-from tokenloom.actors.kv.events import (MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored,
-                                        KVEventPublisher)
 
 
 class MissReason(enum.StrEnum):

@@ -40,28 +40,47 @@ import time
 from collections import deque
 from typing import Callable
 
-from tokenloom.actors.scheduling import siblings
 from tokenloom.actors.base import Actor, resolve
+from tokenloom.actors.messages import (
+    ERROR_INTERNAL,
+    ERROR_INVALID,
+    AbortRequest,
+    AddRequest,
+    ExecuteBatch,
+    ForgetRequests,
+    GetSchedulerStats,
+    GetTrace,
+    IsIdle,
+    KVAdmission,
+    KVCommit,
+    KVGrant,
+    KVUpdate,
+    RequestOutput,
+    SampledToken,
+    SchedulerStats,
+    Shutdown,
+    StepOutput,
+)
+from tokenloom.actors.output.output_processor import OutputProcessor
+from tokenloom.actors.scheduling import siblings
 from tokenloom.actors.scheduling.chunk_sizing import ChunkSizer
 from tokenloom.actors.scheduling.cost_model import StepCostModel
 from tokenloom.actors.scheduling.fairness import FairShare
 from tokenloom.actors.scheduling.kv_view import KVView
-from tokenloom.actors.messages import (ERROR_INTERNAL, ERROR_INVALID, AbortRequest, AddRequest,
-                                       ExecuteBatch, ForgetRequests, GetSchedulerStats, GetTrace,
-                                       IsIdle, KVAdmission, KVCommit, KVGrant, KVUpdate,
-                                       RequestOutput,
-                                       SampledToken, SchedulerStats, Shutdown, StepOutput)
-from tokenloom.actors.output.output_processor import OutputProcessor
 from tokenloom.actors.scheduling.policy import AdmissionParams, Decision, PolicyLimits, schedule
 from tokenloom.actors.scheduling.preemption import Preemptor
 from tokenloom.actors.scheduling.prefix_tracker import PrefixTracker
 from tokenloom.actors.scheduling.request import FinishReason, Request, RequestStatus
-from tokenloom.actors.scheduling.step_batch import (apply_prefix_hits, build_batch, note_plans,
-                                                    start_works)
-from tokenloom.actors.speculation.controller import SpecController
+from tokenloom.actors.scheduling.step_batch import (
+    apply_prefix_hits,
+    build_batch,
+    note_plans,
+    start_works,
+)
 from tokenloom.actors.scheduling.step_observer import StepObserver
 from tokenloom.actors.scheduling.swap import SwapSpace
 from tokenloom.actors.scheduling.trace import RequestTrace, TraceHistory
+from tokenloom.actors.speculation.controller import SpecController
 from tokenloom.config.schema import SchedulerConfig
 
 S = RequestStatus

@@ -12,10 +12,15 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from tokenloom.actors.messages import (PLACEHOLDER, ExecuteBatch, KVGrant, NewSequence,
-                                       ScheduledSequence)
+from tokenloom.actors.messages import (
+    PLACEHOLDER,
+    ExecuteBatch,
+    KVGrant,
+    NewSequence,
+    ScheduledSequence,
+)
 from tokenloom.actors.scheduling.policy import Decision
-from tokenloom.actors.scheduling.request import Request, RequestStatus
+from tokenloom.actors.scheduling.request import RequestStatus
 
 S = RequestStatus
 

@@ -188,9 +188,9 @@ def smoke_test(device: str | torch.device, dtype: torch.dtype, *, num_heads: int
     decode kernel) drops the Triton backend for graphs and eager alike, instead of failing
     every request while /ready says 200."""
     from tokenloom.kernels.attention import decode_attention
+    from tokenloom.kernels.gpu.triton_attention import paged_decode_triton, store_kv_triton
     from tokenloom.kernels.kv_store import store_kv
     from tokenloom.kernels.models.layers import RMSNorm, add_rms_norm, rope_and_store
-    from tokenloom.kernels.gpu.triton_attention import paged_decode_triton, store_kv_triton
 
     tol = 2e-3 if dtype == torch.float32 else 6e-2   # relative to the values' scale
     what = "?"

@@ -13,13 +13,17 @@ import torch
 from torch import nn
 
 from tokenloom.kernels.attention import paged_attention, with_chunk_masks
+from tokenloom.kernels.cpu import linear as cpu_linear
 from tokenloom.kernels.forward_context import AttentionMetadata
 from tokenloom.kernels.kv_store import KVCache, store_kv
-from tokenloom.kernels.models.layers import (RMSNorm, RotaryEmbedding, add_rms_norm, rope_and_store,
-                                      silu_and_mul)
-from tokenloom.kernels.cpu import linear as cpu_linear
+from tokenloom.kernels.models.layers import (
+    RMSNorm,
+    RotaryEmbedding,
+    add_rms_norm,
+    rope_and_store,
+    silu_and_mul,
+)
 from tokenloom.kernels.models.model_spec import ModelSpec
-
 
 # On CPU, decoder layers whose weights fit in a core's cache and whose multiply-add work for
 # the step is below these run on one thread; the LM head keeps every thread. Such small

@@ -21,7 +21,11 @@ from pathlib import Path
 import torch
 
 from tokenloom.kernels.models.llama import LlamaForCausalLM
-from tokenloom.kernels.models.model_spec import ModelSpec, UnsupportedModelError, spec_from_hf_config
+from tokenloom.kernels.models.model_spec import (
+    ModelSpec,
+    UnsupportedModelError,
+    spec_from_hf_config,
+)
 from tokenloom.startup_log import startup_log
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"

@@ -163,8 +163,8 @@ def test_text_prompts_and_timings(default_model_dir, reference):
 
 def test_logits_match_transformers(default_model_dir, hf_model, prompt_ids):
     """First-step and decode-step logits within 1e-3 of transformers' forward."""
-    from tokenloom.actors.messages import ExecuteBatch, NewSequence, ScheduledSequence
     from tokenloom.actors.execution.model_runner import ModelRunner
+    from tokenloom.actors.messages import ExecuteBatch, NewSequence, ScheduledSequence
     from tokenloom.kernels.kv_store import KVCache
     from tokenloom.kernels.models.loader import load_model
 

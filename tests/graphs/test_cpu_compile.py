@@ -17,8 +17,8 @@ import torch
 import torch._dynamo
 from structlog.testing import capture_logs
 
-from tokenloom.actors.messages import ExecuteBatch, NewSequence, ScheduledSequence
 from tokenloom.actors.execution.model_runner import ModelRunner
+from tokenloom.actors.messages import ExecuteBatch, NewSequence, ScheduledSequence
 from tokenloom.actors.sampling_params import SamplingParams
 from tokenloom.arith import cdiv
 from tokenloom.config.load import load_config
@@ -28,6 +28,7 @@ from tokenloom.graphs import setup as graph_setup
 from tokenloom.kernels.cpu.attention import load_cpu_decode_kernel, paged_decode_cpu
 from tokenloom.kernels.kv_store import KVCache
 from tokenloom.kernels.models.loader import load_model, load_spec
+
 from tinymodel import VOCAB, build_tiny_model
 
 BS = 8

@@ -15,8 +15,8 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from tokenloom.actors.messages import ExecuteBatch, NewSequence, ScheduledSequence
 from tokenloom.actors.execution.model_runner import ModelRunner
+from tokenloom.actors.messages import ExecuteBatch, NewSequence, ScheduledSequence
 from tokenloom.actors.sampling_params import SamplingParams
 from tokenloom.arith import cdiv
 from tokenloom.config.schema import ConfigError, GraphsConfig
@@ -28,6 +28,7 @@ from tokenloom.graphs.dispatch import EAGER, GRAPH, PIECEWISE, Dispatcher
 from tokenloom.graphs.piecewise import PiecewiseBuffers, PiecewiseGraphs
 from tokenloom.kernels.kv_store import KVCache
 from tokenloom.kernels.models.loader import load_model, load_spec
+
 from tinymodel import VOCAB, build_tiny_model
 
 BS = 8

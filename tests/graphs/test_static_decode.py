@@ -17,8 +17,8 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from tokenloom.actors.messages import ExecuteBatch, NewSequence, ScheduledSequence
 from tokenloom.actors.execution.model_runner import ModelRunner
+from tokenloom.actors.messages import ExecuteBatch, NewSequence, ScheduledSequence
 from tokenloom.actors.sampling_params import SamplingParams
 from tokenloom.arith import cdiv
 from tokenloom.config.schema import GraphsConfig
@@ -29,6 +29,7 @@ from tokenloom.graphs.capture import CaptureClosedError, CaptureError, DecodeGra
 from tokenloom.graphs.dispatch import Dispatcher
 from tokenloom.kernels.kv_store import KVCache
 from tokenloom.kernels.models.loader import load_model, load_spec
+
 from tinymodel import VOCAB, build_tiny_model
 
 BS = 8

@@ -5,9 +5,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tokenloom.actors.front.routing import PrefixIndex, RoutingCore
 from tokenloom.actors.kv.block_hash import CacheIdentity, hash_request_blocks
 from tokenloom.actors.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
-from tokenloom.actors.front.routing import PrefixIndex, RoutingCore
 
 IDENT = CacheIdentity(model_fingerprint="fp").encode()
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import msgspec
-
 import pytest
 
 from tokenloom.actors.messages import RequestMeta

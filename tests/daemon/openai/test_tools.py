@@ -9,8 +9,13 @@ import pytest
 
 from tokenloom.daemon.errors import APIError
 from tokenloom.daemon.openai.protocol import _unsupported_keyword
-from tokenloom.daemon.openai.tools import (CallDeltas, fallback_messages, parse_calls, parse_tools,
-                                    scan_calls)
+from tokenloom.daemon.openai.tools import (
+    CallDeltas,
+    fallback_messages,
+    parse_calls,
+    parse_tools,
+    scan_calls,
+)
 
 ADD = {"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},

@@ -17,10 +17,14 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run through test_triton_atten
 
 from tokenloom.kernels.gpu import triton_fused as tf  # noqa: E402
 from tokenloom.kernels.kv_store import store_kv  # noqa: E402
-from tokenloom.kernels.models.layers import (RMSNorm, add_rms_norm, rope_and_store,  # noqa: E402
-                                      silu_and_mul)
+from tokenloom.kernels.models.layers import (  # noqa: E402
+    RMSNorm,
+    RotaryEmbedding,
+    add_rms_norm,
+    rope_and_store,
+    silu_and_mul,
+)
 from tokenloom.kernels.models.model_spec import RopeSpec  # noqa: E402
-from tokenloom.kernels.models.layers import RotaryEmbedding  # noqa: E402
 
 
 def _ulps_bf16(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -122,9 +126,9 @@ def test_model_with_every_fused_kernel_matches_the_reference(dtype):
     from tokenloom.actors.execution.batch_inputs import build_batch_inputs
     from tokenloom.graphs.buffers import DecodeBuffers
     from tokenloom.graphs.capture import DecodeGraphs
+    from tokenloom.kernels.gpu.triton_attention import make_decode_kernel, store_kv_triton
     from tokenloom.kernels.kv_store import KVCache
     from tokenloom.kernels.models.random_model import SHAPES, random_model
-    from tokenloom.kernels.gpu.triton_attention import make_decode_kernel, store_kv_triton
 
     spec = SHAPES["tiny"]
     ref = random_model(spec, dtype, "cpu", 256, seed=1)
@@ -175,9 +179,9 @@ def test_piecewise_pieces_with_fused_kernels_match_the_plain_forward(dtype):
     padded pieces (slot -1 skipped), and the Triton decode runs between them."""
     from tokenloom.actors.execution.batch_inputs import build_batch_inputs
     from tokenloom.graphs.piecewise import PiecewiseBuffers, PiecewiseGraphs
+    from tokenloom.kernels.gpu.triton_attention import make_decode_kernel, store_kv_triton
     from tokenloom.kernels.kv_store import KVCache
     from tokenloom.kernels.models.random_model import SHAPES, random_model
-    from tokenloom.kernels.gpu.triton_attention import make_decode_kernel, store_kv_triton
 
     spec = SHAPES["tiny"]
     model = random_model(spec, dtype, "cpu", 256, seed=2)

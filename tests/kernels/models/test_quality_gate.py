@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from tokenloom.config.schema import ConfigError, ModelConfig
-from tokenloom.kernels.models import quality_gate
-from tokenloom.kernels.models import weights
+from tokenloom.kernels.models import quality_gate, weights
 from tokenloom.kernels.models.loader import load_model
+
 from tinymodel import VOCAB, build_tiny_model
 
 IDS = [(7 * i + 3) % (VOCAB - 3) + 3 for i in range(60)]
