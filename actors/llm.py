@@ -131,7 +131,8 @@ class GenerationOutput:
 
 
 def options_to_overrides(options: dict[str, Any]) -> dict[str, Any]:
-    """`LLM(max_num_seqs=8, block_size=32)` -> {"scheduler.max_num_seqs": 8, "cache.block_size": 32}."""
+    """`LLM(max_num_seqs=8, block_size=32)` ->
+    {"scheduler.max_num_seqs": 8, "cache.block_size": 32}."""
     out: dict[str, Any] = {}
     for key, value in options.items():
         if "." in key:
@@ -178,7 +179,8 @@ class LLM:
 
     def chat(self, conversations: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None) -> list[GenerationOutput]:
-        convs = [conversations] if conversations and isinstance(conversations[0], dict) else conversations
+        single = conversations and isinstance(conversations[0], dict)
+        convs = [conversations] if single else conversations
         params = _per_prompt(sampling_params, len(convs))
         return self._wait(self._generate_all([(None, sp, c) for c, sp in zip(convs, params)]))
 

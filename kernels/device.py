@@ -58,7 +58,8 @@ def select_decode_backend(model, wanted: str, device: torch.device,
     if wanted == "torch" or (wanted == "auto" and device.type != "cpu"):
         return "torch"
     if device.type != "cpu":
-        raise ConfigError("config error: model.attention_backend 'cpu_kernel' needs model.device cpu")
+        raise ConfigError("config error: model.attention_backend 'cpu_kernel' needs "
+                          "model.device cpu")
     from tokenloom.kernels.cpu.attention import (
         cpu_kernel_status,
         load_cpu_decode_kernel,

@@ -88,8 +88,8 @@ class TokenizerActor(Actor):
             vocab = len(self.tokenizer)
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
-                raise PromptError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})",
-                                  "prompt")
+                raise PromptError(f"prompt token id {bad[0]} is outside the vocabulary "
+                                  f"[0, {vocab})", "prompt")
             return ids
         if req.messages is not None:
             try:

@@ -3,9 +3,9 @@
 Owns every Request (waiting and running). Each iteration `_schedule` plans the next step
 (`_plan`: the policy, under the fair-share order, the SLO chunk budget and the KV plan),
 gets exactly the blocks it needs from the KV manager in one atomic round trip (`_grant`),
-and builds the runner's batch (`_build`). With `scheduler.overlap` (the default) it does that while the previous step
-runs, then processes the previous step's outputs — one step ahead, as SGLang's overlap
-scheduler and vLLM's async scheduling do:
+and builds the runner's batch (`_build`). With `scheduler.overlap` (the default) it does
+that while the previous step runs, then processes the previous step's outputs — one step
+ahead, as SGLang's overlap scheduler and vLLM's async scheduling do:
 
 - a running request is assumed to produce one token in the step in flight: the next step
   feeds it as a PLACEHOLDER that the runner fills from its own sample, and the request's

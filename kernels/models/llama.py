@@ -157,7 +157,8 @@ class LlamaForCausalLM(nn.Module):
         self.plan_cache_dir = None
 
     def init_rope(self, max_positions: int, device: torch.device, dtype: torch.dtype) -> None:
-        self.rope = RotaryEmbedding(self.spec.rope, self.spec.head_dim, max_positions, dtype).to(device)
+        self.rope = RotaryEmbedding(self.spec.rope, self.spec.head_dim, max_positions,
+                                    dtype).to(device)
 
     def set_decode_kernel(self, decode_fn) -> None:
         """Route decode attention through `decode_fn` (same contract as decode_attention)."""
@@ -283,8 +284,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = cpu_linear.CpuLinear(self.lm_head.weight, None, storage, act, head_plan)
         chosen = {"layers": layer_plan.describe(), "head": head_plan.describe()}
         self.cpu_kernels = chosen   # part of a compiled program's cache key
-        cpu_linear.log.info(f"CPU projections ({storage} weights, {str(act).removeprefix('torch.')} "
-                            f"activations): layers {chosen['layers']}; head {chosen['head']}",
+        cpu_linear.log.info(f"CPU projections ({storage} weights, "
+                            f"{str(act).removeprefix('torch.')} activations): "
+                            f"layers {chosen['layers']}; head {chosen['head']}",
                             storage=storage, **chosen)
         return chosen
 

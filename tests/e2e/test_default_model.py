@@ -30,7 +30,8 @@ def _long_prompt() -> str:
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "Grüße aus München! 日本語のテキストも少し: 東京は日本の首都です。 Emoji: 🎉🚀 — translate to English:",
+    "Grüße aus München! 日本語のテキストも少し: 東京は日本の首都です。 "
+    "Emoji: 🎉🚀 — translate to English:",
     "List three uses of copper:\n1.",
     "Q: If a train travels 60 km in 45 minutes, what is its speed in km/h?\nA:",
     _long_prompt(),

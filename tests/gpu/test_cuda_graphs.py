@@ -137,9 +137,11 @@ def test_triton_decode_matches_reference_at_8k_bf16():
     g = torch.Generator(device="cuda").manual_seed(0)
     lens = torch.tensor([8192, 1, 4097, 16, 17, 8000], device="cuda")
     nb = 8192 // BS
-    kc = torch.randn(nb * len(lens) + 1, BS, 8, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    kc = torch.randn(nb * len(lens) + 1, BS, 8, 128, device="cuda", generator=g,
+                     dtype=torch.bfloat16)
     vc = torch.randn_like(kc)
-    tables = torch.randperm(kc.shape[0], device="cuda", generator=g)[: nb * len(lens)].view(len(lens), nb)
+    tables = (torch.randperm(kc.shape[0], device="cuda", generator=g)[: nb * len(lens)]
+              .view(len(lens), nb))
     q = torch.randn(len(lens), 32, 128, device="cuda", generator=g, dtype=torch.bfloat16)
     ref = decode_attention(q.float(), kc.float(), vc.float(), tables, lens, 8192, 128 ** -0.5)
     out = make_decode_kernel(SHAPES["llama3-8b"])(q, kc, vc, tables, lens, 8192, 128 ** -0.5)

@@ -209,8 +209,8 @@ def test_reasons_when_cpu_programs_are_off(tiny_dir):
                                                device=cpu)
         assert g is None and d.table is None and reason in d.disabled_reason
     model.set_decode_kernel(None)
-    d, g = graph_setup.build_decode_graphs(GraphsConfig(cpu_compile=True), model, kv, max_num_seqs=8,
-                                           max_model_len=64, device=cpu)
+    d, g = graph_setup.build_decode_graphs(GraphsConfig(cpu_compile=True), model, kv,
+                                           max_num_seqs=8, max_model_len=64, device=cpu)
     assert g is None and "C++ decode kernel" in d.disabled_reason
 
 

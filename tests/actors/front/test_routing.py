@@ -150,7 +150,8 @@ def test_account_balances(ops):
             assert load.queued_prefill_blocks == sum(r[1] for r in mine if not r[2])
     for w, charged, started in live:
         c.finished(w, charged, started)
-    assert all(l.in_flight == l.decoding == l.queued_prefill_blocks == 0 for l in c.loads)
+    assert all(load.in_flight == load.decoding == load.queued_prefill_blocks == 0
+               for load in c.loads)
 
 
 @settings(max_examples=100, deadline=None)

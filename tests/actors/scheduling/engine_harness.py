@@ -725,7 +725,8 @@ class EngineHarness:
         # by the ForgetRequests the scheduler sends when it goes idle).
         leaked = self.runner.seqs.keys() & self.finished_at_last_send - self.tolerated_leaks()
         assert not leaked, f"the runner still holds finished requests {sorted(leaked)}"
-        assert self.runner.max_queued <= (2 if self.setup.config.overlap else 1), (self.runner.max_queued, self.setup)
+        assert self.runner.max_queued <= (2 if self.setup.config.overlap else 1), \
+            (self.runner.max_queued, self.setup)
         if not self.setup.config.overlap:
             assert self.runner.num_placeholders == 0
 

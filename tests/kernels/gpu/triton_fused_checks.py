@@ -154,7 +154,8 @@ def test_model_with_every_fused_kernel_matches_the_reference(dtype):
 
     tol = 1e-4 if dtype == torch.float32 else 0.1
     tables = {"a": [5, 9, 2], "b": [7, 1], "c": [11, 12]}
-    first = [seq("a", list(range(3, 40)), 0, tables["a"]), seq("b", list(range(50, 67)), 0, tables["b"])]
+    first = [seq("a", list(range(3, 40)), 0, tables["a"]),
+             seq("b", list(range(50, 67)), 0, tables["b"])]
     want, got = run(ref, kv_ref, first, 0), run(fused, kv_fused, first, 0)
     assert (want - got).abs().max().item() < tol
     mixed = [seq("a", [7], 37, tables["a"]), seq("b", [8], 17, tables["b"]),
@@ -231,7 +232,8 @@ def test_smoke_test_runs_every_kernel_in_the_model_dtype(dtype):
 def test_smoke_test_names_the_kernel_that_fails(monkeypatch):
     shapes = dict(num_heads=4, num_kv_heads=2, head_dim=32, hidden_size=64,
                   intermediate_size=64, block_size=16, partition=64)
-    monkeypatch.setattr(tf, "silu_mul_triton", lambda gu: torch.zeros_like(gu[:, : gu.shape[1] // 2]))
+    monkeypatch.setattr(tf, "silu_mul_triton",
+                        lambda gu: torch.zeros_like(gu[:, : gu.shape[1] // 2]))
     why = tf.smoke_test("cpu", torch.float32, **shapes)
     assert why is not None and "SiLU*mul" in why and "disagrees" in why
 

@@ -1,6 +1,7 @@
-"""The quantized weight modes' quality gate (kernels/models/quality_gate.py, kernels/models/weights.py) on
-a tiny model: identical models pass with perfect scores, int8 passes, a coarse quantization
-fails, a failing mode refuses to start unless forced, and the verdict is remembered."""
+"""The quantized weight modes' quality gate (kernels/models/quality_gate.py,
+kernels/models/weights.py) on a tiny model: identical models pass with perfect scores, int8
+passes, a coarse quantization fails, a failing mode refuses to start unless forced, and the
+verdict is remembered."""
 
 from __future__ import annotations
 
