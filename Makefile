@@ -7,7 +7,7 @@ TORCH   ?= torch==2.13.0
 STAMP   := $(VENV)/.installed
 PIPQ    := $(BIN)/pip install --quiet --disable-pip-version-check
 
-.PHONY: install serve test test-fast bench gpu-check gpu-wheels clean
+.PHONY: install serve lint test test-fast bench gpu-check gpu-wheels clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,10 +21,16 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/tokenloom serve --host 127.0.0.1 --port 8000
 
+# ruff, configured in pyproject.toml ([tool.ruff]); the tests lint first, to fail fast.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
 test: $(STAMP)
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
 test-fast: $(STAMP)
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -m "not slow"
 
 bench: $(STAMP)

@@ -14,34 +14,43 @@ import msgspec
 import structlog
 import torch
 
+from tokenloom.actors.engine_client import EngineFront, merge_traces
 from tokenloom.actors.execution.compute_thread import ComputeThread
+from tokenloom.actors.execution.guided import GuidedCompiler
+from tokenloom.actors.execution.model_runner import ModelRunner
+from tokenloom.actors.execution.runner_actor import RunnerActor
+from tokenloom.actors.front.router_actor import RouterActor
+from tokenloom.actors.front.tokenizer_actor import TokenizerActor
+from tokenloom.actors.kv.block_hash import model_fingerprint
 from tokenloom.actors.kv.kv_actor import KVManagerActor
 from tokenloom.actors.kv.kv_manager import KVCacheManager
-from tokenloom.actors.engine_client import EngineFront, merge_traces
-from tokenloom.actors.messages import (EngineStats, FlushPrefixCache, GetKVStats,
-                                       GetRouterStats, GetSchedulerStats, GetTrace,
-                                       RequestFinished, RequestOutput, RuntimeInfo, Shutdown,
-                                       WorkerStats, WorkerStatus)
+from tokenloom.actors.messages import (
+    EngineStats,
+    FlushPrefixCache,
+    GetKVStats,
+    GetRouterStats,
+    GetSchedulerStats,
+    GetTrace,
+    RequestFinished,
+    RequestOutput,
+    RuntimeInfo,
+    Shutdown,
+    WorkerStats,
+    WorkerStatus,
+)
 from tokenloom.actors.output.output_processor import OutputProcessor
-from tokenloom.actors.execution.model_runner import ModelRunner
-from tokenloom.actors.kv.block_hash import model_fingerprint
 from tokenloom.actors.scheduling.policy import PolicyLimits
 from tokenloom.actors.scheduling.prefix_tracker import PrefixTracker
-from tokenloom.actors.speculation.proposers import NgramProposer
-from tokenloom.actors.front.router_actor import RouterActor
-from tokenloom.actors.execution.runner_actor import RunnerActor
 from tokenloom.actors.scheduling.scheduler_actor import SchedulerActor
-from tokenloom.actors.speculation.controller import SpecController
-from tokenloom.actors.execution.guided import GuidedCompiler
-from tokenloom.actors.front.tokenizer_actor import TokenizerActor
-from tokenloom.config.schema import ConfigError, EngineConfig, resolve_cache_dir
 from tokenloom.actors.scheduling.swap import SwapSpace
-from tokenloom.kernels.kv_store import HostKVPool, KVCache
+from tokenloom.actors.speculation.controller import SpecController
+from tokenloom.actors.speculation.proposers import NgramProposer
+from tokenloom.config.schema import ConfigError, EngineConfig, resolve_cache_dir
 from tokenloom.kernels.device import pick_device, pick_dtype, select_decode_backend
-from tokenloom.kernels.models.loader import load_model, resolve_model_dir, weights_digest
-from tokenloom.kernels.models.weights import apply_weight_dtype
+from tokenloom.kernels.kv_store import HostKVPool, KVCache
+from tokenloom.kernels.models.loader import load_model, load_spec, resolve_model_dir, weights_digest
 from tokenloom.kernels.models.model_spec import ModelSpec
-from tokenloom.kernels.models.loader import load_spec
+from tokenloom.kernels.models.weights import apply_weight_dtype
 from tokenloom.startup_log import startup_log
 
 log = structlog.get_logger("tokenloom.engine")

@@ -16,8 +16,15 @@ from typing import Any, AsyncIterator, Protocol
 
 from tokenloom.actors.front.streams import StreamRegistry
 from tokenloom.actors.kv.prefix_cache import FlushResult
-from tokenloom.actors.messages import (AbortRequest, EngineStats, GenerateRequest,
-                                       RequestOutput, RuntimeInfo, WorkerStats, WorkerStatus)
+from tokenloom.actors.messages import (
+    AbortRequest,
+    EngineStats,
+    GenerateRequest,
+    RequestOutput,
+    RuntimeInfo,
+    WorkerStats,
+    WorkerStatus,
+)
 from tokenloom.config.schema import EngineConfig
 
 

@@ -24,15 +24,37 @@ import msgspec
 import structlog
 
 from tokenloom.actors.engine import Engine
-from tokenloom.actors.messages import (CheckIntegrity, FlushPrefixCache, GenerateRequest,
-                                       GetGraphStats, GetKVStats, GetSchedulerStats, GetTrace,
-                                       GraphStats, IsIdle, KVStats, RequestMeta, RequestOutput,
-                                       SchedulerStats, SubscribeKVEvents, TokenLogprob)
 from tokenloom.actors.front.fan_out import fan_out
 from tokenloom.actors.kv.prefix_cache import FlushResult
+from tokenloom.actors.messages import (
+    CheckIntegrity,
+    FlushPrefixCache,
+    GenerateRequest,
+    GetGraphStats,
+    GetKVStats,
+    GetSchedulerStats,
+    GetTrace,
+    GraphStats,
+    IsIdle,
+    KVStats,
+    RequestMeta,
+    RequestOutput,
+    SchedulerStats,
+    SubscribeKVEvents,
+    TokenLogprob,
+)
 from tokenloom.actors.sampling_params import SamplingParams
 from tokenloom.config.load import load_config
-from tokenloom.config.schema import ConfigError, EngineConfig, field_types, CacheConfig, ModelConfig, SchedulerConfig, GraphsConfig, SpeculativeConfig
+from tokenloom.config.schema import (
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    GraphsConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    field_types,
+)
 from tokenloom.startup_log import STARTUP_LOGGER
 
 _SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
@@ -109,7 +131,8 @@ class GenerationOutput:
 
 
 def options_to_overrides(options: dict[str, Any]) -> dict[str, Any]:
-    """`LLM(max_num_seqs=8, block_size=32)` -> {"scheduler.max_num_seqs": 8, "cache.block_size": 32}."""
+    """`LLM(max_num_seqs=8, block_size=32)` ->
+    {"scheduler.max_num_seqs": 8, "cache.block_size": 32}."""
     out: dict[str, Any] = {}
     for key, value in options.items():
         if "." in key:
@@ -156,7 +179,8 @@ class LLM:
 
     def chat(self, conversations: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None) -> list[GenerationOutput]:
-        convs = [conversations] if conversations and isinstance(conversations[0], dict) else conversations
+        single = conversations and isinstance(conversations[0], dict)
+        convs = [conversations] if single else conversations
         params = _per_prompt(sampling_params, len(convs))
         return self._wait(self._generate_all([(None, sp, c) for c, sp in zip(convs, params)]))
 

@@ -11,8 +11,8 @@ from typing import Annotated, Any
 import msgspec
 
 from tokenloom.actors.kv.kv_manager import TableGrowth
-from tokenloom.actors.metric_fields import counter, gauge
 from tokenloom.actors.kv.prefix_cache import PrefixCacheStats, PrefixQuery
+from tokenloom.actors.metric_fields import counter, gauge
 from tokenloom.actors.sampling_params import SamplingParams
 from tokenloom.kernels.models.model_spec import ModelSpec
 

@@ -29,7 +29,8 @@ GUIDED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 class GuidedDecoding(msgspec.Struct, frozen=True):
     """A constraint on the output (structured output): `kind` in GUIDED_KINDS and its `spec`
     as text: a JSON schema (json_schema), a regex, a JSON list of strings (choice), an EBNF
-    grammar (grammar), or "" (json_object: any JSON object). Compiled by actors/execution/guided.py."""
+    grammar (grammar), or "" (json_object: any JSON object). Compiled by
+    actors/execution/guided.py."""
 
     kind: str
     spec: str = ""

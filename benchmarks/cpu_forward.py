@@ -59,8 +59,8 @@ OUT = 64
 def read_bandwidth_gbs() -> float:
     """Multi-threaded read bandwidth: sum a 1 GiB fp32 tensor (best of 5). In a child
     process: OpenMP work on this thread would give the process a second OpenMP team beside
-    the engine's compute thread, and libgomp then stops busy-waiting (actors/execution/compute_thread.py),
-    doubling the engine's step time."""
+    the engine's compute thread, and libgomp then stops busy-waiting
+    (actors/execution/compute_thread.py), doubling the engine's step time."""
     code = ("import time, torch\n"
             "a = torch.ones(256 * 1024 * 1024); a.sum()\n"
             "best = float('inf')\n"
@@ -241,7 +241,8 @@ def report(out: dict) -> list[str]:
              "speed / llama.cpp speed (> 1: tokenloom faster); roofline = bytes per token / "
              "bandwidth",
              "",
-             "| mode (vs llama.cpp) | figure | tokenloom | llama.cpp | ratio | tokenloom roofline |",
+             "| mode (vs llama.cpp) | figure | tokenloom | llama.cpp | ratio "
+             "| tokenloom roofline |",
              "|---|---|---:|---:|---:|---:|"]
     for (mode, r), variant in [(item, v) for item in out["modes"].items()
                                for v in ("tokenloom", "tokenloom_compiled")]:
@@ -256,8 +257,8 @@ def report(out: dict) -> list[str]:
             lines.append(f"| {label} | batch-1 decode, ~{ctx} ctx (ms/token) | {ours[k]:.2f} | "
                          f"{peer[k]:.2f} | {peer[k] / ours[k]:.2f}x | {roof:.2f} ms "
                          f"({ours['weight_bytes'] / 1e6:.0f} MB + KV; at {roof / ours[k]:.0%}) |")
-        lines.append(f"| {label} | prefill 1,024 tokens (tok/s) | {ours['prefill_1024_tok_s']:.0f} | "
-                     f"{peer['prefill_1024_tok_s']:.0f} | "
+        lines.append(f"| {label} | prefill 1,024 tokens (tok/s) | "
+                     f"{ours['prefill_1024_tok_s']:.0f} | {peer['prefill_1024_tok_s']:.0f} | "
                      f"{ours['prefill_1024_tok_s'] / peer['prefill_1024_tok_s']:.2f}x | |")
         lines.append(f"| {label} | batch-16 step / batch-1 step | "
                      f"{ours['batch16_step_ms']:.1f} / {ours['batch1_step_ms']:.1f} ms = "

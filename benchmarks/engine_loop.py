@@ -48,10 +48,23 @@ from pathlib import Path
 import numpy as np
 
 import interference  # benchmarks/interference.py
-from harness import (PEERS, VOCAB_HI, VOCAB_LO, PeerStream, build_tiny_vocab_model,
-                     model_name, percentile, print_table, resolve_dir, run_async, run_load,
-                     start_llama_server, start_tokenloom, summarise, write_json)
-
+from harness import (
+    PEERS,
+    VOCAB_HI,
+    VOCAB_LO,
+    PeerStream,
+    build_tiny_vocab_model,
+    model_name,
+    percentile,
+    print_table,
+    resolve_dir,
+    run_async,
+    run_load,
+    start_llama_server,
+    start_tokenloom,
+    summarise,
+    write_json,
+)
 
 
 # -- servers -----------------------------------------------------------------------------
@@ -321,7 +334,8 @@ def _print_b(res: dict, plan, peer: bool) -> None:
                   f"{_f(s['ttft_ms']['p50'], 10)}" + (f"  errors: {s['errors']}"
                                                       if s["errors"] else ""))
         on, off = res["on"]["levels"][c], res["off"]["levels"][c]
-        line = (f"      overlap on/off: tok/s {_r(on['output_tokens_per_s'], off['output_tokens_per_s'])}"
+        line = (f"      overlap on/off: tok/s "
+                f"{_r(on['output_tokens_per_s'], off['output_tokens_per_s'])}"
                 f", ITL p50 {_r(on['itl_ms']['p50'], off['itl_ms']['p50'])}")
         if peer:
             ll = res["llama"]["levels"][c]

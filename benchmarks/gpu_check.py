@@ -200,7 +200,6 @@ def seqs_for(batch: int, context: int, blocks_per_seq: int, vocab: int):
 
 def build(shape: str, device: str, max_batch: int, context: int, dtype):
     """Random model + KV pool + static buffers; Triton kernels on CUDA."""
-    import torch
 
     from tokenloom.arith import cdiv
     from tokenloom.graphs.buffers import DecodeBuffers
@@ -325,8 +324,8 @@ def kernel_bandwidth(context: int, copy_bw: float) -> list[dict]:
 
     from tokenloom.arith import cdiv
     from tokenloom.kernels.attention import decode_attention
-    from tokenloom.kernels.models.random_model import SHAPES
     from tokenloom.kernels.gpu.triton_attention import make_decode_kernel
+    from tokenloom.kernels.models.random_model import SHAPES
 
     heads, kvh, d = 32, 8, 128
     nb = cdiv(context, BLOCK_SIZE)
@@ -360,7 +359,7 @@ def kernel_bandwidth(context: int, copy_bw: float) -> list[dict]:
                      "triton_gb_s": nbytes / t_tri / 1e9,
                      "fraction_of_copy_bw": nbytes / t_tri / copy_bw,
                      "speedup_vs_ref": t_ref / t_tri, "max_abs_err": err})
-        del kc, vc
+        kc = vc = None   # not `del`: the lambdas above close over these names
         torch.cuda.empty_cache()
     return rows
 
@@ -370,12 +369,14 @@ def run_tests(pythonpath: str, timeout: int) -> dict:
         import pytest  # noqa: F401
     except ImportError:
         return {"ran": False, "note": "pytest is not installed on this machine"}
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [pythonpath, os.environ.get("PYTHONPATH")]))}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-s", "-o", "addopts=", "-p", "no:cacheprovider",
-           "--import-mode=importlib", str(ROOT / "tests" / "gpu")]
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join(filter(None, [pythonpath, os.environ.get("PYTHONPATH")]))}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-s", "-o", "addopts=",
+           "-p", "no:cacheprovider", "--import-mode=importlib", str(ROOT / "tests" / "gpu")]
     t = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=timeout)
     except subprocess.TimeoutExpired as e:
         return {"ran": True, "ok": False, "note": f"timed out after {timeout}s",
                 "tail": (e.stdout or "")[-3000:] if isinstance(e.stdout, str) else ""}
@@ -561,17 +562,20 @@ def print_tables(result: dict) -> None:
     print(f"\nbuckets (default up to {max(plan_['batches'])}): {plan_['default_capture_sizes']}")
     print(f"padded batch sizes: {plan_['padded_batches']}")
     for name, s in plan_["shapes"].items():
-        print(f"{name}: {s['parameters'] / 1e6:.1f}M params, {s['weight_bytes_bf16'] / 2**30:.2f} GiB "
-              f"bf16 weights, {s['kv_bytes_per_token']} KV bytes/token, KV pool "
+        print(f"{name}: {s['parameters'] / 1e6:.1f}M params, "
+              f"{s['weight_bytes_bf16'] / 2**30:.2f} GiB bf16 weights, "
+              f"{s['kv_bytes_per_token']} KV bytes/token, KV pool "
               f"{s['kv_pool_bytes'] / 2**30:.2f} GiB")
     for shape, d in result.get("decode", {}).items():
-        print(f"\n{shape}: capture {d['capture_seconds']:.1f}s, {d['capture_bytes'] / 2**20:.0f} MiB")
+        print(f"\n{shape}: capture {d['capture_seconds']:.1f}s, "
+              f"{d['capture_bytes'] / 2**20:.0f} MiB")
         print(f"{'batch':>6} {'eager ms':>9} {'graph ms':>9} {'speedup':>8} {'eager tok/s':>12} "
               f"{'graph tok/s':>12} {'roofline ms':>12} {'x roofline':>10} {'rel diff':>9}")
         for r in d["rows"]:
-            print(f"{r['batch']:>6} {r['eager_ms']:>9.3f} {r['graph_ms']:>9.3f} {r['speedup']:>8.2f} "
-                  f"{r['eager_tok_s']:>12.0f} {r['graph_tok_s']:>12.0f} {r.get('roofline_ms', 0):>12.3f} "
-                  f"{r.get('graph_vs_roofline', 0):>10.2f} {r['graph_vs_eager_max_rel_diff']:>9.1e}")
+            print(f"{r['batch']:>6} {r['eager_ms']:>9.3f} {r['graph_ms']:>9.3f} "
+                  f"{r['speedup']:>8.2f} {r['eager_tok_s']:>12.0f} {r['graph_tok_s']:>12.0f} "
+                  f"{r.get('roofline_ms', 0):>12.3f} {r.get('graph_vs_roofline', 0):>10.2f} "
+                  f"{r['graph_vs_eager_max_rel_diff']:>9.1e}")
     for shape, d in result.get("mixed", {}).items():
         gpu_mixed().print_mixed(shape, d)
     if "cpu_mixed_smoke" in result:
@@ -582,13 +586,15 @@ def print_tables(result: dict) -> None:
         print(f"{'batch':>6} {'context':>8} {'triton us':>10} {'GB/s':>8} {'of copy':>8} "
               f"{'torch ref us':>13} {'speedup':>8} {'max err':>8}")
         for r in result["kernel"]:
-            print(f"{r['batch']:>6} {r['context']:>8} {r['triton_us']:>10.1f} {r['triton_gb_s']:>8.0f} "
-                  f"{r['fraction_of_copy_bw']:>8.2f} {r['torch_ref_us']:>13.1f} "
-                  f"{r['speedup_vs_ref']:>8.2f} {r['max_abs_err']:>8.1e}")
+            print(f"{r['batch']:>6} {r['context']:>8} {r['triton_us']:>10.1f} "
+                  f"{r['triton_gb_s']:>8.0f} {r['fraction_of_copy_bw']:>8.2f} "
+                  f"{r['torch_ref_us']:>13.1f} {r['speedup_vs_ref']:>8.2f} "
+                  f"{r['max_abs_err']:>8.1e}")
     if "engine" in result:
         gpu_engine().print_tables(result["engine"])
     for name, t in result.get("targets", {}).items():
-        print(f"target {name}: {t['value']:.2f} (want {t['target']}) -> {'MET' if t['met'] else 'NOT MET'}")
+        print(f"target {name}: {t['value']:.2f} (want {t['target']}) -> "
+              f"{'MET' if t['met'] else 'NOT MET'}")
     if "tests" in result:
         t = result["tests"]
         print(f"CUDA tests: {'ok' if t.get('ok') else 'FAILED' if t.get('ran') else t.get('note')}")

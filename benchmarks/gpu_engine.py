@@ -160,7 +160,7 @@ def graph_metrics(text: str) -> dict:
     """The graph counters of /metrics (daemon/metrics.py), as the runner's stats name them."""
     m = parse_metrics(text)
     total = lambda name: sum(v for _, v in m.get(name, ()))  # noqa: E731
-    by = lambda name, label: {l.get(label, ""): v for l, v in m.get(name, ())}  # noqa: E731
+    by = lambda name, label: {labels.get(label, ""): v for labels, v in m.get(name, ())}  # noqa: E731
     return {"graph_steps": total("tokenloom:graph_steps_total"),
             "replays": total("tokenloom:graph_replays_total"),
             "eager_steps": total("tokenloom:eager_steps_total"),
@@ -316,7 +316,7 @@ def offline_step(plan: EnginePlan, model_dir: Path, cache_dir: Path, spec) -> di
             busy = {"source": "torch.profiler", "fraction": None, "error": repr(e)}
     finally:
         llm.close()
-        del llm
+        llm = None   # not `del`: the profiled lambda above closes over the name
         _release_memory()
     tokens = sum(len(o.token_ids) for o in outs)
     return {**out, "prompts": len(prompts), "prompt_len": plan.prompt_len,

@@ -83,7 +83,7 @@ def bench_mixed(m, device: str, timer, *, decodes: int = 8, chunks=(16, 128, 512
                             "piecewise_ms": 1e3 * t_pieces, "speedup": t_eager / t_pieces,
                             "piecewise_vs_eager_max_rel_diff": rel,
                             "piecewise_replays": pieces.num_replays - replays_before})
-    del pieces
+    pieces = None   # not `del`: piecewise() above closes over the name
     return out
 
 

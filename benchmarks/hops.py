@@ -46,8 +46,12 @@ from harness import build_tiny_vocab_model, percentile, resolve_dir, write_json
 
 
 def _queries():
-    from tokenloom.actors.messages import (GetKVStats, GetRouterStats, GetRunnerState,
-                                           GetSchedulerStats)
+    from tokenloom.actors.messages import (
+        GetKVStats,
+        GetRouterStats,
+        GetRunnerState,
+        GetSchedulerStats,
+    )
     return GetKVStats, GetRouterStats, GetRunnerState, GetSchedulerStats
 
 
@@ -65,7 +69,8 @@ ROWS = ["event loop floor (call_soon)", *[
     "router (GetRouterStats)", "tokenizer -> router", "scheduler (GetSchedulerStats)",
     "tokenizer -> router -> scheduler", "KV manager (GetKVStats)",
     "runner thread (GetRunnerState)"],
-    "add: submit -> router ack", "  submit -> router emits the ack", "scheduler <-> KV manager per step", "  KV manager apply()",
+    "add: submit -> router ack", "  submit -> router emits the ack",
+    "scheduler <-> KV manager per step", "  KV manager apply()",
     "add: submit -> first token (scale)"]
 
 
@@ -226,8 +231,8 @@ def phase(llm, args, probe: KVProbe, rng: random.Random) -> dict:
     probe.take()
     samples = llm._wait(measure_queries(llm.engine, args.samples, rng))
     kv_rt_q, kv_apply_q = probe.take()   # steps during the queries (loaded: the load's)
-    acks, emitted, firsts = llm._wait(measure_adds(llm.engine, args.add_samples, args.add_prompt_len,
-                                          rng))
+    acks, emitted, firsts = llm._wait(measure_adds(llm.engine, args.add_samples,
+                                                   args.add_prompt_len, rng))
     kv_rt_a, kv_apply_a = probe.take()
     timings = llm.ask(llm.engine.scheduler, GetSchedulerStats()).timings
     samples["add: submit -> router ack"] = acks

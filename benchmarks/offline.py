@@ -118,7 +118,8 @@ def bench_dtype(model_dir: Path, dtype: str, quick: bool, skip_hf: bool) -> list
              "ratio": (a / b) if b else None, **extra}
         rows.append(r)
         print(f"  {dtype:9s} {name:12s} {unit:18s} tokenloom {a:9.1f}   transformers "
-              f"{b if b is not None else float('nan'):9.1f}   ratio {r['ratio'] or float('nan'):5.2f}",
+              f"{b if b is not None else float('nan'):9.1f}   "
+              f"ratio {r['ratio'] or float('nan'):5.2f}",
               flush=True)
 
     # Prefill of a 1,024-token prompt.
@@ -192,13 +193,15 @@ def main(argv=None) -> int:
     for r in rows:
         hf = f"{r['transformers']:.1f}" if r["transformers"] else "-"
         ratio = f"{r['ratio']:.2f}x" if r["ratio"] else "-"
-        print(f"| {r['dtype']} | {r['scenario']} | {r['unit']} | {r['tokenloom']:.1f} | {hf} | {ratio} |")
+        print(f"| {r['dtype']} | {r['scenario']} | {r['unit']} | {r['tokenloom']:.1f} | {hf} "
+              f"| {ratio} |")
     scale = {}
     for dtype in dtypes:
         by = {(r["scenario"], r["unit"]): r["tokenloom"] for r in rows if r["dtype"] == dtype}
         if ("batch_32", "output tok/s") in by:
             scale[dtype] = by[("batch_32", "output tok/s")] / by[("decode_b1", "decode tok/s")]
-            print(f"{dtype}: our 32-request output rate / our batch-1 decode rate = {scale[dtype]:.2f}x")
+            print(f"{dtype}: our 32-request output rate / our batch-1 decode rate = "
+                  f"{scale[dtype]:.2f}x")
     path = args.json or ROOT / "results" / f"offline-{dt.datetime.now():%Y%m%d-%H%M%S}.json"
     write_json(path, {"copy_bandwidth_gbs": bw, "rooflines": rooflines, "rows": rows,
                       "scaling_32_vs_1": scale, "argv": sys.argv[1:]})

@@ -106,7 +106,8 @@ def timing(rows_list, reps: int) -> list[dict]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--max-rows", type=int, default=400)
-    p.add_argument("--rows", type=int, nargs="+", default=[17, 18, 100, 104, 129, 144, 300, 320, 513, 576])
+    p.add_argument("--rows", type=int, nargs="+",
+                   default=[17, 18, 100, 104, 129, 144, 300, 320, 513, 576])
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--json", help="write the figures here")
     p.add_argument("--child", choices=["exact", "padded"], help=argparse.SUPPRESS)

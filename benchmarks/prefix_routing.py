@@ -33,8 +33,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import os
+import random
 import sys
 import tempfile
 import time
@@ -220,7 +220,8 @@ def main() -> int:
     sp, rr = by["shared_prefix", "prefix"], by["shared_prefix", "round_robin"]
     up, ur = by["uniform", "prefix"], by["uniform", "round_robin"]
     ratios = {
-        "shared_prefix_throughput_prefix_over_rr": round(sp["tokens_per_s"] / rr["tokens_per_s"], 3),
+        "shared_prefix_throughput_prefix_over_rr": round(
+            sp["tokens_per_s"] / rr["tokens_per_s"], 3),
         "shared_prefix_ttft_p99_rr_over_prefix": round(rr["ttft_p99"] / sp["ttft_p99"], 3),
         "shared_prefix_throughput_prefix_over_one_engine": round(
             sp["tokens_per_s"] / by["shared_prefix", "one_engine"]["tokens_per_s"], 3),

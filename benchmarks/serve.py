@@ -32,9 +32,19 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import (build_tiny_vocab_model, model_name, print_table, resolve_dir, run_async,
-                     run_load, start_tokenloom, start_transformers, summarise, text_prompts,
-                     write_json)
+from harness import (
+    build_tiny_vocab_model,
+    model_name,
+    print_table,
+    resolve_dir,
+    run_async,
+    run_load,
+    start_tokenloom,
+    start_transformers,
+    summarise,
+    text_prompts,
+    write_json,
+)
 
 
 def run_offline(model: str, prompts, output_len: int, settings: list[str],
@@ -217,8 +227,10 @@ def shared_prefix_main(args) -> None:
         print_table(f"prefix caching {caching}", summary[label])
     on, off = summary["caching_on"], summary["caching_off"]
     hit, miss = on["ttft_hit_ms"], on["ttft_miss_ms"]
-    summary["hit_over_miss_ttft_p50"] = (hit["p50"] / miss["p50"]) if hit["p50"] and miss["p50"] else None
-    summary["hit_over_cache_off_ttft_p50"] = (hit["p50"] / off["ttft_ms"]["p50"]) if hit["p50"] else None
+    summary["hit_over_miss_ttft_p50"] = ((hit["p50"] / miss["p50"])
+                                         if hit["p50"] and miss["p50"] else None)
+    summary["hit_over_cache_off_ttft_p50"] = ((hit["p50"] / off["ttft_ms"]["p50"])
+                                              if hit["p50"] else None)
     summary["throughput_on_over_off"] = on["output_tokens_per_s"] / off["output_tokens_per_s"]
     print(f"\nTTFT p50: hits {hit['p50']:.0f} ms (n={hit['n']}), misses {miss['p50']:.0f} ms "
           f"(n={miss['n']}), caching off {off['ttft_ms']['p50']:.0f} ms")

@@ -33,8 +33,9 @@ import sys
 import time
 from pathlib import Path
 
-from harness import write_json
 from tokenloom import LLM, SamplingParams
+
+from harness import write_json
 
 PASSAGES = [
     "The lighthouse keeper counted the ships that night and wrote each name in the ledger: "

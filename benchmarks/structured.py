@@ -8,11 +8,12 @@ Default model (fp32, CPU), one engine, measured side by side in one run:
  (b) decode tokens/s with a JSON-schema constraint vs unconstrained, at batch 1 and 16
      (target: constrained >= 0.90x), with the grammar masks filled on the guided worker
      during the forward and on the runner's thread after it (the engine's default: during
-     on CUDA, after on CPU, where a concurrent fill slows the forward). The unconstrained requests generate exactly as many tokens as
-     their constrained twins (ignore_eos, max_tokens = the constrained length), and the
-     modes alternate over rounds (best round of each reported) so drift on a shared
-     machine hits all alike. Decode tokens/s: (tokens - 1) / (last - first token time),
-     summed over requests at batch 1; the whole batch's tokens over its decode window at 16;
+     on CUDA, after on CPU, where a concurrent fill slows the forward). The unconstrained
+     requests generate exactly as many tokens as their constrained twins (ignore_eos,
+     max_tokens = the constrained length), and the modes alternate over rounds (best
+     round of each reported) so drift on a shared machine hits all alike. Decode tokens/s:
+     (tokens - 1) / (last - first token time), summed over requests at batch 1; the whole
+     batch's tokens over its decode window at 16;
  (c) compile time of a 50-property schema (cold: no cache), after the one-off tokenizer
      tables, which are reported apart;
  (d) constrained + speculative decoding (prompt lookup, speculative "on") vs constrained
@@ -171,8 +172,12 @@ def mask_time(llm, tokenizer, vocab: int, eos) -> dict:
     import torch
 
     from tokenloom import SamplingParams
-    from tokenloom.actors.execution.guided import (GuidedCompiler, GuidedMatcher, allocate_bitmask,
-                                         apply_bitmask)
+    from tokenloom.actors.execution.guided import (
+        GuidedCompiler,
+        GuidedMatcher,
+        allocate_bitmask,
+        apply_bitmask,
+    )
     from tokenloom.actors.sampling_params import GuidedDecoding
 
     guided = GuidedDecoding("json_schema", json.dumps(SCHEMA))

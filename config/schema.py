@@ -18,7 +18,7 @@ import os
 import pathlib
 import re
 from collections.abc import Mapping
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 import msgspec
 
@@ -173,7 +173,7 @@ class SchedulerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only
                     or not -(2**31) <= value < 2**31:
                 raise ConfigError(f"scheduler.priority_classes.{name or '<empty>'} must be a "
                                   f"32-bit integer, got {value!r}",
-                                  key=f"scheduler.priority_classes")
+                                  key="scheduler.priority_classes")
         for name, value in self.tenant_weights.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ConfigError(f"scheduler.tenant_weights.{name} must be a number > 0, "

@@ -21,7 +21,8 @@ def _parse_set(items: list[str]) -> dict[str, str]:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise ConfigError(f"--set expects key=value (e.g. scheduler.max_num_seqs=8), got {item!r}")
+            raise ConfigError("--set expects key=value (e.g. scheduler.max_num_seqs=8), "
+                              f"got {item!r}")
         out[key.strip()] = _scalar(value.strip())
     return out
 

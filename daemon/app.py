@@ -17,12 +17,12 @@ from aiohttp import web
 from tokenloom.config.schema import EngineConfig
 from tokenloom.daemon import logs
 from tokenloom.daemon.admin import server as admin_server
-from tokenloom.daemon.openai import endpoints
-from tokenloom.daemon.openai.chat import chat_completions
-from tokenloom.daemon.openai.completions import completions
 from tokenloom.daemon.drain import DrainController
 from tokenloom.daemon.errors import APIError
 from tokenloom.daemon.metrics import CONTENT_TYPE, Metrics
+from tokenloom.daemon.openai import endpoints
+from tokenloom.daemon.openai.chat import chat_completions
+from tokenloom.daemon.openai.completions import completions
 from tokenloom.daemon.openai.protocol import Limits
 from tokenloom.daemon.openai.responses import HealthResponse, ReadyResponse
 from tokenloom.daemon.sdnotify import Notifier

@@ -15,8 +15,13 @@ import time
 from typing import Iterator
 
 import msgspec
-from prometheus_client import (CollectorRegistry, Counter, Histogram, disable_created_metrics,
-                               generate_latest)
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tokenloom.actors.messages import EngineStats, RequestTimings

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Callable
 from aiohttp import web
 
 from tokenloom.actors.engine_client import EngineClient
-
 from tokenloom.config.schema import EngineConfig
 from tokenloom.daemon.inflight import InFlight
 from tokenloom.daemon.metrics import Metrics

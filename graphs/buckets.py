@@ -85,7 +85,8 @@ class PaddedSizeTable:
         self.sizes = normalise_sizes(sizes)
         self.max_size = self.sizes[-1]
         # _table[n] for n in 0..max_size; a zero-row batch never replays (index 0 unused).
-        self._table = [self.sizes[bisect.bisect_left(self.sizes, n)] for n in range(1, self.max_size + 1)]
+        self._table = [self.sizes[bisect.bisect_left(self.sizes, n)]
+                       for n in range(1, self.max_size + 1)]
         self._table.insert(0, self.sizes[0])
 
     def padded(self, n: int) -> int | None:

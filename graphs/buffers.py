@@ -66,7 +66,8 @@ class DecodeBuffers:
     def fill(self, seqs: list[ScheduledSequence], padded: int) -> None:
         """Write one decode token per sequence into rows [0, len(seqs)), padding up to `padded`."""
         n = len(seqs)
-        assert 0 < n <= padded <= self.max_size, f"cannot pad {n} rows to {padded} (max {self.max_size})"
+        assert 0 < n <= padded <= self.max_size, \
+            f"cannot pad {n} rows to {padded} (max {self.max_size})"
         bs = self.block_size
         host = self._host
         if self._copied is not None:

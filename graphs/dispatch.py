@@ -111,5 +111,6 @@ class Dispatcher:
                                                 + self.piecewise_padded_tokens)
                 if self.piecewise_steps else 0.0),
             # Save this as graphs.histogram_path to derive buckets from real traffic.
-            "decode_batch_size_histogram": {str(k): v for k, v in sorted(self.decode_batch_sizes.items())},
+            "decode_batch_size_histogram": {str(k): v for k, v
+                                            in sorted(self.decode_batch_sizes.items())},
         }

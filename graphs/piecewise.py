@@ -33,8 +33,12 @@ from __future__ import annotations
 
 import torch
 
-from tokenloom.graphs.capture import (CaptureClosedError, CaptureError, capture_allowed,
-                                      capture_buckets)
+from tokenloom.graphs.capture import (
+    CaptureClosedError,
+    CaptureError,
+    capture_allowed,
+    capture_buckets,
+)
 from tokenloom.kernels.attention import with_chunk_masks
 from tokenloom.kernels.forward_context import AttentionMetadata
 from tokenloom.kernels.kv_store import KVCache

@@ -175,8 +175,13 @@ def build_cpu_programs(cfg: GraphsConfig, model, kv: KVCache, *, max_num_seqs: i
                        max_model_len: int, cache_dir: Path | None):
     """CPU: a compiled decode program per bucket (graphs/cpu_compile.py), or eager with the
     reason logged."""
-    from tokenloom.graphs.cpu_compile import (CompiledDecode, cache_key, paged_decode_op,
-                                              store_kv_op, use_cache_dir)
+    from tokenloom.graphs.cpu_compile import (
+        CompiledDecode,
+        cache_key,
+        paged_decode_op,
+        store_kv_op,
+        use_cache_dir,
+    )
     from tokenloom.kernels.cpu.attention import cpu_kernel_status, paged_decode_cpu
 
     reason = None

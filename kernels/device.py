@@ -58,9 +58,13 @@ def select_decode_backend(model, wanted: str, device: torch.device,
     if wanted == "torch" or (wanted == "auto" and device.type != "cpu"):
         return "torch"
     if device.type != "cpu":
-        raise ConfigError("config error: model.attention_backend 'cpu_kernel' needs model.device cpu")
-    from tokenloom.kernels.cpu.attention import (cpu_kernel_status, load_cpu_decode_kernel,
-                                                 paged_decode_cpu)
+        raise ConfigError("config error: model.attention_backend 'cpu_kernel' needs "
+                          "model.device cpu")
+    from tokenloom.kernels.cpu.attention import (
+        cpu_kernel_status,
+        load_cpu_decode_kernel,
+        paged_decode_cpu,
+    )
     if load_cpu_decode_kernel() is None:
         reason = cpu_kernel_status()
         startup_log.info(f"decode attention: torch reference (C++ kernel unavailable: {reason})",

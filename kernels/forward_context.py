@@ -17,7 +17,8 @@ class PrefillSegment:
     query_start: int          # index of the chunk's first token in the flat batch
     query_len: int            # tokens in this chunk
     start_pos: int            # position of the chunk's first token in its sequence
-    block_table: torch.Tensor  # [num_blocks] int64, blocks holding positions [0, start_pos + query_len)
+    # [num_blocks] int64, the blocks holding positions [0, start_pos + query_len)
+    block_table: torch.Tensor
     # [query_len, context_len] additive mask (0 visible, -inf not) in the model's dtype, for
     # a chunk with start_pos > 0: built once per step (attention.with_chunk_masks), not per layer.
     mask: torch.Tensor | None = None
@@ -29,7 +30,8 @@ class PrefillSegment:
 
 @dataclasses.dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor        # [num_tokens] int64: cache slot each new token's K/V goes to (-1: skip)
+    # [num_tokens] int64: the cache slot each new token's K/V goes to (-1: skip)
+    slot_mapping: torch.Tensor
     num_decodes: int                  # the first num_decodes tokens are single-token decodes
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64, padded with 0
     decode_context_lens: torch.Tensor  # [num_decodes] int64, including the token being decoded

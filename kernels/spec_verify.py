@@ -28,8 +28,14 @@ from typing import Sequence
 
 import torch
 
-from tokenloom.kernels.sampling import (Sample, SamplingRow, _with_logprobs, argmax_rows,
-                                        filter_logits, process_logits)
+from tokenloom.kernels.sampling import (
+    Sample,
+    SamplingRow,
+    _with_logprobs,
+    argmax_rows,
+    filter_logits,
+    process_logits,
+)
 
 
 @dataclasses.dataclass

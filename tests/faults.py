@@ -106,12 +106,12 @@ class Injector:
 
 def install() -> Injector:
     """Wrap the fault points (once per process; `uninstall()` undoes it)."""
-    from tokenloom.actors.execution import model_runner
     from tokenloom.actors.engine_client import EngineFront
+    from tokenloom.actors.execution import model_runner
+    from tokenloom.actors.front.streams import StreamRegistry
     from tokenloom.actors.kv.kv_actor import KVManagerActor
     from tokenloom.actors.kv.kv_manager import KVCacheManager
     from tokenloom.actors.output.output_processor import OutputProcessor
-    from tokenloom.actors.front.streams import StreamRegistry
 
     inj = Injector()
 

@@ -20,19 +20,35 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from tokenloom.actors.execution.batch_inputs import build_batch_inputs
-from tokenloom.actors.execution.guided import (GuidedMatcher, allocate_bitmask, apply_bitmask,
-                                     restrict_draft_probs)
-from tokenloom.actors.execution.guided import FIELD_OF_KIND
+from tokenloom.actors.execution.guided import (
+    FIELD_OF_KIND,
+    GuidedMatcher,
+    allocate_bitmask,
+    apply_bitmask,
+    restrict_draft_probs,
+)
+from tokenloom.actors.messages import (
+    PLACEHOLDER,
+    ExecuteBatch,
+    GraphStats,
+    NewSequence,
+    SampledToken,
+    SpecResult,
+    StepOutput,
+    TokenLogprob,
+)
 from tokenloom.graphs.capture import DecodeGraphs
 from tokenloom.graphs.dispatch import GRAPH, PIECEWISE, Dispatcher
 from tokenloom.graphs.piecewise import PiecewiseGraphs
-from tokenloom.actors.messages import (PLACEHOLDER, ExecuteBatch, GraphStats, NewSequence,
-                                       SampledToken,
-                                       SpecResult, StepOutput, TokenLogprob)
 from tokenloom.kernels.kv_store import HostKVPool, KVCache
 from tokenloom.kernels.models.llama import LlamaForCausalLM
-from tokenloom.kernels.sampling import Sample, SamplingRow, make_generator, sample
-from tokenloom.kernels.sampling import reads_host_history
+from tokenloom.kernels.sampling import (
+    Sample,
+    SamplingRow,
+    make_generator,
+    reads_host_history,
+    sample,
+)
 from tokenloom.kernels.sampling import sample_ids as sample_ids_on_device
 from tokenloom.kernels.spec_verify import Proposal, expand_rows, verify
 

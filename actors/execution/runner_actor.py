@@ -20,9 +20,17 @@ import traceback
 from typing import Any
 
 from tokenloom.actors.base import Actor, resolve
-from tokenloom.actors.messages import (ExecuteBatch, ForgetRequests, GetGraphStats,
-                                       GetRunnerState, GraphStats, RunnerState, Shutdown, StepOutput)
 from tokenloom.actors.execution.model_runner import ModelRunner
+from tokenloom.actors.messages import (
+    ExecuteBatch,
+    ForgetRequests,
+    GetGraphStats,
+    GetRunnerState,
+    GraphStats,
+    RunnerState,
+    Shutdown,
+    StepOutput,
+)
 
 
 def freeze_startup_objects() -> None:

@@ -2,7 +2,8 @@
 
 It applies the admission gate, forwards (aborts keep their order behind their request),
 and acknowledges each admitted request on its stream (an empty RequestOutput), so
-that the front end knows the request passed validation before its first token exists. The gate bounds memory under overload: at most `max_num_seqs` requests can run, and
+that the front end knows the request passed validation before its first token exists.
+The gate bounds memory under overload: at most `max_num_seqs` requests can run, and
 at most `max_waiting` more may queue behind them; a request beyond that ends at once with an
 "overloaded" error (HTTP 429 with Retry-After) instead of growing the queue without bound.
 
@@ -19,13 +20,26 @@ import time
 from typing import Callable
 
 from tokenloom.actors.base import Actor, resolve
-from tokenloom.actors.kv.block_hash import CacheIdentity, hash_request_blocks
-from tokenloom.actors.messages import (ERROR_INTERNAL, ERROR_OVERLOADED, AbortRequest,
-                                       AddRequest, GetRouterStats, GetRoutingStats,
-                                       RequestFinished, RequestOutput, RequestStarted,
-                                       RouterStats, RoutingStats, Shutdown, WorkerDown,
-                                       WorkerKVEvents, WorkerReport, WorkerUp)
 from tokenloom.actors.front.routing import RouteDecision, RoutingCore
+from tokenloom.actors.kv.block_hash import CacheIdentity, hash_request_blocks
+from tokenloom.actors.messages import (
+    ERROR_INTERNAL,
+    ERROR_OVERLOADED,
+    AbortRequest,
+    AddRequest,
+    GetRouterStats,
+    GetRoutingStats,
+    RequestFinished,
+    RequestOutput,
+    RequestStarted,
+    RouterStats,
+    RoutingStats,
+    Shutdown,
+    WorkerDown,
+    WorkerKVEvents,
+    WorkerReport,
+    WorkerUp,
+)
 from tokenloom.arith import cdiv
 
 

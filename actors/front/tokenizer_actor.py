@@ -33,8 +33,13 @@ from typing import Any, Callable
 import msgspec
 
 from tokenloom.actors.base import Actor
-from tokenloom.actors.messages import (ERROR_INVALID, AddRequest, GenerateRequest, RequestOutput,
-                                       Shutdown)
+from tokenloom.actors.messages import (
+    ERROR_INVALID,
+    AddRequest,
+    GenerateRequest,
+    RequestOutput,
+    Shutdown,
+)
 
 # Measured with SmolLM2's tokenizer on 2 CPU cores: a hop to the worker thread costs the
 # loop ~20 us of CPU (~30 us of added latency), whatever the prompt size; encoding inline
@@ -83,8 +88,8 @@ class TokenizerActor(Actor):
             vocab = len(self.tokenizer)
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
-                raise PromptError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})",
-                                  "prompt")
+                raise PromptError(f"prompt token id {bad[0]} is outside the vocabulary "
+                                  f"[0, {vocab})", "prompt")
             return ids
         if req.messages is not None:
             try:

@@ -11,8 +11,16 @@ import time
 from tokenloom.actors.base import Actor, resolve
 from tokenloom.actors.kv.events import EventCollector
 from tokenloom.actors.kv.kv_manager import KVCacheManager
-from tokenloom.actors.messages import (CheckIntegrity, FlushPrefixCache, GetKVStats, KVGrant, KVStats,
-                                       KVUpdate, Shutdown, SubscribeKVEvents)
+from tokenloom.actors.messages import (
+    CheckIntegrity,
+    FlushPrefixCache,
+    GetKVStats,
+    KVGrant,
+    KVStats,
+    KVUpdate,
+    Shutdown,
+    SubscribeKVEvents,
+)
 from tokenloom.arith import cdiv
 
 

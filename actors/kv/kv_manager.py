@@ -34,8 +34,14 @@ import msgspec
 from tokenloom.actors.kv.block_hash import BlockHash
 from tokenloom.actors.kv.block_pool import BlockPool
 from tokenloom.actors.kv.events import KVEventPublisher
-from tokenloom.actors.kv.prefix_cache import (FlushResult, PrefixCache, PrefixCacheStats,
-                                           PrefixQuery, PrefixRecord, empty_stats)
+from tokenloom.actors.kv.prefix_cache import (
+    FlushResult,
+    PrefixCache,
+    PrefixCacheStats,
+    PrefixQuery,
+    PrefixRecord,
+    empty_stats,
+)
 from tokenloom.arith import cdiv
 
 

@@ -41,16 +41,20 @@ from __future__ import annotations
 import enum
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
-
 from typing import Annotated
 
 import msgspec
 
 from tokenloom.actors.kv.block_hash import BlockHash
 from tokenloom.actors.kv.block_pool import BlockPool
+from tokenloom.actors.kv.events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventPublisher,
+)
 from tokenloom.actors.metric_fields import counter
-from tokenloom.actors.kv.events import (MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored,
-                                        KVEventPublisher)
 
 
 class MissReason(enum.StrEnum):
@@ -353,11 +357,11 @@ class PrefixCache:
         assert h is not None, f"block {block_id} is not cached"
         del self._block_of[h]
         self._hash_of[block_id] = None
-        for counter, key in ((self._content_count, self._content_of[block_id]),
-                             (self._sibling_count, self._sibling_of[block_id])):
-            counter[key] -= 1
-            if counter[key] == 0:
-                del counter[key]
+        for counts, key in ((self._content_count, self._content_of[block_id]),
+                            (self._sibling_count, self._sibling_of[block_id])):
+            counts[key] -= 1
+            if counts[key] == 0:
+                del counts[key]
         self._content_of[block_id] = None
         self._sibling_of[block_id] = None
         return h

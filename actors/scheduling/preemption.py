@@ -108,4 +108,5 @@ class Preemptor:
         if num_blocks and seconds:
             per_block = seconds / num_blocks
             prev = self.swap_seconds_per_block
-            self.swap_seconds_per_block = per_block if prev is None else 0.8 * prev + 0.2 * per_block
+            self.swap_seconds_per_block = (per_block if prev is None
+                                           else 0.8 * prev + 0.2 * per_block)

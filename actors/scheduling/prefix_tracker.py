@@ -9,8 +9,8 @@ request's life (preemption and re-admission included).
 from __future__ import annotations
 
 from tokenloom.actors.kv.block_hash import CacheIdentity, extend_block_hashes
-from tokenloom.actors.messages import KVCommit
 from tokenloom.actors.kv.prefix_cache import PrefixQuery
+from tokenloom.actors.messages import KVCommit
 from tokenloom.actors.scheduling.request import Request
 
 

@@ -3,9 +3,9 @@
 Owns every Request (waiting and running). Each iteration `_schedule` plans the next step
 (`_plan`: the policy, under the fair-share order, the SLO chunk budget and the KV plan),
 gets exactly the blocks it needs from the KV manager in one atomic round trip (`_grant`),
-and builds the runner's batch (`_build`). With `scheduler.overlap` (the default) it does that while the previous step
-runs, then processes the previous step's outputs — one step ahead, as SGLang's overlap
-scheduler and vLLM's async scheduling do:
+and builds the runner's batch (`_build`). With `scheduler.overlap` (the default) it does
+that while the previous step runs, then processes the previous step's outputs — one step
+ahead, as SGLang's overlap scheduler and vLLM's async scheduling do:
 
 - a running request is assumed to produce one token in the step in flight: the next step
   feeds it as a PLACEHOLDER that the runner fills from its own sample, and the request's
@@ -39,29 +39,48 @@ import time
 from collections import deque
 from typing import Callable
 
-from tokenloom.actors.scheduling import siblings
 from tokenloom.actors.base import Actor, resolve
+from tokenloom.actors.messages import (
+    ERROR_INTERNAL,
+    ERROR_INVALID,
+    AbortRequest,
+    AddRequest,
+    ExecuteBatch,
+    ForgetRequests,
+    GetSchedulerStats,
+    GetTrace,
+    IsIdle,
+    KVCommit,
+    KVGrant,
+    RequestOutput,
+    SampledToken,
+    SchedulerStats,
+    Shutdown,
+    StepOutput,
+)
+from tokenloom.actors.output.output_processor import OutputProcessor
+from tokenloom.actors.scheduling import siblings
 from tokenloom.actors.scheduling.chunk_sizing import ChunkSizer
 from tokenloom.actors.scheduling.cost_model import StepCostModel
 from tokenloom.actors.scheduling.fairness import FairShare
 from tokenloom.actors.scheduling.kv_view import KVView
-from tokenloom.actors.messages import (ERROR_INTERNAL, ERROR_INVALID, AbortRequest, AddRequest,
-                                       ExecuteBatch, ForgetRequests, GetSchedulerStats, GetTrace,
-                                       IsIdle, KVCommit, KVGrant,
-                                       RequestOutput,
-                                       SampledToken, SchedulerStats, Shutdown, StepOutput)
-from tokenloom.actors.output.output_processor import OutputProcessor
 from tokenloom.actors.scheduling.policy import AdmissionParams, Decision, PolicyLimits, schedule
 from tokenloom.actors.scheduling.preemption import Preemptor
 from tokenloom.actors.scheduling.prefix_tracker import PrefixTracker
 from tokenloom.actors.scheduling.request import FinishReason, Request, RequestStatus
-from tokenloom.actors.scheduling.step_batch import (InFlightStep, apply_prefix_hits,
-                                                    build_batch, kv_update, note_plans,
-                                                    process_oldest_now, start_works)
-from tokenloom.actors.speculation.controller import SpecController
+from tokenloom.actors.scheduling.step_batch import (
+    InFlightStep,
+    apply_prefix_hits,
+    build_batch,
+    kv_update,
+    note_plans,
+    process_oldest_now,
+    start_works,
+)
 from tokenloom.actors.scheduling.step_observer import StepObserver
 from tokenloom.actors.scheduling.swap import SwapSpace
 from tokenloom.actors.scheduling.trace import RequestTrace, TraceHistory
+from tokenloom.actors.speculation.controller import SpecController
 from tokenloom.config.schema import SchedulerConfig
 
 S = RequestStatus

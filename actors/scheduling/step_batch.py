@@ -16,8 +16,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
-from tokenloom.actors.messages import (PLACEHOLDER, ExecuteBatch, KVAdmission, KVCommit,
-                                       KVGrant, KVUpdate, NewSequence, ScheduledSequence)
+from tokenloom.actors.messages import (
+    PLACEHOLDER,
+    ExecuteBatch,
+    KVAdmission,
+    KVCommit,
+    KVGrant,
+    KVUpdate,
+    NewSequence,
+    ScheduledSequence,
+)
 from tokenloom.actors.scheduling.policy import Decision
 from tokenloom.actors.scheduling.request import Request, RequestStatus
 

@@ -14,9 +14,9 @@ from collections import deque
 
 import structlog
 
+from tokenloom.actors.messages import ExecuteBatch, StepTimings
 from tokenloom.actors.scheduling.cost_model import StepCostModel, attention_work
 from tokenloom.actors.scheduling.fairness import FairShare
-from tokenloom.actors.messages import ExecuteBatch, StepTimings
 from tokenloom.actors.scheduling.policy import Decision
 from tokenloom.actors.scheduling.request import FinishReason, Request
 from tokenloom.config.schema import SchedulerConfig

@@ -25,10 +25,10 @@ calibrates it.
 Each request speculates with the k that maximises a_i(k) - (N / T0) * dT_i(k), if that is
 above `min_gain` tokens per step (it raises the batch's tokens per second); the whole
 batch stops speculating when the sum, less the draft model's own time, is not above
-`min_gain` of N (large batches, low acceptance). A request that stopped is re-probed after `reprobe_steps`
-decode steps: prompt lookup proposes once more and is scored in the shadow; a draft model
-speculates for one step. `speculative: "on"` (per request or config mode) skips the cost
-test; "off" never proposes.
+`min_gain` of N (large batches, low acceptance). A request that stopped is re-probed after
+`reprobe_steps` decode steps: prompt lookup proposes once more and is scored in the shadow;
+a draft model speculates for one step. `speculative: "on"` (per request or config mode)
+skips the cost test; "off" never proposes.
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ class DraftModelProposer:
                               max_model_len=info.max_model_len, block_size=info.block_size)
         kv = KVCache.allocate(spec.num_layers, info.num_blocks, info.block_size,
                               spec.num_kv_heads, spec.head_dim, dtype, device)
-        from tokenloom.graphs.setup import precompile_decode   # no-op unless the Triton split
+        from tokenloom.graphs.setup import precompile_decode  # no-op unless the Triton split
         width = cdiv(info.max_model_len, info.block_size) * info.block_size
         precompile_decode(model, kv, max_num_seqs=max_num_seqs, width=width, graph_sizes=())
         return cls(model, kv, device)

@@ -9,8 +9,8 @@
     tokenloom admin log-level LEVEL
 Common options: --socket PATH (default: admin.socket_path from --config / the environment /
 the defaults, i.e. /run/tokenloom/admin.sock, or where a daemon run by hand falls back to:
-$XDG_RUNTIME_DIR/tokenloom/admin.sock, else <tmp>/tokenloom-<uid>/admin.sock), --json (print the reply as JSON),
---timeout-connect S.
+$XDG_RUNTIME_DIR/tokenloom/admin.sock, else <tmp>/tokenloom-<uid>/admin.sock),
+--json (print the reply as JSON), --timeout-connect S.
 
 Exit status: 0 the command succeeded; 1 the daemon refused or failed it (the reply's error
 is printed); 2 bad usage; 3 the daemon could not be reached.

@@ -25,9 +25,9 @@ from pathlib import Path
 import structlog
 
 from tokenloom.config.schema import DEFAULT_ADMIN_SOCKET, AdminConfig
+from tokenloom.daemon import logs
 from tokenloom.daemon.admin import paths as admin_paths
 from tokenloom.daemon.admin import protocol as P
-from tokenloom.daemon import logs
 
 log = structlog.get_logger("tokenloom.admin")
 

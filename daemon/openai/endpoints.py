@@ -53,16 +53,6 @@ def check_serving(state: ServerState) -> None:
         raise APIError(503, "the model is not loaded yet")
 
 
-def check_serving(state: ServerState) -> None:
-    if state.draining:
-        raise APIError(503, "the server is draining; retry later or elsewhere",
-                       headers={"Retry-After": str(state.config.server.retry_after_seconds)})
-    if state.engine_task is not None and state.engine_task.done():
-        raise APIError(503, "the engine has stopped")
-    if state.engine is None or not state.ready:
-        raise APIError(503, "the model is not loaded yet")
-
-
 async def request_trace(request: web.Request) -> web.Response:
     """GET /v1/requests/{id}/trace: the per-request trace of a recent request, by the id
     the client saw (the response's `id` / X-Request-Id). Traces are kept for the last

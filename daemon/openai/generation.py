@@ -23,12 +23,17 @@ import dataclasses
 import time
 from typing import AsyncIterator
 
-
 from tokenloom.actors.engine_client import EngineClient
 from tokenloom.actors.front.fan_out import fan_out
-from tokenloom.actors.messages import (ERROR_INVALID, ERROR_OVERLOADED, GenerateRequest,
-                                       RequestMeta, RequestOutput, RequestTimings,
-                                       TokenLogprob)
+from tokenloom.actors.messages import (
+    ERROR_INVALID,
+    ERROR_OVERLOADED,
+    GenerateRequest,
+    RequestMeta,
+    RequestOutput,
+    RequestTimings,
+    TokenLogprob,
+)
 from tokenloom.actors.sampling_params import SamplingParams
 from tokenloom.daemon.errors import APIError
 

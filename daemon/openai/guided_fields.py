@@ -13,7 +13,6 @@ import msgspec
 from tokenloom.actors.sampling_params import GuidedDecoding
 from tokenloom.daemon.errors import APIError
 
-
 # JSON-schema keywords the grammar engine cannot enforce: refused (400) rather than ignored,
 # so an output that "matches the schema" never silently breaks one of them.
 UNSUPPORTED_SCHEMA_KEYWORDS = ("patternProperties", "propertyNames", "dependentSchemas",

@@ -33,16 +33,33 @@ import zmq
 import zmq.asyncio
 
 from tokenloom.actors.engine_client import EngineFront, merge_traces
-from tokenloom.actors.messages import (ERROR_INTERNAL, AddRequest, EngineStats, GetRouterStats,
-                                       GetRoutingStats, RequestFinished, RequestOutput,
-                                       RequestStarted, Shutdown, WorkerDown, WorkerKVEvents,
-                                       WorkerReport, WorkerStats, WorkerStatus, WorkerUp)
-from tokenloom.actors.kv.prefix_cache import FlushResult
 from tokenloom.actors.front.routing import RouteDecision, RoutingCore
+from tokenloom.actors.kv.prefix_cache import FlushResult
+from tokenloom.actors.messages import (
+    ERROR_INTERNAL,
+    AddRequest,
+    EngineStats,
+    GetRouterStats,
+    GetRoutingStats,
+    RequestFinished,
+    RequestOutput,
+    RequestStarted,
+    Shutdown,
+    WorkerDown,
+    WorkerKVEvents,
+    WorkerReport,
+    WorkerStats,
+    WorkerStatus,
+    WorkerUp,
+)
 from tokenloom.config.schema import EngineConfig
 from tokenloom.daemon.workers import aggregate, supervisor, wire
-from tokenloom.daemon.workers.slot import (STOP_SECONDS, WorkerConfigError, WorkerSlot,
-                                           WorkerStartError)
+from tokenloom.daemon.workers.slot import (
+    STOP_SECONDS,
+    WorkerConfigError,
+    WorkerSlot,
+    WorkerStartError,
+)
 
 log = structlog.get_logger("tokenloom.workers")
 

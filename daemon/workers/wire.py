@@ -17,8 +17,13 @@ import msgspec
 
 from tokenloom.actors.kv.events import KVEvent
 from tokenloom.actors.kv.prefix_cache import FlushResult
-from tokenloom.actors.messages import (AbortRequest, AddRequest, EngineStats, RequestOutput,
-                                       RuntimeInfo)
+from tokenloom.actors.messages import (
+    AbortRequest,
+    AddRequest,
+    EngineStats,
+    RequestOutput,
+    RuntimeInfo,
+)
 
 
 class _Wire(msgspec.Struct, tag=True, kw_only=True, gc=False):

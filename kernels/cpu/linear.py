@@ -55,10 +55,10 @@ class PackedLinear(nn.Module):
 # on the tiny test model's shapes and SmolLM2's: benchmarks/onednn_shapes.py). A server's
 # steps have every row count from 1 to the batch-token budget, so keyed by the exact count
 # the cache grew by ~0.8 KiB a request under mixed traffic (the soak: ~9 MiB a minute,
-# until the cache is full at 0.3-0.6 GiB). Calls are therefore made at a bounded set of row counts: exact up to
-# ONEDNN_EXACT_ROWS (decode batches, where the weights' memory traffic dominates), above it
-# rounded up to 1/8 of the power of two below (at most 12.5% padding rows, 8 shapes per
-# doubling: 72 up to 2,048 rows).
+# until the cache is full at 0.3-0.6 GiB). Calls are therefore made at a bounded set of row
+# counts: exact up to ONEDNN_EXACT_ROWS (decode batches, where the weights' memory traffic
+# dominates), above it rounded up to 1/8 of the power of two below (at most 12.5% padding
+# rows, 8 shapes per doubling: 72 up to 2,048 rows).
 ONEDNN_EXACT_ROWS = 16
 
 
@@ -312,7 +312,8 @@ def cached_plan(weights: list[tuple[torch.Tensor, torch.Tensor | None]], storage
 
     path = None
     if cache_dir is not None:
-        path = Path(cache_dir) / "cpu_kernel_plans" / f"{plan_cache_key(weights, storage, act_dtype, rows)}.json"
+        key = plan_cache_key(weights, storage, act_dtype, rows)
+        path = Path(cache_dir) / "cpu_kernel_plans" / f"{key}.json"
         try:
             raw = json.loads(path.read_text())
             cached = Plan(tuple((int(hi), str(name)) for hi, name in raw["bands"]),
@@ -377,8 +378,8 @@ class CpuLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.storage = storage
         # What a call streams: the weight once (int8: plus its fp32 scales).
-        self.weight_bytes = (self.out_features * self.in_features
-                             * (1 if storage == INT8 else torch.tensor([], dtype=act_dtype).element_size())
+        element = 1 if storage == INT8 else torch.tensor([], dtype=act_dtype).element_size()
+        self.weight_bytes = (self.out_features * self.in_features * element
                              + (4 * self.out_features if storage == INT8 else 0))
         # Compiled decode programs (graphs/cpu_compile.py) cannot call oneDNN's packed
         # weights: while tracing, the fastest other kernel for the row count is used.

@@ -269,7 +269,8 @@ def store_kv_triton(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Ten
     t, kvh, d = key.shape
     if t == 0:
         return
-    assert key.stride(2) == 1 and key.stride(1) == d and value.stride(2) == 1 and value.stride(1) == d
+    assert key.stride(2) == 1 and key.stride(1) == d
+    assert value.stride(2) == 1 and value.stride(1) == d
     assert key_cache.is_contiguous() and value_cache.is_contiguous()
     row = kvh * d
     _store_kv[(t,)](key, value, key_cache, value_cache, slot_mapping, key.stride(0),

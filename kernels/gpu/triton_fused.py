@@ -51,7 +51,7 @@ def _rms_norm(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, n_co
         tl.store(res_ptr + row * stride_r + cols, x, mask=m)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-    y = _round_to(xf * rstd, x.dtype)                                   # normalised in fp32, rounded
+    y = _round_to(xf * rstd, x.dtype)   # normalised in fp32, rounded
     w = tl.load(w_ptr + cols, mask=m, other=0.0)
     out = _round_to(w.to(tl.float32) * y.to(tl.float32), out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_o + cols, out, mask=m)
@@ -188,9 +188,9 @@ def smoke_test(device: str | torch.device, dtype: torch.dtype, *, num_heads: int
     decode kernel) drops the Triton backend for graphs and eager alike, instead of failing
     every request while /ready says 200."""
     from tokenloom.kernels.attention import decode_attention
+    from tokenloom.kernels.gpu.triton_attention import paged_decode_triton, store_kv_triton
     from tokenloom.kernels.kv_store import store_kv
     from tokenloom.kernels.models.layers import RMSNorm, add_rms_norm, rope_and_store
-    from tokenloom.kernels.gpu.triton_attention import paged_decode_triton, store_kv_triton
 
     tol = 2e-3 if dtype == torch.float32 else 6e-2   # relative to the values' scale
     what = "?"
@@ -204,14 +204,16 @@ def smoke_test(device: str | torch.device, dtype: torch.dtype, *, num_heads: int
             err = (got.float() - want.float()).abs().max().item()
             scale = max(1.0, want.float().abs().max().item())
             if not err <= tol * scale:
-                return f"the Triton {name} kernel disagrees with the reference ({dtype}: max error {err:.3g})"
+                return (f"the Triton {name} kernel disagrees with the reference "
+                        f"({dtype}: max error {err:.3g})")
             return None
 
         # Contexts: one past a partition (two partitions and the reduce), and a short one.
         lens = [partition + 3, 5]
         blocks_per_seq = cdiv(max(lens), block_size)
         num_blocks = 2 * blocks_per_seq + 1
-        kc, vc = randn(num_blocks, block_size, num_kv_heads, head_dim), randn(num_blocks, block_size, num_kv_heads, head_dim)
+        kc = randn(num_blocks, block_size, num_kv_heads, head_dim)
+        vc = randn(num_blocks, block_size, num_kv_heads, head_dim)
         tables = torch.arange(1, num_blocks, device=device).view(2, blocks_per_seq)
         lens_t = torch.tensor(lens, device=device)
         what = "KV store"

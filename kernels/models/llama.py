@@ -13,13 +13,17 @@ import torch
 from torch import nn
 
 from tokenloom.kernels.attention import paged_attention, with_chunk_masks
+from tokenloom.kernels.cpu import linear as cpu_linear
 from tokenloom.kernels.forward_context import AttentionMetadata
 from tokenloom.kernels.kv_store import KVCache, store_kv
-from tokenloom.kernels.models.layers import (RMSNorm, RotaryEmbedding, add_rms_norm, rope_and_store,
-                                      silu_and_mul)
-from tokenloom.kernels.cpu import linear as cpu_linear
+from tokenloom.kernels.models.layers import (
+    RMSNorm,
+    RotaryEmbedding,
+    add_rms_norm,
+    rope_and_store,
+    silu_and_mul,
+)
 from tokenloom.kernels.models.model_spec import ModelSpec
-
 
 # On CPU, decoder layers whose weights fit in a core's cache and whose multiply-add work for
 # the step is below these run on one thread; the LM head keeps every thread. Such small
@@ -153,7 +157,8 @@ class LlamaForCausalLM(nn.Module):
         self.plan_cache_dir = None
 
     def init_rope(self, max_positions: int, device: torch.device, dtype: torch.dtype) -> None:
-        self.rope = RotaryEmbedding(self.spec.rope, self.spec.head_dim, max_positions, dtype).to(device)
+        self.rope = RotaryEmbedding(self.spec.rope, self.spec.head_dim, max_positions,
+                                    dtype).to(device)
 
     def set_decode_kernel(self, decode_fn) -> None:
         """Route decode attention through `decode_fn` (same contract as decode_attention)."""
@@ -279,8 +284,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = cpu_linear.CpuLinear(self.lm_head.weight, None, storage, act, head_plan)
         chosen = {"layers": layer_plan.describe(), "head": head_plan.describe()}
         self.cpu_kernels = chosen   # part of a compiled program's cache key
-        cpu_linear.log.info(f"CPU projections ({storage} weights, {str(act).removeprefix('torch.')} "
-                            f"activations): layers {chosen['layers']}; head {chosen['head']}",
+        cpu_linear.log.info(f"CPU projections ({storage} weights, "
+                            f"{str(act).removeprefix('torch.')} activations): "
+                            f"layers {chosen['layers']}; head {chosen['head']}",
                             storage=storage, **chosen)
         return chosen
 

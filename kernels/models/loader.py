@@ -21,7 +21,11 @@ from pathlib import Path
 import torch
 
 from tokenloom.kernels.models.llama import LlamaForCausalLM
-from tokenloom.kernels.models.model_spec import ModelSpec, UnsupportedModelError, spec_from_hf_config
+from tokenloom.kernels.models.model_spec import (
+    ModelSpec,
+    UnsupportedModelError,
+    spec_from_hf_config,
+)
 from tokenloom.startup_log import startup_log
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -112,7 +116,8 @@ def load_spec(model_dir: Path) -> ModelSpec:
     except (ValueError, KeyError, OSError) as e:
         raise ModelLoadError(f"cannot read {model_dir / 'config.json'}: {e}") from e
     if getattr(cfg, "quantization_config", None):
-        raise UnsupportedModelError("quantized checkpoints are not supported (quantization_config set)")
+        raise UnsupportedModelError("quantized checkpoints are not supported "
+                                    "(quantization_config set)")
     return spec_from_hf_config(cfg)
 
 

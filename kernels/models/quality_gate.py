@@ -89,7 +89,8 @@ def teacher_forced_logits(model, ids: list[int]) -> torch.Tensor:
     device = table.device
     n = len(ids)
     meta = AttentionMetadata(slot_mapping=torch.arange(n, device=device), num_decodes=0,
-                             decode_block_tables=torch.zeros(0, 1, dtype=torch.int64, device=device),
+                             decode_block_tables=torch.zeros(0, 1, dtype=torch.int64,
+                                                             device=device),
                              decode_context_lens=torch.zeros(0, dtype=torch.int64, device=device),
                              decode_max_context=0,
                              prefills=[PrefillSegment(0, n, 0, table)])
@@ -103,7 +104,8 @@ def greedy_continuation(model, prompt: list[int], steps: int) -> list[int]:
     device = table.device
     n = len(prompt)
     meta = AttentionMetadata(slot_mapping=torch.arange(n, device=device), num_decodes=0,
-                             decode_block_tables=torch.zeros(0, 1, dtype=torch.int64, device=device),
+                             decode_block_tables=torch.zeros(0, 1, dtype=torch.int64,
+                                                             device=device),
                              decode_context_lens=torch.zeros(0, dtype=torch.int64, device=device),
                              decode_max_context=0, prefills=[PrefillSegment(0, n, 0, table)])
     logits = model(torch.tensor(prompt, device=device), torch.arange(n, device=device), kv, meta,

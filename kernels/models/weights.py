@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from tokenloom.config.schema import ConfigError, ModelConfig
-from tokenloom.kernels.models import quality_gate
 from tokenloom.kernels.cpu.features import detect
+from tokenloom.kernels.models import quality_gate
 from tokenloom.startup_log import startup_log
 
 GATE_TOKENS = 256

@@ -15,9 +15,10 @@ from __future__ import annotations
 import threading
 
 import pytest
-from tinymodel import build_tiny_model
 
 from tokenloom import LLM, SamplingParams
+
+from tinymodel import build_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 

@@ -175,7 +175,8 @@ def test_what_the_engine_and_server_import_is_on_the_host_or_carried():
         "            raise ImportError(f'{name} is not on the GPU host')\n"
         "sys.meta_path.insert(0, Block())\n"
         "import tokenloom.actors.llm, tokenloom.actors.engine, tokenloom.daemon.__main__\n"
-        "import tokenloom.daemon.app, tokenloom.daemon.lifecycle, tokenloom.kernels.models.random_model\n"
+        "import tokenloom.daemon.app, tokenloom.daemon.lifecycle\n"
+        "import tokenloom.kernels.models.random_model\n"
         "import tokenloom.graphs.capture, tokenloom.kernels.gpu.triton_attention\n"
         "print('ok')\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -13,8 +13,8 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from servers import ServerProcess  # noqa: E402
 from client import read_events  # noqa: E402
+from servers import ServerProcess  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -13,11 +13,12 @@ import signal
 import aiohttp
 import pytest
 
-from notify_listener import NotifyListener
-from servers import ServerProcess, wait_for
-from client import read_events
 from tokenloom.daemon.admin import cli as admin_cli
 from tokenloom.daemon.admin import protocol as P
+
+from client import read_events
+from notify_listener import NotifyListener
+from servers import ServerProcess, wait_for
 
 MAX_TOKENS = 1500
 

@@ -23,8 +23,9 @@ import pytest
 os.environ["TOKENLOOM_FAULT_INJECTION"] = "1"   # this module is allowed to import the hook
 import faults  # noqa: E402
 
-from client import read_events  # noqa: E402
 from tokenloom.actors.messages import CheckIntegrity  # noqa: E402
+
+from client import read_events  # noqa: E402
 
 MAX_TOKENS = 48
 BODY = dict(prompt="w5 w6 w7 w8", max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
@@ -133,10 +134,10 @@ async def test_a_dead_actor_fails_every_stream_and_health(tiny_model_dir, tmp_pa
     dies; 3. both streams end with an error event and [DONE]; 4. /health is 503 (the engine
     cannot make progress: the systemd watchdog pings stop, see test_supervisor.py); new
     requests get 503."""
-    from servers import ServerThread, tiny_config
-
     from tokenloom.daemon.app import engine_problem
     from tokenloom.daemon.state import STATE
+
+    from servers import ServerThread, tiny_config
 
     server = ServerThread(tiny_config(tiny_model_dir, tmp_path))
     try:

@@ -30,16 +30,16 @@ def test_endpoint_picker_metrics(server, model_name):
 
 
 def test_graph_dispatch_counters_are_exported(server, model_name):
-    """Graph/eager per step with the reason (on CPU, with compiled programs off as in tests, every step is eager),
-    without waiting for the runner (its snapshot)."""
+    """Graph/eager per step with the reason (on CPU, with compiled programs off as in tests,
+    every step is eager), without waiting for the runner (its snapshot)."""
     status, reply = post(server, "/v1/completions",
                          {"model": model_name, "prompt": "w5 w6 w7", "max_tokens": 4})
     assert status == 200, reply
     deadline = time.monotonic() + 10
     while True:     # the runner refreshes its snapshot at most every 0.25 s
         text = metrics(server)
-        found = re.search(r'^tokenloom:eager_steps_total\{.*reason="graphs.cpu_compile is off"\} ([0-9.e+]+)$',
-                          text, re.M)
+        found = re.search(r'^tokenloom:eager_steps_total\{.*reason="graphs.cpu_compile is off"\} '
+                          r'([0-9.e+]+)$', text, re.M)
         if found and float(found.group(1)) > 0:
             break
         assert time.monotonic() < deadline, "eager steps never counted"

@@ -7,8 +7,15 @@ from __future__ import annotations
 import re
 
 from tokenloom.actors.kv.prefix_cache import PrefixCacheStats
-from tokenloom.actors.messages import (EngineStats, GraphStats, KVStats, RouterStats,
-                                       SchedulerStats, SpecStats, StepTimings)
+from tokenloom.actors.messages import (
+    EngineStats,
+    GraphStats,
+    KVStats,
+    RouterStats,
+    SchedulerStats,
+    SpecStats,
+    StepTimings,
+)
 from tokenloom.actors.metric_fields import exported_fields
 from tokenloom.daemon.metrics import Metrics
 

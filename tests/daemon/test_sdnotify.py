@@ -8,9 +8,10 @@ import os
 
 import pytest
 
+from tokenloom.daemon.sdnotify import Notifier, socket_address, watchdog_interval
+
 from notify_listener import NotifyListener
 from servers import ServerProcess, wait_for
-from tokenloom.daemon.sdnotify import Notifier, socket_address, watchdog_interval
 
 
 @pytest.fixture

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from servers import TOKENLOOM
 from tokenloom.config.load import load_config
 from tokenloom.config.schema import ConfigError
+
+from servers import TOKENLOOM
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ROOT / "systemd" / "tokenloom@.service"
@@ -86,6 +87,7 @@ def test_device_index_is_validated():
 
 def test_a_missing_gpu_is_a_config_error(monkeypatch):
     import torch
+
     from tokenloom.kernels.device import pick_device
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="'cuda:1' but no CUDA device"):

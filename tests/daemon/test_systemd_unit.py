@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from servers import TOKENLOOM
 from tokenloom.config.load import load_config
+
+from servers import TOKENLOOM
 
 ROOT = Path(__file__).resolve().parents[2]
 UNIT = ROOT / "systemd" / "tokenloom.service"

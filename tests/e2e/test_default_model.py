@@ -30,7 +30,8 @@ def _long_prompt() -> str:
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "Grüße aus München! 日本語のテキストも少し: 東京は日本の首都です。 Emoji: 🎉🚀 — translate to English:",
+    "Grüße aus München! 日本語のテキストも少し: 東京は日本の首都です。 "
+    "Emoji: 🎉🚀 — translate to English:",
     "List three uses of copper:\n1.",
     "Q: If a train travels 60 km in 45 minutes, what is its speed in km/h?\nA:",
     _long_prompt(),
@@ -163,8 +164,8 @@ def test_text_prompts_and_timings(default_model_dir, reference):
 
 def test_logits_match_transformers(default_model_dir, hf_model, prompt_ids):
     """First-step and decode-step logits within 1e-3 of transformers' forward."""
-    from tokenloom.actors.messages import ExecuteBatch, NewSequence, ScheduledSequence
     from tokenloom.actors.execution.model_runner import ModelRunner
+    from tokenloom.actors.messages import ExecuteBatch, NewSequence, ScheduledSequence
     from tokenloom.kernels.kv_store import KVCache
     from tokenloom.kernels.models.loader import load_model
 

@@ -34,9 +34,9 @@ BS = 16
 def _setup(shape: str, dtype: torch.dtype, sizes, max_context: int = 256, seed: int = 0):
     from tokenloom.graphs.buffers import DecodeBuffers
     from tokenloom.graphs.capture import DecodeGraphs
+    from tokenloom.kernels.gpu.triton_attention import make_decode_kernel, store_kv_triton
     from tokenloom.kernels.kv_store import KVCache
     from tokenloom.kernels.models.random_model import SHAPES, random_model
-    from tokenloom.kernels.gpu.triton_attention import make_decode_kernel, store_kv_triton
 
     spec = SHAPES[shape]
     model = random_model(spec, dtype, "cuda", max_positions=max_context + BS, seed=seed)
@@ -131,15 +131,17 @@ def test_accidental_capture_raises_after_start_up():
 
 def test_triton_decode_matches_reference_at_8k_bf16():
     from tokenloom.kernels.attention import decode_attention
-    from tokenloom.kernels.models.random_model import SHAPES
     from tokenloom.kernels.gpu.triton_attention import make_decode_kernel
+    from tokenloom.kernels.models.random_model import SHAPES
 
     g = torch.Generator(device="cuda").manual_seed(0)
     lens = torch.tensor([8192, 1, 4097, 16, 17, 8000], device="cuda")
     nb = 8192 // BS
-    kc = torch.randn(nb * len(lens) + 1, BS, 8, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    kc = torch.randn(nb * len(lens) + 1, BS, 8, 128, device="cuda", generator=g,
+                     dtype=torch.bfloat16)
     vc = torch.randn_like(kc)
-    tables = torch.randperm(kc.shape[0], device="cuda", generator=g)[: nb * len(lens)].view(len(lens), nb)
+    tables = (torch.randperm(kc.shape[0], device="cuda", generator=g)[: nb * len(lens)]
+              .view(len(lens), nb))
     q = torch.randn(len(lens), 32, 128, device="cuda", generator=g, dtype=torch.bfloat16)
     ref = decode_attention(q.float(), kc.float(), vc.float(), tables, lens, 8192, 128 ** -0.5)
     out = make_decode_kernel(SHAPES["llama3-8b"])(q, kc, vc, tables, lens, 8192, 128 ** -0.5)
@@ -149,10 +151,11 @@ def test_triton_decode_matches_reference_at_8k_bf16():
 def test_greedy_matches_transformers_with_graphs_on(tmp_path):
     pytest.importorskip("transformers")
     pytest.importorskip("msgspec")
-    from tinymodel import VOCAB, build_tiny_model
     from transformers import AutoModelForCausalLM
 
     from tokenloom import LLM, SamplingParams
+
+    from tinymodel import VOCAB, build_tiny_model
 
     build_tiny_model(tmp_path / "m", "LlamaConfig", dict(num_hidden_layers=3), seed=1)
     rng = random.Random(1)

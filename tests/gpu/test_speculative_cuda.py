@@ -25,10 +25,11 @@ pytestmark = [
 def test_speculation_on_the_gpu_is_exact(tmp_path):
     pytest.importorskip("transformers")
     pytest.importorskip("msgspec")
-    from tinymodel import VOCAB, build_tiny_model, hf_greedy
     from transformers import AutoModelForCausalLM
 
     from tokenloom import LLM, SamplingParams
+
+    from tinymodel import VOCAB, build_tiny_model, hf_greedy
 
     path = tmp_path / "m"
     build_tiny_model(path, "LlamaConfig", dict(num_hidden_layers=2), seed=3)

@@ -7,8 +7,13 @@ import random
 
 import pytest
 
-from tokenloom.graphs.buckets import (PaddedSizeTable, capture_sizes, default_capture_sizes,
-                                      padding_waste, sizes_from_histogram)
+from tokenloom.graphs.buckets import (
+    PaddedSizeTable,
+    capture_sizes,
+    default_capture_sizes,
+    padding_waste,
+    sizes_from_histogram,
+)
 
 
 def test_default_series():

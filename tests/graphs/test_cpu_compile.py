@@ -17,8 +17,8 @@ import torch
 import torch._dynamo
 from structlog.testing import capture_logs
 
-from tokenloom.actors.messages import ExecuteBatch, NewSequence, ScheduledSequence
 from tokenloom.actors.execution.model_runner import ModelRunner
+from tokenloom.actors.messages import ExecuteBatch, NewSequence, ScheduledSequence
 from tokenloom.actors.sampling_params import SamplingParams
 from tokenloom.arith import cdiv
 from tokenloom.config.load import load_config
@@ -28,6 +28,7 @@ from tokenloom.graphs import setup as graph_setup
 from tokenloom.kernels.cpu.attention import load_cpu_decode_kernel, paged_decode_cpu
 from tokenloom.kernels.kv_store import KVCache
 from tokenloom.kernels.models.loader import load_model, load_spec
+
 from tinymodel import VOCAB, build_tiny_model
 
 BS = 8
@@ -208,8 +209,8 @@ def test_reasons_when_cpu_programs_are_off(tiny_dir):
                                                device=cpu)
         assert g is None and d.table is None and reason in d.disabled_reason
     model.set_decode_kernel(None)
-    d, g = graph_setup.build_decode_graphs(GraphsConfig(cpu_compile=True), model, kv, max_num_seqs=8,
-                                           max_model_len=64, device=cpu)
+    d, g = graph_setup.build_decode_graphs(GraphsConfig(cpu_compile=True), model, kv,
+                                           max_num_seqs=8, max_model_len=64, device=cpu)
     assert g is None and "C++ decode kernel" in d.disabled_reason
 
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from tokenloom.actors.messages import ExecuteBatch, NewSequence, ScheduledSequence
 from tokenloom.actors.execution.model_runner import ModelRunner
+from tokenloom.actors.messages import ExecuteBatch, NewSequence, ScheduledSequence
 from tokenloom.actors.sampling_params import SamplingParams
 from tokenloom.arith import cdiv
 from tokenloom.config.schema import ConfigError, GraphsConfig
@@ -28,6 +28,7 @@ from tokenloom.graphs.dispatch import EAGER, GRAPH, PIECEWISE, Dispatcher
 from tokenloom.graphs.piecewise import PiecewiseBuffers, PiecewiseGraphs
 from tokenloom.kernels.kv_store import KVCache
 from tokenloom.kernels.models.loader import load_model, load_spec
+
 from tinymodel import VOCAB, build_tiny_model
 
 BS = 8
@@ -79,7 +80,8 @@ def _drive(runner: ModelRunner, prompts, tables, chunks: list[int], steps: int):
             if done[i] == len(p):
                 pos = len(p) + len(out_tokens[rid]) - 1
                 decodes.append(ScheduledSequence(request_id=rid, token_ids=[out_tokens[rid][-1]],
-                                                 start_pos=pos, block_table=tables[i][: pos // BS + 1],
+                                                 start_pos=pos,
+                                                 block_table=tables[i][: pos // BS + 1],
                                                  sample=True))
             else:
                 n = min(chunks[i], len(p) - done[i])
@@ -176,7 +178,8 @@ def test_dispatch_with_token_buckets():
     only = Dispatcher(None, "capture failed", token_table=PaddedSizeTable((8,)))
     assert only.decide(2, 2, 2).mode == PIECEWISE
     # Neither: the reasons an operator sees.
-    off = Dispatcher(PaddedSizeTable((1,)), piecewise_reason="prefill in batch (graphs.piecewise is off)")
+    off = Dispatcher(PaddedSizeTable((1,)),
+                     piecewise_reason="prefill in batch (graphs.piecewise is off)")
     assert off.decide(2, 1, 9).reason == "prefill in batch (graphs.piecewise is off)"
     for n_tokens in (12, 12, 33):
         d.dispatch(3, 2, n_tokens)
@@ -243,7 +246,8 @@ def test_setup_reasons_and_config(tiny, monkeypatch):
                                            512) == (16, 64)
     with pytest.raises(ConfigError, match="piecewise_token_sizes"):
         graph_setup.resolve_token_sizes(GraphsConfig(piecewise_token_sizes=[999]), 512)
-    with pytest.raises(ConfigError, match=r"graphs.piecewise_token_sizes must be integers in 1..65536"):
+    with pytest.raises(ConfigError,
+                       match=r"graphs.piecewise_token_sizes must be integers in 1..65536"):
         GraphsConfig(piecewise_token_sizes=[0])
 
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from tokenloom.actors.messages import ExecuteBatch, NewSequence, ScheduledSequence
 from tokenloom.actors.execution.model_runner import ModelRunner
+from tokenloom.actors.messages import ExecuteBatch, NewSequence, ScheduledSequence
 from tokenloom.actors.sampling_params import SamplingParams
 from tokenloom.arith import cdiv
 from tokenloom.config.schema import GraphsConfig
@@ -29,6 +29,7 @@ from tokenloom.graphs.capture import CaptureClosedError, CaptureError, DecodeGra
 from tokenloom.graphs.dispatch import Dispatcher
 from tokenloom.kernels.kv_store import KVCache
 from tokenloom.kernels.models.loader import load_model, load_spec
+
 from tinymodel import VOCAB, build_tiny_model
 
 BS = 8
@@ -42,7 +43,8 @@ def tiny(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     path = tmp_path_factory.mktemp("graph-tiny")
-    build_tiny_model(path, "LlamaConfig", dict(num_hidden_layers=2, tie_word_embeddings=True), seed=5)
+    build_tiny_model(path, "LlamaConfig", dict(num_hidden_layers=2, tie_word_embeddings=True),
+                     seed=5)
     spec = load_spec(path)
     model, _ = load_model(path, torch.float32, torch.device("cpu"), spec.max_position_embeddings)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -82,7 +84,8 @@ def test_fill_writes_rows_and_pads_safely():
     # Addresses are stable across steps (what a captured graph relies on).
     ptr = buf.input_ids.data_ptr()
     buf.fill(seqs[:1], 1)
-    assert buf.input_ids.data_ptr() == ptr and meta.slot_mapping.data_ptr() == buf.slot_mapping.data_ptr()
+    assert buf.input_ids.data_ptr() == ptr
+    assert meta.slot_mapping.data_ptr() == buf.slot_mapping.data_ptr()
     with pytest.raises(AssertionError, match="single decode"):
         buf.fill([ScheduledSequence(request_id="c", token_ids=[1, 2], start_pos=0,
                                     block_table=[0], sample=True)], 1)
@@ -144,7 +147,8 @@ def test_static_path_matches_eager_and_transformers(tiny):
     assert stats.graph_steps == 2 * 12 and stats.eager_steps == 1
     assert stats.graph_padded_rows > 0
     # Padded rows wrote nothing: block 0 is in no table and must still be all zeros.
-    assert all((k[0] == 0).all() and (v[0] == 0).all() for k, v in zip(static.kv.key, static.kv.value))
+    assert all((k[0] == 0).all() and (v[0] == 0).all()
+               for k, v in zip(static.kv.key, static.kv.value))
     # Against the oracle: sequence 2 (prefill + 9 decodes, mostly in padded batches).
     n = len(tok_s["r2"])
     ids = torch.tensor([prompts[2]])

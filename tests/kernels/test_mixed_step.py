@@ -12,8 +12,12 @@ import pytest
 import torch
 
 from tokenloom.actors.execution.batch_inputs import build_batch_inputs
-from tokenloom.kernels.attention import (chunk_mask, gather_context, prefill_attention,
-                                         with_chunk_masks)
+from tokenloom.kernels.attention import (
+    chunk_mask,
+    gather_context,
+    prefill_attention,
+    with_chunk_masks,
+)
 from tokenloom.kernels.cpu.attention import load_cpu_decode_kernel, paged_decode_cpu
 from tokenloom.kernels.kv_store import KVCache
 from tokenloom.kernels.models.random_model import SHAPES, random_model

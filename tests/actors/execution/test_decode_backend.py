@@ -9,8 +9,8 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from tokenloom.kernels.device import select_decode_backend
 from tokenloom.config.schema import ConfigError
+from tokenloom.kernels.device import select_decode_backend
 
 pytest.importorskip("triton")
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tokenloom.actors.execution.guided import GuidedCompiler, GuidedError
-from tokenloom.actors.messages import NewSequence
 from tokenloom.actors.execution.model_runner import ModelRunner
+from tokenloom.actors.messages import NewSequence
 from tokenloom.actors.sampling_params import GuidedDecoding, SamplingParams
 
 VOCAB = 256
@@ -185,7 +185,11 @@ def _pair_counts(compiler, logits, params, draws, proposer):
     the next step's plain masked sample from row 1."""
     from collections import Counter
 
-    from tokenloom.actors.execution.guided import allocate_bitmask, apply_bitmask, restrict_draft_probs
+    from tokenloom.actors.execution.guided import (
+        allocate_bitmask,
+        apply_bitmask,
+        restrict_draft_probs,
+    )
     from tokenloom.kernels.sampling import SamplingRow, make_generator, sample
     from tokenloom.kernels.spec_verify import Proposal, expand_rows, verify
     counts, drafter = Counter(), torch.Generator().manual_seed(1)

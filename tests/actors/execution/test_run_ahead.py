@@ -10,9 +10,10 @@ penalties/logprobs (which must not: their step waits for the previous tokens on 
 from __future__ import annotations
 
 import pytest
-from tinymodel import build_tiny_model
 
 from tokenloom import LLM, SamplingParams
+
+from tinymodel import build_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import asyncio
 
-from tokenloom.actors.messages import (ERROR_OVERLOADED, AbortRequest, AddRequest,
-                                       RequestFinished, Shutdown)
 from tokenloom.actors.front.router_actor import AdmissionGate, RouterActor
+from tokenloom.actors.messages import (
+    ERROR_OVERLOADED,
+    AbortRequest,
+    AddRequest,
+    RequestFinished,
+    Shutdown,
+)
 from tokenloom.actors.sampling_params import SamplingParams
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tokenloom.actors.front.routing import PrefixIndex, RoutingCore
 from tokenloom.actors.kv.block_hash import CacheIdentity, hash_request_blocks
 from tokenloom.actors.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
-from tokenloom.actors.front.routing import PrefixIndex, RoutingCore
 
 IDENT = CacheIdentity(model_fingerprint="fp").encode()
 
@@ -150,7 +150,8 @@ def test_account_balances(ops):
             assert load.queued_prefill_blocks == sum(r[1] for r in mine if not r[2])
     for w, charged, started in live:
         c.finished(w, charged, started)
-    assert all(l.in_flight == l.decoding == l.queued_prefill_blocks == 0 for l in c.loads)
+    assert all(load.in_flight == load.decoding == load.queued_prefill_blocks == 0
+               for load in c.loads)
 
 
 @settings(max_examples=100, deadline=None)

@@ -12,10 +12,16 @@ import threading
 
 import pytest
 
-from tokenloom.actors.messages import (ERROR_INVALID, AbortRequest, AddRequest, GenerateRequest,
-                                       RequestOutput, Shutdown)
-from tokenloom.actors.sampling_params import SamplingParams
 from tokenloom.actors.front.tokenizer_actor import INLINE_MAX_CHARS, TokenizerActor
+from tokenloom.actors.messages import (
+    ERROR_INVALID,
+    AbortRequest,
+    AddRequest,
+    GenerateRequest,
+    RequestOutput,
+    Shutdown,
+)
+from tokenloom.actors.sampling_params import SamplingParams
 
 BIG = "w5 w6 w7 " * 23_000   # ~200 KB, 69,000 words
 assert len(BIG) > 200_000 and len(BIG) > INLINE_MAX_CHARS
@@ -171,8 +177,9 @@ async def test_shutdown_finishes_pending_work_and_cancel_drops_it():
 def hf_tokenizers(tmp_path_factory):
     """The tiny word-level tokenizer of tests/tinymodel.py as a real HF fast tokenizer, with
     its chat template and without one."""
-    from tinymodel import CHAT_TEMPLATE, save_tiny_tokenizer
     from transformers import AutoTokenizer
+
+    from tinymodel import CHAT_TEMPLATE, save_tiny_tokenizer
 
     loaded = []
     for template in (CHAT_TEMPLATE, None):

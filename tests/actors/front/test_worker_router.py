@@ -5,15 +5,24 @@ from __future__ import annotations
 
 import asyncio
 
-from tokenloom.actors.kv.events import BlockRemoved, BlockStored
-from tokenloom.actors.messages import (AbortRequest, AddRequest, GetRoutingStats,
-                                       RequestFinished, RequestMeta, RequestStarted, Shutdown,
-                                       WorkerDown, WorkerKVEvents, WorkerUp)
-from tokenloom.actors.scheduling.prefix_tracker import PrefixTracker
-from tokenloom.actors.scheduling.request import Request
 from tokenloom.actors.front.router_actor import WorkerRouterActor
 from tokenloom.actors.front.routing import RoutingCore
+from tokenloom.actors.kv.events import BlockRemoved, BlockStored
+from tokenloom.actors.messages import (
+    AbortRequest,
+    AddRequest,
+    GetRoutingStats,
+    RequestFinished,
+    RequestMeta,
+    RequestStarted,
+    Shutdown,
+    WorkerDown,
+    WorkerKVEvents,
+    WorkerUp,
+)
 from tokenloom.actors.sampling_params import SamplingParams
+from tokenloom.actors.scheduling.prefix_tracker import PrefixTracker
+from tokenloom.actors.scheduling.request import Request
 
 FP, BS = "fingerprint-1", 4
 PROMPT = list(range(10, 30))          # 5 full blocks

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from tokenloom.actors.kv.block_hash import (CacheIdentity, extend_block_hashes, hash_block_tokens,
-                                         hash_request_blocks, model_fingerprint)
+from tokenloom.actors.kv.block_hash import (
+    CacheIdentity,
+    extend_block_hashes,
+    hash_block_tokens,
+    hash_request_blocks,
+    model_fingerprint,
+)
 
 BS = 4
 IDENT = CacheIdentity(model_fingerprint("w0", "float32", BS)).encode()

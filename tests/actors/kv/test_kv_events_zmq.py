@@ -24,6 +24,7 @@ import zmq
 
 from tokenloom import LLM, SamplingParams
 from tokenloom.actors.scheduling.request import Request
+
 from tinymodel import VOCAB, build_tiny_model
 
 

@@ -10,8 +10,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tokenloom.actors.kv.block_hash import CacheIdentity, hash_request_blocks
-from tokenloom.actors.kv.events import (AllBlocksCleared, BlockRemoved, BlockStored,
-                                        EventBatch, EventCollector, KVEventPublisher)
+from tokenloom.actors.kv.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    EventCollector,
+    KVEventPublisher,
+)
 from tokenloom.actors.kv.kv_manager import KVCacheManager, PrefixLookup
 from tokenloom.actors.kv.prefix_cache import FlushResult, MissReason, PrefixQuery
 from tokenloom.arith import cdiv

@@ -58,17 +58,30 @@ from structlog.testing import capture_logs
 
 from tokenloom.actors.kv.kv_actor import KVManagerActor
 from tokenloom.actors.kv.kv_manager import KVCacheManager
-from tokenloom.actors.messages import (PLACEHOLDER, AbortRequest, AddRequest, CheckIntegrity,
-                                       ExecuteBatch, ForgetRequests, GetKVStats, IsIdle,
-                                       KVGrant, KVStats, RequestMeta, RequestOutput, SampledToken,
-                                       Shutdown,
-                                       SpecResult, StepOutput)
-from tokenloom.actors.scheduling.policy import PolicyLimits
-from tokenloom.actors.speculation.controller import SpecController
-from tokenloom.actors.scheduling.prefix_tracker import PrefixTracker
+from tokenloom.actors.messages import (
+    PLACEHOLDER,
+    AbortRequest,
+    AddRequest,
+    CheckIntegrity,
+    ExecuteBatch,
+    ForgetRequests,
+    GetKVStats,
+    IsIdle,
+    KVGrant,
+    KVStats,
+    RequestMeta,
+    RequestOutput,
+    SampledToken,
+    Shutdown,
+    SpecResult,
+    StepOutput,
+)
 from tokenloom.actors.sampling_params import SamplingParams
+from tokenloom.actors.scheduling.policy import PolicyLimits
+from tokenloom.actors.scheduling.prefix_tracker import PrefixTracker
 from tokenloom.actors.scheduling.scheduler_actor import SchedulerActor
 from tokenloom.actors.scheduling.swap import SwapSpace
+from tokenloom.actors.speculation.controller import SpecController
 from tokenloom.arith import cdiv
 from tokenloom.config.schema import SchedulerConfig
 
@@ -712,7 +725,8 @@ class EngineHarness:
         # by the ForgetRequests the scheduler sends when it goes idle).
         leaked = self.runner.seqs.keys() & self.finished_at_last_send - self.tolerated_leaks()
         assert not leaked, f"the runner still holds finished requests {sorted(leaked)}"
-        assert self.runner.max_queued <= (2 if self.setup.config.overlap else 1), (self.runner.max_queued, self.setup)
+        assert self.runner.max_queued <= (2 if self.setup.config.overlap else 1), \
+            (self.runner.max_queued, self.setup)
         if not self.setup.config.overlap:
             assert self.runner.num_placeholders == 0
 

@@ -7,9 +7,9 @@ import random
 
 import pytest
 
+from tokenloom.actors.messages import RequestMeta
 from tokenloom.actors.scheduling.cost_model import AttentionWork, StepCostModel, attention_work
 from tokenloom.actors.scheduling.swap import SwapSpace
-from tokenloom.actors.messages import RequestMeta
 from tokenloom.actors.scheduling.trace import RequestTrace, TraceHistory
 
 

@@ -5,9 +5,10 @@ pool is ample, some when it is small, and the same greedy output either way."""
 from __future__ import annotations
 
 import pytest
-from tinymodel import build_tiny_model
 
 from tokenloom import LLM, SamplingParams
+
+from tinymodel import build_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,9 @@ from collections import deque
 
 from tokenloom.actors.kv.kv_manager import KVCacheManager
 from tokenloom.actors.messages import RequestMeta
+from tokenloom.actors.sampling_params import SamplingParams
 from tokenloom.actors.scheduling.policy import AdmissionParams, PolicyLimits, schedule
 from tokenloom.actors.scheduling.request import Request, RequestStatus
-from tokenloom.actors.sampling_params import SamplingParams
 from tokenloom.arith import cdiv
 
 S = RequestStatus

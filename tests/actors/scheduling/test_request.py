@@ -9,9 +9,14 @@ import itertools
 
 import pytest
 
-from tokenloom.actors.scheduling.request import (ALLOWED_TRANSITIONS, FinishReason, IllegalTransition,
-                                      Request, RequestStatus)
 from tokenloom.actors.sampling_params import SamplingParams
+from tokenloom.actors.scheduling.request import (
+    ALLOWED_TRANSITIONS,
+    FinishReason,
+    IllegalTransition,
+    Request,
+    RequestStatus,
+)
 
 S = RequestStatus
 EOS = 2

@@ -35,8 +35,16 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from engine_harness import (KNOWN_BUGS, Arrival, kv_tokens, request_id,  # noqa: E402
-                            run_scenario, setup, smallest_pool, token_run)
+from engine_harness import (  # noqa: E402
+    KNOWN_BUGS,
+    Arrival,
+    kv_tokens,
+    request_id,
+    run_scenario,
+    setup,
+    smallest_pool,
+    token_run,
+)
 
 STRICT = frozenset()   # tolerate no known bug (the default tolerates KNOWN_BUGS)
 PROPERTY = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow,

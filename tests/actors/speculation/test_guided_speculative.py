@@ -21,6 +21,7 @@ import re
 import pytest
 
 from tokenloom import LLM, GuidedDecoding, SamplingParams
+
 from tinymodel import VOCAB, build_tiny_model
 
 MAX_TOKENS = 24

@@ -172,9 +172,9 @@ def test_new_requests_inherit_the_workloads_acceptance():
 def test_slo_chunks_leave_room_for_the_drafts_a_step_verifies():
     """The SLO chunker prices the iteration with its verification tokens: the same decodes
     verifying 4 drafts each leave fewer prefill tokens within the ITL target."""
+    from tokenloom.actors.sampling_params import SamplingParams
     from tokenloom.actors.scheduling.chunk_sizing import ChunkSizer
     from tokenloom.actors.scheduling.request import Request
-    from tokenloom.actors.sampling_params import SamplingParams
     from tokenloom.config.schema import SchedulerConfig
     cost = fitted(c0=0.010, per_token=0.0005, per_row=0.0003)
     decodes = []

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from tokenloom import LLM, SamplingParams
+
 from tinymodel import VOCAB, build_tiny_model, hf_greedy
 
 MAX_TOKENS = 20

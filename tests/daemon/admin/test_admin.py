@@ -20,15 +20,16 @@ import aiohttp
 import pytest
 from structlog.testing import capture_logs
 
-from notify_listener import NotifyListener
-from servers import TOKENLOOM, wait_for
-from client import read_events
 from tokenloom.config.schema import AdminConfig
 from tokenloom.daemon import logs
 from tokenloom.daemon.admin import cli as admin_cli
 from tokenloom.daemon.admin import protocol as P
 from tokenloom.daemon.admin.server import AdminServer
 from tokenloom.daemon.state import STATE
+
+from client import read_events
+from notify_listener import NotifyListener
+from servers import TOKENLOOM, wait_for
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
@@ -447,10 +448,9 @@ async def test_health_fails_and_watchdog_stops_when_the_engine_wedges(server, mo
     2. a stream runs and the runner wedges (the gate); 3. within health_stall_seconds (0.5 s)
     /health turns 503 and the pings stop, while the event loop still answers; 4. the runner
     recovers: /health 200, pings resume, the stream completes."""
+    from tokenloom.daemon import app as app_module
     from tokenloom.daemon.lifecycle import watchdog_loop
     from tokenloom.daemon.sdnotify import Notifier
-
-    from tokenloom.daemon import app as app_module
 
     listener = NotifyListener(str(tmp_path / "notify.sock"))
     notifier = Notifier(listener.address, watchdog_seconds=0.05)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import msgspec
-
 import pytest
 
 from tokenloom.actors.messages import RequestMeta
@@ -104,7 +103,8 @@ def test_completion_refusals_name_the_field(fields, status, param):
     with pytest.raises(APIError) as info:
         parse_completion(body(**fields), LIMITS)
     assert (info.value.status, info.value.param) == (status, param)
-    assert set(msgspec.to_builtins(info.value.body())["error"]) == {"message", "type", "param", "code"}
+    error = msgspec.to_builtins(info.value.body())["error"]
+    assert set(error) == {"message", "type", "param", "code"}
 
 
 @pytest.mark.parametrize("fields, param", [

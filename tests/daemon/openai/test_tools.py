@@ -9,8 +9,13 @@ import pytest
 
 from tokenloom.daemon.errors import APIError
 from tokenloom.daemon.openai.guided_fields import unsupported_keyword
-from tokenloom.daemon.openai.tools import (CallDeltas, fallback_messages, parse_calls, parse_tools,
-                                    scan_calls)
+from tokenloom.daemon.openai.tools import (
+    CallDeltas,
+    fallback_messages,
+    parse_calls,
+    parse_tools,
+    scan_calls,
+)
 
 ADD = {"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
@@ -204,7 +209,10 @@ def test_a_forced_call_cut_off_says_the_same_streamed_or_not(cut):
     want, got = full.choices[0], streamed.choices[0]
     assert want.finish_reason == got.finish_reason == "length"
     assert want.message.content is None and not got.message.content
-    calls = lambda m: [(c.function.name, c.function.arguments) for c in m.tool_calls or ()]
+
+    def calls(m):
+        return [(c.function.name, c.function.arguments) for c in m.tool_calls or ()]
+
     assert calls(got.message) == calls(want.message)
     assert calls(want.message) == [(c.name, c.arguments) for c in scan_calls(answer)
                                    if c.name is not None]

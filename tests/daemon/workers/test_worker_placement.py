@@ -5,9 +5,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from tokenloom.actors.messages import (EngineStats, KVStats, RouterStats, SchedulerStats,
-                                       StepTimings)
 from tokenloom.actors.kv.prefix_cache import PrefixCacheStats
+from tokenloom.actors.messages import EngineStats, KVStats, RouterStats, SchedulerStats, StepTimings
 from tokenloom.config.load import load_config
 from tokenloom.config.schema import ConfigError
 from tokenloom.daemon.workers import aggregate

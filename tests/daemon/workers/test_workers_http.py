@@ -41,7 +41,7 @@ def cluster(tiny_model_dir, tmp_path_factory):
     yield s
     assert s.stop() == 0
     lines = s.json_lines()
-    assert not [l for l in lines if l.get("event") == "worker supervision failed"]
+    assert not [line for line in lines if line.get("event") == "worker supervision failed"]
 
 
 def completion(url, body: dict) -> dict:

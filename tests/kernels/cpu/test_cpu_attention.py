@@ -9,7 +9,11 @@ import torch
 
 from tokenloom.arith import cdiv
 from tokenloom.kernels.attention import decode_attention
-from tokenloom.kernels.cpu.attention import cpu_kernel_status, load_cpu_decode_kernel, paged_decode_cpu
+from tokenloom.kernels.cpu.attention import (
+    cpu_kernel_status,
+    load_cpu_decode_kernel,
+    paged_decode_cpu,
+)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -9,12 +9,14 @@ from tokenloom.kernels.cpu.features import CpuFeatures, from_torch_capability, p
 ZEN5 = """processor\t: 0
 vendor_id\t: AuthenticAMD
 model name\t: AMD EPYC 9B45
-flags\t\t: fpu sse sse2 avx avx2 fma avx512f avx512dq avx512bw avx512vl avx512_bf16 avx_vnni avx512_vnni
+flags\t\t: fpu sse sse2 avx avx2 fma avx512f avx512dq avx512bw avx512vl avx512_bf16 \
+avx_vnni avx512_vnni
 processor\t: 1
 model name\t: ignored second entry
 flags\t\t: fpu
 """
-SAPPHIRE = "model name: Xeon\nflags: avx2 fma avx512f avx512bw avx512vl amx_tile amx_bf16 amx_int8\n"
+SAPPHIRE = ("model name: Xeon\n"
+            "flags: avx2 fma avx512f avx512bw avx512vl amx_tile amx_bf16 amx_int8\n")
 OLD = "model name: Old\nflags: fpu sse sse2\n"
 
 

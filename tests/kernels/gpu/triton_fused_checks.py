@@ -17,10 +17,14 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run through test_triton_atten
 
 from tokenloom.kernels.gpu import triton_fused as tf  # noqa: E402
 from tokenloom.kernels.kv_store import store_kv  # noqa: E402
-from tokenloom.kernels.models.layers import (RMSNorm, add_rms_norm, rope_and_store,  # noqa: E402
-                                      silu_and_mul)
+from tokenloom.kernels.models.layers import (  # noqa: E402
+    RMSNorm,
+    RotaryEmbedding,
+    add_rms_norm,
+    rope_and_store,
+    silu_and_mul,
+)
 from tokenloom.kernels.models.model_spec import RopeSpec  # noqa: E402
-from tokenloom.kernels.models.layers import RotaryEmbedding  # noqa: E402
 
 
 def _ulps_bf16(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -122,9 +126,9 @@ def test_model_with_every_fused_kernel_matches_the_reference(dtype):
     from tokenloom.actors.execution.batch_inputs import build_batch_inputs
     from tokenloom.graphs.buffers import DecodeBuffers
     from tokenloom.graphs.capture import DecodeGraphs
+    from tokenloom.kernels.gpu.triton_attention import make_decode_kernel, store_kv_triton
     from tokenloom.kernels.kv_store import KVCache
     from tokenloom.kernels.models.random_model import SHAPES, random_model
-    from tokenloom.kernels.gpu.triton_attention import make_decode_kernel, store_kv_triton
 
     spec = SHAPES["tiny"]
     ref = random_model(spec, dtype, "cpu", 256, seed=1)
@@ -150,7 +154,8 @@ def test_model_with_every_fused_kernel_matches_the_reference(dtype):
 
     tol = 1e-4 if dtype == torch.float32 else 0.1
     tables = {"a": [5, 9, 2], "b": [7, 1], "c": [11, 12]}
-    first = [seq("a", list(range(3, 40)), 0, tables["a"]), seq("b", list(range(50, 67)), 0, tables["b"])]
+    first = [seq("a", list(range(3, 40)), 0, tables["a"]),
+             seq("b", list(range(50, 67)), 0, tables["b"])]
     want, got = run(ref, kv_ref, first, 0), run(fused, kv_fused, first, 0)
     assert (want - got).abs().max().item() < tol
     mixed = [seq("a", [7], 37, tables["a"]), seq("b", [8], 17, tables["b"]),
@@ -175,9 +180,9 @@ def test_piecewise_pieces_with_fused_kernels_match_the_plain_forward(dtype):
     padded pieces (slot -1 skipped), and the Triton decode runs between them."""
     from tokenloom.actors.execution.batch_inputs import build_batch_inputs
     from tokenloom.graphs.piecewise import PiecewiseBuffers, PiecewiseGraphs
+    from tokenloom.kernels.gpu.triton_attention import make_decode_kernel, store_kv_triton
     from tokenloom.kernels.kv_store import KVCache
     from tokenloom.kernels.models.random_model import SHAPES, random_model
-    from tokenloom.kernels.gpu.triton_attention import make_decode_kernel, store_kv_triton
 
     spec = SHAPES["tiny"]
     model = random_model(spec, dtype, "cpu", 256, seed=2)
@@ -227,7 +232,8 @@ def test_smoke_test_runs_every_kernel_in_the_model_dtype(dtype):
 def test_smoke_test_names_the_kernel_that_fails(monkeypatch):
     shapes = dict(num_heads=4, num_kv_heads=2, head_dim=32, hidden_size=64,
                   intermediate_size=64, block_size=16, partition=64)
-    monkeypatch.setattr(tf, "silu_mul_triton", lambda gu: torch.zeros_like(gu[:, : gu.shape[1] // 2]))
+    monkeypatch.setattr(tf, "silu_mul_triton",
+                        lambda gu: torch.zeros_like(gu[:, : gu.shape[1] // 2]))
     why = tf.smoke_test("cpu", torch.float32, **shapes)
     assert why is not None and "SiLU*mul" in why and "disagrees" in why
 

@@ -1,6 +1,7 @@
-"""The quantized weight modes' quality gate (kernels/models/quality_gate.py, kernels/models/weights.py) on
-a tiny model: identical models pass with perfect scores, int8 passes, a coarse quantization
-fails, a failing mode refuses to start unless forced, and the verdict is remembered."""
+"""The quantized weight modes' quality gate (kernels/models/quality_gate.py,
+kernels/models/weights.py) on a tiny model: identical models pass with perfect scores, int8
+passes, a coarse quantization fails, a failing mode refuses to start unless forced, and the
+verdict is remembered."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import pytest
 import torch
 
 from tokenloom.config.schema import ConfigError, ModelConfig
-from tokenloom.kernels.models import quality_gate
-from tokenloom.kernels.models import weights
+from tokenloom.kernels.models import quality_gate, weights
 from tokenloom.kernels.models.loader import load_model
+
 from tinymodel import VOCAB, build_tiny_model
 
 IDS = [(7 * i + 3) % (VOCAB - 3) + 3 for i in range(60)]

@@ -13,7 +13,6 @@ the weights, and its word-level tokenizer must encode and decode every id.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 import torch
@@ -89,10 +88,10 @@ def test_same_seed_same_bytes_and_another_seed_differs(tmp_path):
 def test_every_id_decodes_and_words_encode(tmp_path, spec):
     from transformers import AutoTokenizer
 
-    from tokenloom.actors.output.detokenizer import IncrementalDetokenizer
-    from tokenloom.actors.messages import GenerateRequest
-    from tokenloom.actors.sampling_params import SamplingParams
     from tokenloom.actors.front.tokenizer_actor import TokenizerActor
+    from tokenloom.actors.messages import GenerateRequest
+    from tokenloom.actors.output.detokenizer import IncrementalDetokenizer
+    from tokenloom.actors.sampling_params import SamplingParams
 
     write_checkpoint(spec, tmp_path / "m", torch.float32, seed=0)
     tok = AutoTokenizer.from_pretrained(tmp_path / "m")

@@ -29,6 +29,7 @@ from tokenloom.arith import cdiv
 from tokenloom.kernels.kv_store import KVCache
 from tokenloom.kernels.models.loader import ModelLoadError, load_model, load_spec, resolve_model_dir
 from tokenloom.kernels.models.model_spec import UnsupportedModelError
+
 from tinymodel import VOCAB, build_tiny_model
 
 MAX_TOKENS = 16
