@@ -21,7 +21,7 @@ EVENTS = ("request_received", "routed", "prefix_cache_lookup_done", "admitted",
 class RequestTrace:
     __slots__ = ("request_id", "events", "num_decode_iterations", "_last_token", "max_gap",
                  "sum_gaps", "preemptions", "plan", "finish_reason", "priority", "tenant",
-                 "prefill_chunks", "speculation")
+                 "prefill_chunks", "speculation", "kv_refusals")
 
     def __init__(self, request_id: str, received: float, routed: float | None = None,
                  priority: int = 0, tenant: str | None = None):
@@ -36,6 +36,7 @@ class RequestTrace:
         self.sum_gaps = 0.0
         self.preemptions: list[dict] = []   # one record per preemption (see scheduler)
         self.plan: dict | None = None       # the KV plan of the latest admission
+        self.kv_refusals = 0                # steps it waited first in line, KV plan refused
         self.finish_reason: str | None = None
         self.priority = priority
         self.tenant = tenant
@@ -79,6 +80,7 @@ class RequestTrace:
                        "max_gap_s": round(self.max_gap, 6) if n else None},
             "preemptions": list(self.preemptions),
             "kv_plan": self.plan,
+            "kv_refusals": self.kv_refusals,
             "finish_reason": self.finish_reason,
             "speculation": (self.speculation[1].as_dict(self.speculation[0])
                             if self.speculation is not None else None),
