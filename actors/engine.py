@@ -8,22 +8,20 @@ budget -> actors wired inbox to inbox -> `run()` starts every actor loop in one 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import itertools
 import time
-from pathlib import Path
-from typing import AsyncIterator
 
+import msgspec
 import structlog
 import torch
 
 from tokenloom.actors.execution.compute_thread import ComputeThread
 from tokenloom.actors.kv.kv_actor import KVManagerActor
 from tokenloom.actors.kv.kv_manager import KVCacheManager
-from tokenloom.actors.messages import (AbortRequest, EngineStats, FlushPrefixCache,
-                                       GenerateRequest, GetKVStats, GetRouterStats,
-                                       GetSchedulerStats, GetTrace, RequestFinished,
-                                       RequestOutput, Shutdown)
+from tokenloom.actors.engine_client import EngineFront, merge_traces
+from tokenloom.actors.messages import (EngineStats, FlushPrefixCache, GetKVStats,
+                                       GetRouterStats, GetSchedulerStats, GetTrace,
+                                       RequestFinished, RequestOutput, RuntimeInfo, Shutdown,
+                                       WorkerStats, WorkerStatus)
 from tokenloom.actors.output.output_processor import OutputProcessor
 from tokenloom.actors.execution.model_runner import ModelRunner
 from tokenloom.actors.kv.block_hash import model_fingerprint
@@ -34,7 +32,6 @@ from tokenloom.actors.front.router_actor import RouterActor
 from tokenloom.actors.execution.runner_actor import RunnerActor
 from tokenloom.actors.scheduling.scheduler_actor import SchedulerActor
 from tokenloom.actors.speculation.controller import SpecController
-from tokenloom.actors.front.streams import StreamRegistry
 from tokenloom.actors.execution.guided import GuidedCompiler
 from tokenloom.actors.front.tokenizer_actor import TokenizerActor
 from tokenloom.config.schema import ConfigError, EngineConfig, resolve_cache_dir
@@ -44,28 +41,10 @@ from tokenloom.kernels.device import pick_device, pick_dtype, select_decode_back
 from tokenloom.kernels.models.loader import load_model, resolve_model_dir, weights_digest
 from tokenloom.kernels.models.weights import apply_weight_dtype
 from tokenloom.kernels.models.model_spec import ModelSpec
+from tokenloom.kernels.models.loader import load_spec
 
 log = structlog.get_logger("tokenloom.engine")
 startup_log = structlog.get_logger("tokenloom.startup", logger_name="tokenloom.startup")
-
-
-@dataclasses.dataclass(frozen=True)
-class RuntimeInfo:
-    """Values measured or derived at start-up (config stays as the user wrote it)."""
-    model_dir: Path
-    spec: ModelSpec
-    device: torch.device
-    dtype: torch.dtype
-    num_blocks: int
-    block_size: int
-    kv_bytes_per_token: int
-    max_model_len: int
-    attention_backend: str = "torch"
-    weights_digest: str = ""
-
-    @property
-    def kv_capacity_tokens(self) -> int:
-        return self.num_blocks * self.block_size
 
 
 def size_kv_pool(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype,
@@ -130,23 +109,23 @@ def build_speculation(config: EngineConfig, info: RuntimeInfo):
     return controller, proposer, lookahead
 
 
-class Engine:
-    """Owns the actors. Build with `Engine.build(config)`, then `await engine.run()`."""
+class Engine(EngineFront):
+    """Owns the actors; an EngineClient (actors/engine_client.py). Build with
+    `Engine.build(config)`, then `await engine.run()`."""
 
     def __init__(self, config: EngineConfig, info: RuntimeInfo, model, tokenizer):
+        super().__init__()
         self.config = config
-        self.info = info
         self.tokenizer = tokenizer
-        self.streams = StreamRegistry()
-        self.streams.on_delivery_failure = self.abort   # a broken stream ends its request
         sc = config.scheduler
+        device, dtype = info.torch_device, info.torch_dtype
         limits = PolicyLimits(max_num_seqs=sc.max_num_seqs,
                               max_num_batched_tokens=sc.max_num_batched_tokens,
                               block_size=info.block_size, num_blocks=info.num_blocks)
         eos = tuple(sorted(set(info.spec.eos_token_ids) | _tokenizer_eos(tokenizer)))
-        self.eos_token_ids = eos
+        self.info = info = msgspec.structs.replace(info, eos_token_ids=eos)
         kv = KVCache.allocate(info.spec.num_layers, info.num_blocks, info.block_size,
-                              info.spec.num_kv_heads, info.spec.head_dim, info.dtype, info.device)
+                              info.spec.num_kv_heads, info.spec.head_dim, dtype, device)
         # Structured output: one compiler (and cache of compiled grammars) for the tokenizer
         # actor, which compiles and validates constraints off the loop, and the runner.
         self.guided = GuidedCompiler(tokenizer, info.spec.vocab_size, eos)
@@ -154,7 +133,6 @@ class Engine:
                                               guided=self.guided)
         self.router = RouterActor(sc.max_num_seqs, sc.max_waiting, self.streams.emit)
         caching = config.cache.enable_prefix_caching
-        fingerprint = model_fingerprint(info.weights_digest, str(info.dtype), info.block_size)
         block_bytes = info.kv_bytes_per_token * info.block_size
         host_pool, swap = None, None
         if sc.preemption_mode != "recompute":
@@ -177,7 +155,7 @@ class Engine:
                              f"blocks takes {draft_bytes / 2**20:.0f} MiB more host memory",
                              draft_swap_mib=round(draft_bytes / 2**20, 1))
         self.scheduler = SchedulerActor(limits, eos, info.max_model_len, self._emit_scheduled,
-                                        PrefixTracker(fingerprint, info.block_size, caching),
+                                        PrefixTracker(info.fingerprint, info.block_size, caching),
                                         config=sc, swap=swap, block_bytes=block_bytes,
                                         outputs=OutputProcessor(tokenizer), spec=spec_ctl,
                                         spec_lookahead=lookahead)
@@ -187,26 +165,25 @@ class Engine:
         from tokenloom.graphs.setup import build_decode_graphs, build_piecewise_graphs
         dispatcher, graphs = build_decode_graphs(
             config.graphs, model, kv, max_num_seqs=sc.max_num_seqs,
-            max_model_len=info.max_model_len, device=info.device,
+            max_model_len=info.max_model_len, device=device,
             cache_dir=resolve_cache_dir(config))
         piecewise = build_piecewise_graphs(config.graphs, model, kv, dispatcher, graphs,
                                            max_num_batched_tokens=sc.max_num_batched_tokens,
-                                           device=info.device)
+                                           device=device)
         # Start-up may have dropped Triton decode attention (a variant failed to compile):
         # report the backend that runs.
         if info.attention_backend == "triton" and model.layers[0].self_attn.decode_fn is None:
-            self.info = info = dataclasses.replace(info, attention_backend="torch")
-        self.runner = RunnerActor(ModelRunner(model, kv, info.device, eos, graphs, dispatcher,
+            self.info = info = msgspec.structs.replace(info, attention_backend="torch")
+        self.runner = RunnerActor(ModelRunner(model, kv, device, eos, graphs, dispatcher,
                                               host_pool=host_pool, proposer=proposer,
                                               guided=self.guided, piecewise=piecewise))
         # Wiring: tokenizer -> router -> scheduler <-> {KV manager, runner}.
         self.tokenizer_actor.next_inbox = self.router.inbox
         self.router.next_inbox = self.scheduler.inbox
         self.scheduler.kv_inbox = self.kv_manager.inbox
-        self.scheduler.runner = self.runner
+        self.scheduler.runner_actor = self.runner
         self.kv_manager.scheduler_inbox = self.scheduler.inbox
         self.runner.scheduler_inbox = self.scheduler.inbox
-        self._ids = itertools.count()
         self.loop: asyncio.AbstractEventLoop | None = None
 
     @property
@@ -241,7 +218,6 @@ class Engine:
         torch.manual_seed(config.model.seed)
         t0 = time.perf_counter()
         model_dir = resolve_model_dir(config.model.model, resolve_cache_dir(config))
-        from tokenloom.kernels.models.loader import load_spec
         spec = load_spec(model_dir)
         max_len = config.model.max_model_len or spec.max_position_embeddings
         model, spec = load_model(model_dir, dtype, device, max_positions=max_len)
@@ -262,10 +238,13 @@ class Engine:
         # model.weight_dtype int8: quantize, then pass the quality gate or refuse to start.
         apply_weight_dtype(model, model_dir, config.model, dtype, device, tokenizer, digest,
                            resolve_cache_dir(config))
-        info = RuntimeInfo(model_dir=model_dir, spec=spec, device=device, dtype=dtype,
-                           num_blocks=num_blocks, block_size=config.cache.block_size,
-                           kv_bytes_per_token=per_token, max_model_len=max_len,
-                           attention_backend=backend, weights_digest=digest)
+        info = RuntimeInfo(model_dir=str(model_dir), spec=spec, device=str(device),
+                           dtype=str(dtype).removeprefix("torch."), num_blocks=num_blocks,
+                           block_size=config.cache.block_size, kv_bytes_per_token=per_token,
+                           max_model_len=max_len, attention_backend=backend,
+                           weights_digest=digest,
+                           fingerprint=model_fingerprint(digest, str(dtype),
+                                                         config.cache.block_size))
         seconds = time.perf_counter() - t0
         startup_log.info(f"model {spec.architecture} from {model_dir} "
                          f"({str(dtype).removeprefix('torch.')}, {device}) "
@@ -299,51 +278,13 @@ class Engine:
         for actor in (self.kv_manager, self.runner):
             actor.send(Shutdown())
 
-    # -- the one way in ------------------------------------------------------------------
-    def new_request_id(self) -> str:
-        return f"req-{next(self._ids)}"
-
-    def submit(self, request: GenerateRequest,
-               queue: asyncio.Queue[RequestOutput] | None = None) -> asyncio.Queue[RequestOutput]:
-        """Submit; outputs go to the returned queue (`queue` if given: it may be shared by
-        several requests). The stream closes itself on the finished output; a caller that
-        stops listening before that must `abort(request_id)` and `streams.close(request_id)`."""
-        queue = self.streams.open(request.request_id, queue)
-        if not request.arrival_time:
-            request.arrival_time = time.monotonic()
-        self.tokenizer_actor.send(request)
-        return queue
-
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        """Submit and stream outputs; leaving the iterator early aborts the request."""
-        queue = self.submit(request)
-        finished = False
-        try:
-            while True:
-                out = await queue.get()
-                finished = out.finished
-                yield out
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self.abort(request.request_id)
-            self.streams.close(request.request_id)
-
-    def abort(self, request_id: str) -> None:
-        # Through the tokenizer and router, so an abort can never overtake its own request.
-        self.tokenizer_actor.send(AbortRequest(request_id=request_id))
-
+    # -- the EngineClient queries ---------------------------------------------------------
     async def trace(self, request_id: str) -> dict | None:
         """The trace of a recent request by the id the client saw: one engine request's
         trace, or {"request_id", "choices": [...]} when the id stands for several (n > 1 or
         several prompts); None when no such request is in the bounded history."""
-        traces = await self.ask(self.scheduler, GetTrace(request_id=request_id))
-        if not traces:
-            return None
-        if len(traces) == 1 and traces[0]["request_id"] == request_id:
-            return traces[0]
-        return {"request_id": request_id, "choices": traces}
+        return merge_traces(request_id,
+                            await self.ask(self.scheduler, GetTrace(request_id=request_id)))
 
     async def flush_prefix_cache(self, force: bool = False):
         """Admin `flush`: drop the cached prefix blocks -> FlushResult."""
@@ -361,6 +302,15 @@ class Engine:
         completed a step while work is queued or running. Synchronous and inbox-free, so it
         works while the engine is wedged (for /health and the systemd watchdog)."""
         return self.scheduler.stalled_seconds()
+
+    def worker_status(self) -> list[WorkerStatus]:
+        return []   # one process: no workers
+
+    async def worker_stats(self) -> WorkerStats | None:
+        return None
+
+    async def set_draining(self, draining: bool) -> None:
+        """Nothing below the front to tell: the HTTP layer stops admitting by itself."""
 
     async def ask(self, actor, query):
         """Send a typed query (messages.py, "control") to an actor and await its answer."""

@@ -26,9 +26,9 @@ import structlog
 from tokenloom.actors.engine import Engine
 from tokenloom.actors.messages import (CheckIntegrity, FlushPrefixCache, GenerateRequest,
                                        GetGraphStats, GetKVStats, GetSchedulerStats, GetTrace,
-                                       IsIdle, KVStats, RequestOutput, SchedulerStats,
-                                       SubscribeKVEvents, TokenLogprob)
-from tokenloom.actors.output.output_processor import fan_out
+                                       GraphStats, IsIdle, KVStats, RequestMeta, RequestOutput,
+                                       SchedulerStats, SubscribeKVEvents, TokenLogprob)
+from tokenloom.actors.front.fan_out import fan_out
 from tokenloom.actors.kv.prefix_cache import FlushResult
 from tokenloom.actors.sampling_params import SamplingParams
 from tokenloom.config.load import load_config
@@ -227,7 +227,7 @@ class LLM:
     def scheduler_stats(self) -> SchedulerStats:
         return self.ask(self.engine.scheduler, GetSchedulerStats())
 
-    def graph_stats(self) -> dict:
+    def graph_stats(self) -> GraphStats:
         """How steps ran (graphs/dispatch.py): decode graph, piecewise and eager steps (eager
         with reasons), replays counted where they happen, padding waste, the decode
         batch-size histogram (what graphs.histogram_path reads), capture time and memory.
@@ -272,7 +272,8 @@ class LLM:
 
     async def _prompt(self, prompt, params: SamplingParams, messages, rid: str,
                       cache_salt: str | None = None) -> GenerationOutput:
-        requests = fan_out(rid, [prompt], params, messages=messages, cache_salt=cache_salt)
+        requests = fan_out(rid, [prompt], params, RequestMeta(cache_salt=cache_salt),
+                           messages=messages)
         results = await asyncio.gather(*(self._choice(r, i) for i, r in enumerate(requests)))
         ids = list(prompt) if isinstance(prompt, list) else None
         return GenerationOutput(request_id=rid, prompt=prompt if isinstance(prompt, str) else None,

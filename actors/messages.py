@@ -6,17 +6,70 @@ boundary later: each one is encodable with msgspec.msgpack. Actors dispatch with
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 from tokenloom.actors.kv.kv_manager import TableGrowth
+from tokenloom.actors.metric_fields import counter, gauge
 from tokenloom.actors.kv.prefix_cache import PrefixCacheStats, PrefixQuery
 from tokenloom.actors.sampling_params import SamplingParams
+from tokenloom.kernels.models.model_spec import ModelSpec
 
 
 class _Msg(msgspec.Struct, kw_only=True, gc=False):
     pass
+
+
+# -- what a request is, apart from its prompt and sampling: carried whole -------------------
+class RequestMeta(_Msg, frozen=True):
+    """Who a request is for and how it is to be treated, set once by whoever submits it (the
+    HTTP layer parses it from the body and headers, daemon/openai/protocol.py) and carried
+    whole to the scheduler's Request: no layer copies its fields one by one. It is in the
+    request's trace as it came."""
+    cache_salt: str | None = None   # prefix-cache isolation: different salts never share KV
+    # Scheduling: lower `priority` runs first (vLLM's convention; the HTTP layer maps class
+    # names such as "interactive" / "batch" to numbers); `tenant` is the fair-share key.
+    priority: int = 0
+    tenant: str | None = None
+    # With worker processes: requests with the same key stay on one worker when costs tie
+    # (prompt_cache_key, X-Session-Id or the tenant; actors/front/routing.py).
+    affinity: str | None = None
+    # n > 1: the request id of sibling 0. A sibling waits until that one's prompt is
+    # computed, then reuses its full prompt blocks from the prefix cache (fan_out sets it).
+    group_id: str | None = None
+
+
+# -- measured at start-up: the engine's facts, for the front and the worker wire ------------
+class RuntimeInfo(_Msg, frozen=True):
+    """Values measured or derived at start-up (config stays as the user wrote it). Plain
+    values only, so that a worker process sends its own in its Hello unchanged."""
+    model_dir: str
+    spec: ModelSpec
+    device: str                     # torch device string, e.g. "cpu", "cuda:0"
+    dtype: str                      # torch dtype name, e.g. "float32"
+    num_blocks: int
+    block_size: int
+    kv_bytes_per_token: int
+    max_model_len: int
+    attention_backend: str = "torch"
+    weights_digest: str = ""
+    fingerprint: str = ""           # the prefix-cache identity's model part (block hashes)
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def torch_device(self):
+        import torch
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self):
+        import torch
+        return getattr(torch, self.dtype)
 
 
 # -- front end -> tokenizer -> scheduler ------------------------------------------------
@@ -33,17 +86,7 @@ class GenerateRequest(_Msg):
     # True when the client left max_tokens unset: the tokenizer lowers max_tokens (and
     # min_tokens) to whatever the context window leaves after the prompt.
     fit_max_tokens: bool = False
-    cache_salt: str | None = None   # prefix-cache isolation: different salts never share KV
-    # n > 1: the request id of sibling 0. A sibling waits until that one's prompt is
-    # computed, then reuses its full prompt blocks from the prefix cache.
-    group_id: str | None = None
-    # Scheduling: lower `priority` runs first (vLLM's convention; the HTTP layer maps class
-    # names such as "interactive" / "batch" to numbers); `tenant` is the fair-share key.
-    priority: int = 0
-    tenant: str | None = None
-    # With worker processes: requests with the same key stay on one worker when costs tie
-    # (prompt_cache_key, X-Session-Id or the tenant; actors/front/routing.py).
-    affinity: str | None = None
+    meta: RequestMeta = msgspec.field(default_factory=RequestMeta)
 
 
 class AddRequest(_Msg):
@@ -51,12 +94,8 @@ class AddRequest(_Msg):
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float
-    cache_salt: str | None = None
-    group_id: str | None = None
-    priority: int = 0
-    tenant: str | None = None
+    meta: RequestMeta = msgspec.field(default_factory=RequestMeta)
     routed_time: float | None = None   # when the router forwarded it (for the trace)
-    affinity: str | None = None
 
 
 class AbortRequest(_Msg):
@@ -296,7 +335,13 @@ class GetRunnerState(_Query):
 
 
 class GetGraphStats(_Query):
-    """-> dict: graph/eager step counts, padding waste, decode batch-size histogram"""
+    """-> GraphStats"""
+
+
+G, C = gauge, counter   # (Prometheus kinds of the annotated fields below: metric_fields.py)
+STEP_DOC = ("Mean engine step time by part over the last steps: forward (the runner), host "
+            "(planning, KV round trip, output processing), exposed_host (host time the runner "
+            "waited for).")
 
 
 class StepTimings(_Msg, frozen=True):
@@ -305,10 +350,12 @@ class StepTimings(_Msg, frozen=True):
     round trip and output processing; `exposed_host_ms` the part of host_ms the runner
     waited for (with overlapped steps most of host_ms runs while the runner computes)."""
     steps: int = 0
-    forward_ms: float = 0.0
-    host_ms: float = 0.0
-    exposed_host_ms: float = 0.0
-    kv_round_trip_ms: float = 0.0
+    forward_ms: Annotated[float, G("tokenloom:step_time_ms", STEP_DOC, "part", "forward")] = 0.0
+    host_ms: Annotated[float, G("tokenloom:step_time_ms", STEP_DOC, "part", "host")] = 0.0
+    exposed_host_ms: Annotated[float, G("tokenloom:step_time_ms", STEP_DOC, "part",
+                                        "exposed_host")] = 0.0
+    kv_round_trip_ms: Annotated[float, G("tokenloom:step_time_ms", STEP_DOC, "part",
+                                         "kv_round_trip")] = 0.0
     batch_size: float = 0.0
 
 
@@ -318,63 +365,130 @@ class SpecStats(_Msg):
     accepted count per draft position, and steps where the kill switch stopped the batch."""
     method: str
     num_speculative_tokens: int
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = []
-    steps_killed: int = 0
+    num_drafts: Annotated[int, C("vllm:spec_decode_num_drafts", "Verification steps: one per "
+                                 "speculating sequence per step.")] = 0
+    num_draft_tokens: Annotated[int, C("vllm:spec_decode_num_draft_tokens",
+                                       "Draft tokens verified.")] = 0
+    num_accepted_tokens: Annotated[int, C("vllm:spec_decode_num_accepted_tokens",
+                                          "Draft tokens accepted.")] = 0
+    accepted_per_position: Annotated[list[int], C(
+        "vllm:spec_decode_num_accepted_tokens_per_pos",
+        "Accepted draft tokens by position in the draft.", "position")] = []
+    steps_killed: Annotated[int, C("tokenloom:spec_decode_steps_killed", "Steps where "
+                                   "speculation would not pay for the batch (kill switch).")] = 0
 
 
 class SchedulerStats(_Msg):
-    waiting: int
-    running: int
+    waiting: Annotated[int, G("vllm:num_requests_waiting",
+                              "Number of requests waiting to be processed.")]
+    running: Annotated[int, G("vllm:num_requests_running",
+                              "Number of requests in model execution batches.")]
     in_flight_steps: int
     overlap: bool
-    num_steps: int
-    num_forks: int
-    num_preemptions: int
+    num_steps: Annotated[int, C("tokenloom:engine_steps",
+                                "Engine iterations (batches) executed.")]
+    num_forks: Annotated[int, C("tokenloom:sibling_forks", "n > 1 siblings started from "
+                                "their sibling 0's prompt blocks (copy-on-write forks).")]
+    num_preemptions: Annotated[int, C("vllm:num_preemptions",
+                                      "Cumulative number of preemptions.")]
     num_swap_preemptions: int
     num_free_blocks: int
-    max_decode_skip: int
-    admission_paused: bool
+    max_decode_skip: Annotated[int, G("tokenloom:max_decode_skip", "Most consecutive "
+                                      "iterations any running decode was left out (invariant: "
+                                      "<= scheduler.max_decode_skip).")]
+    admission_paused: Annotated[bool, G("tokenloom:admission_paused", "1 while admission "
+                                        "waits for the KV resume watermark after a "
+                                        "preemption.")]
     prefill_budget: int | None
     cost_model: list[float] | None
     swap_free_slots: int | None
-    num_slo_evaluated: int
-    num_slo_good: int
+    num_slo_evaluated: Annotated[int, C("tokenloom:slo_evaluated_requests", "Finished "
+                                        "requests checked against the TTFT and ITL "
+                                        "objectives.")]
+    num_slo_good: Annotated[int, C("tokenloom:goodput_requests", "Finished requests within "
+                                   "the TTFT and ITL objectives.")]
     timings: StepTimings = StepTimings()
     spec: SpecStats | None = None
 
 
 class KVStats(_Msg):
-    num_blocks: int
-    free: int
+    num_blocks: Annotated[int, G("tokenloom:kv_blocks_total", "KV-cache blocks in the pool.")]
+    free: Annotated[int, G("tokenloom:kv_blocks_free", "KV-cache blocks free.")]
     used: int
-    usage: float
+    usage: Annotated[float, G("vllm:kv_cache_usage_perc",
+                              "KV-cache usage. 1 means 100 percent usage.")]
     block_size: int
-    cached_blocks: int
+    cached_blocks: Annotated[int, G("tokenloom:prefix_cache_blocks",
+                                    "KV blocks holding a cached prefix.")]
     prefix_cache: PrefixCacheStats
 
 
 class RouterStats(_Msg):
-    in_flight: int
+    in_flight: Annotated[int, G("tokenloom:requests_in_flight",
+                                "Requests admitted by the router and not yet finished.")]
     capacity: int
-    num_rejected: int
+    num_rejected: Annotated[int, C("tokenloom:requests_rejected_overload", "Requests refused "
+                                   "with 429 because the waiting queue was full.")]
+
+
+class GraphStats(_Msg):
+    """How steps ran (graphs/dispatch.py decides; the runner counts replays where they
+    happen): decode-graph, piecewise and eager steps (eager with reasons), padding, the
+    decode batch-size histogram graphs.histogram_path reads, capture time and memory."""
+    graphs: bool = False                       # decode graphs (or CPU programs) captured
+    capture_sizes: list[int] = []
+    graph_steps: Annotated[int, C("tokenloom:graph_steps",
+                                  "Decode steps that replayed a CUDA graph.")] = 0
+    eager_steps: int = 0
+    eager_reasons: Annotated[dict[str, int], C("tokenloom:eager_steps",
+                                               "Steps run eagerly, by reason.", "reason")] = {}
+    graph_real_rows: int = 0
+    graph_padded_rows: Annotated[int, C("tokenloom:graph_padding_rows", "Padding rows computed "
+                                        "by graph replays (bucket size minus batch size).")] = 0
+    padding_waste_fraction: Annotated[float, G("tokenloom:graph_padding_waste_ratio",
+                                               "Padding rows / all rows of graph replays.")] = 0.0
+    piecewise: bool = False
+    piecewise_token_sizes: list[int] = []
+    piecewise_steps: Annotated[int, C("tokenloom:piecewise_steps", "Steps with prefill tokens "
+                                      "that replayed piecewise CUDA graphs (everything but "
+                                      "attention).")] = 0
+    piecewise_real_tokens: int = 0
+    piecewise_padded_tokens: Annotated[int, C("tokenloom:piecewise_padding_tokens", "Padding "
+                                              "tokens computed by piecewise replays (token "
+                                              "bucket minus step tokens).")] = 0
+    piecewise_padding_waste_fraction: float = 0.0
+    # Save this as graphs.histogram_path to derive buckets from real traffic.
+    decode_batch_size_histogram: Annotated[dict[str, int], C(
+        "tokenloom:decode_batch_size", "Decode-only steps by batch size (the histogram "
+        "graphs.histogram_path wants).", "size")] = {}
+    captured_sizes: list[int] = []
+    capture_seconds: float = 0.0
+    capture_bytes: int = 0
+    replays: Annotated[int, C("tokenloom:graph_replays",
+                              "CUDA graph replays (counted at replay).")] = 0
+    static_eager_runs: int = 0
+    piecewise_captured_sizes: list[int] = []
+    piecewise_capture_seconds: float = 0.0
+    piecewise_capture_bytes: int = 0
+    piecewise_replays: Annotated[int, C("tokenloom:piecewise_replays", "Piecewise graph "
+                                        "replays (counted at replay; one per step).")] = 0
+    piecewise_static_eager_runs: int = 0
 
 
 class RunnerState(_Msg):
     num_tracked: int
-    graphs: dict = {}
+    graphs: GraphStats = msgspec.field(default_factory=GraphStats)
 
 
 class EngineStats(_Msg):
-    """Everything admin `stats` and `/metrics` show about the engine, read in one call."""
+    """Everything admin `stats` and `/metrics` show about the engine, read in one call. The
+    admin reply nests it unchanged; /metrics exports its annotated fields."""
     scheduler: SchedulerStats
     kv: KVStats
     router: RouterStats
-    # The graph dispatcher's counters (ModelRunner.graph_stats), as of the runner's latest
-    # snapshot (at most ~0.25 s old while it works).
-    graphs: dict = {}
+    # The graph dispatcher's counters, as of the runner's latest snapshot (at most ~0.25 s
+    # old while it works).
+    graphs: GraphStats = msgspec.field(default_factory=GraphStats)
 
 
 # -- worker processes: the front's router <- the worker pool (daemon/workers/) -----------
@@ -422,3 +536,26 @@ class RoutingStats(_Msg):
     prompt_blocks: list[int]
     expected_hit_blocks: list[int]
     num_rejected: int = 0                # no worker was up
+
+
+class WorkerStatus(_Msg):
+    """One engine worker process as the pool supervises it (/health, admin stats)."""
+    worker: int
+    up: bool
+    pid: int | None = None
+    incarnation: int = 0
+    restarts: int = 0
+    last_exit_code: int | None = None
+    seconds_since_exit: float | None = None
+    device: str = ""
+    threads: int | None = None
+    kv_usage: float | None = None        # last report, while up
+    draining: bool = False
+
+
+class WorkerStats(_Msg):
+    """Per worker process: the pool's status, the router's account and each live worker's
+    own engine stats (keyed by worker index)."""
+    statuses: list[WorkerStatus]
+    routing: RoutingStats
+    engines: dict[int, EngineStats] = {}

@@ -119,8 +119,8 @@ def tokenloom_mode(mode: str, args, rng: random.Random, compiled: bool = False) 
                                      for _ in range(max(1, args.reps - 1)))
         res["weight_bytes"] = weight_bytes(llm)
         stats = llm.graph_stats()
-        res["program_steps"] = stats.get("replays", 0)
-        res["eager_steps"] = stats["eager_steps"]
+        res["program_steps"] = stats.replays
+        res["eager_steps"] = stats.eager_steps
     finally:
         llm.close()
     return res
@@ -129,7 +129,7 @@ def tokenloom_mode(mode: str, args, rng: random.Random, compiled: bool = False) 
 def weight_bytes(llm) -> int:
     """Bytes a decode step streams for weights: every projection and the head once (the
     embedding lookup reads one row: not counted), norms included."""
-    model = llm.engine.runner.runner.model
+    model = llm.engine.runner.model_runner.model
     total = 0
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         # The CPU kernels' weight forms are counted once each below (CpuLinear.weight_bytes).

@@ -45,9 +45,10 @@ def idle_blocks(admin: str, timeout: float = 60.0) -> int:
     deadline = time.monotonic() + timeout
     while True:
         s = admin_cli.send(admin, P.Stats(), 30)
-        if (s.running == 0 and s.waiting == 0 and s.kv_blocks_used == 0) \
+        e = s.engine
+        if (e.scheduler.running == 0 and e.scheduler.waiting == 0 and e.kv.used == 0) \
                 or time.monotonic() > deadline:
-            return s.kv_blocks_used
+            return e.kv.used
         time.sleep(0.2)
 
 

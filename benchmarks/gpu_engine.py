@@ -274,7 +274,8 @@ def profiled_busy(fn, device: str):
 # -- the steps --------------------------------------------------------------------------------
 def runner_graph_stats(llm) -> dict:
     """The model runner's graph statistics (actors/execution/model_runner.py `graph_stats`)."""
-    return dict(llm.graph_stats())
+    import msgspec
+    return msgspec.structs.asdict(llm.graph_stats())
 
 
 def cold_cache(llm) -> None:

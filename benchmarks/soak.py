@@ -248,8 +248,9 @@ class Soak:
         deadline = time.monotonic() + timeout
         while True:
             s = admin_cli.send(self.admin, P.Stats(), 30)
-            idle = s.running == 0 and s.waiting == 0 and s.in_flight == 0 \
-                and s.kv_blocks_used == 0 and s.process.streams_open == 0
+            e = s.engine
+            idle = e.scheduler.running == 0 and e.scheduler.waiting == 0 and s.in_flight == 0 \
+                and e.kv.used == 0 and s.process.streams_open == 0
             if idle or time.monotonic() > deadline:
                 return s
             time.sleep(0.2)
@@ -331,7 +332,7 @@ def check(soak: Soak, base, end, elapsed: float, exit_code: int, rss_bound_mib: 
         "duration_s": round(elapsed, 1), "requests": len(recs), "outcomes": outcomes,
         "by_kind": {k: sum(1 for r in recs if r.kind == k) for k in KINDS},
         "admin_calls": soak.admin_calls,
-        "kv_blocks_used_idle": end.kv_blocks_used, "streams_open_idle": ep.streams_open,
+        "kv_blocks_used_idle": end.engine.kv.used, "streams_open_idle": ep.streams_open,
         "rss_mib": [round(bp.rss_bytes / 2**20, 1), round(ep.rss_bytes / 2**20, 1)],
         "rss_growth_mib": round((ep.rss_bytes - bp.rss_bytes) / 2**20, 1),
         "rss_growth_by_window_mib": trajectory,
@@ -344,8 +345,8 @@ def check(soak: Soak, base, end, elapsed: float, exit_code: int, rss_bound_mib: 
         "server_exit_code": exit_code,
     }
     failures = [f"{r.kind}: {r.outcome}" for r in failed[:20]]
-    if end.kv_blocks_used or ep.streams_open:
-        failures.append(f"leak: {end.kv_blocks_used} KV blocks, {ep.streams_open} streams "
+    if end.engine.kv.used or ep.streams_open:
+        failures.append(f"leak: {end.engine.kv.used} KV blocks, {ep.streams_open} streams "
                         f"still held when idle")
     if figures["rss_growth_mib"] > rss_bound_mib:
         failures.append(f"RSS grew {figures['rss_growth_mib']} MiB (bound {rss_bound_mib})")

@@ -83,7 +83,7 @@ def throughput(llm, batch: int, rounds: int, max_tokens: int) -> dict:
     from tokenloom import SamplingParams
     from tokenloom.actors.sampling_params import GuidedDecoding
 
-    runner = llm.engine.runner.runner
+    runner = llm.engine.runner.model_runner
     guided = GuidedDecoding("json_schema", json.dumps(SCHEMA))
     ps = prompts(batch if batch > 1 else 3)
     best = {"constrained": 0.0, "constrained_masks_after_forward": 0.0, "unconstrained": 0.0}

@@ -423,7 +423,8 @@ class WorkersConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
     # of model.num_threads (or of the host's cores when that is 0).
     count: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
     # Which worker a request goes to: "prefix" scores expected prefix-cache overlap against
-    # load, "round_robin" takes turns, "least_load" ignores prefixes (README, Workers).
+    # load, "round_robin" takes turns, "least_load" ignores prefixes
+    # (docs/workers-and-routing.md).
     routing: Literal["prefix", "round_robin", "least_load"] = "prefix"
     # Prefix routing's price of one decoding request, in prefill blocks (the alpha of
     # cost = blocks to prefill + alpha * decode load).

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import structlog
 from aiohttp import web
@@ -16,12 +17,14 @@ from aiohttp import web
 from tokenloom.config.schema import EngineConfig
 from tokenloom.daemon import logs
 from tokenloom.daemon.admin import server as admin_server
-from tokenloom.daemon.openai import handlers as openai_api
+from tokenloom.daemon.openai import endpoints
+from tokenloom.daemon.openai.chat import chat_completions
+from tokenloom.daemon.openai.completions import completions
 from tokenloom.daemon.drain import DrainController
 from tokenloom.daemon.errors import APIError
 from tokenloom.daemon.metrics import CONTENT_TYPE, Metrics
 from tokenloom.daemon.openai.protocol import Limits
-from tokenloom.daemon.openai.responses import ReadyResponse
+from tokenloom.daemon.openai.responses import HealthResponse, ReadyResponse
 from tokenloom.daemon.sdnotify import Notifier
 from tokenloom.daemon.state import STATE, ServerState
 
@@ -97,15 +100,14 @@ async def health(request: web.Request) -> web.Response:
     problem = engine_problem(state)
     if problem is not None:
         raise APIError(503, problem)
-    workers = getattr(state.engine, "worker_status", None)
-    if workers is None:
+    status = state.engine.worker_status() if state.engine is not None else []
+    if not status:   # the in-process engine
         return web.Response(status=200)
-    status = workers()
-    up = sum(w["up"] for w in status)
+    up = sum(w.up for w in status)
     if state.ready and up == 0:
         raise APIError(503, f"no engine worker is up (0/{len(status)}; restarting)")
-    return web.json_response({"status": "ok" if up == len(status) else "degraded",
-                              "workers": status})
+    return endpoints.struct_response(HealthResponse(
+        status="ok" if up == len(status) else "degraded", workers=status))
 
 
 async def ready(request: web.Request) -> web.Response:
@@ -114,14 +116,13 @@ async def ready(request: web.Request) -> web.Response:
         raise APIError(503, "draining")
     if not state.ready:
         raise APIError(503, "loading")
-    counts = getattr(state.engine, "worker_counts", None)
-    if counts is None:
-        return openai_api.struct_response(ReadyResponse(status="ready"))
-    up, total = counts()
+    status = state.engine.worker_status()
+    if not status:   # the in-process engine
+        return endpoints.struct_response(ReadyResponse(status="ready"))
+    up, total = sum(w.up for w in status), len(status)
     if up == 0:
         raise APIError(503, f"no engine worker is up (0/{total})")
-    return openai_api.struct_response(ReadyResponse(status="ready", workers_up=up,
-                                                    workers=total))
+    return endpoints.struct_response(ReadyResponse(status="ready", workers_up=up, workers=total))
 
 
 async def openapi_json(request: web.Request) -> web.Response:
@@ -145,7 +146,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def served_model_name(config: EngineConfig, engine) -> str:
-    return config.server.served_model_name or engine.info.model_dir.name
+    return config.server.served_model_name or Path(engine.info.model_dir).name
 
 
 async def warm_up(engine) -> None:
@@ -188,7 +189,7 @@ async def _start_engine(state: ServerState):
                           max_tokens=state.config.server.max_tokens,
                           max_logprobs=state.config.server.max_logprobs)
     state.metrics = Metrics(state.model_name)
-    state.token_text = openai_api.token_text_cache(engine.tokenizer)
+    state.token_text = endpoints.token_text_cache(engine.tokenizer)
     startup_log.info("warming up")
     await warm_up(engine)
     return engine
@@ -245,12 +246,12 @@ def create_app(config: EngineConfig, engine=None, notifier: Notifier | None = No
     app[STATE] = state
     app.cleanup_ctx.append(engine_ctx)
     app.cleanup_ctx.append(admin_server.admin_ctx)  # after the engine is up; closed first
-    app.router.add_post("/v1/completions", openai_api.completions)
-    app.router.add_post("/v1/chat/completions", openai_api.chat_completions)
-    app.router.add_get("/v1/models", openai_api.models)
-    app.router.add_get("/v1/requests/{request_id}/trace", openai_api.request_trace)
-    app.router.add_post("/tokenize", openai_api.tokenize)
-    app.router.add_post("/detokenize", openai_api.detokenize)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", endpoints.models)
+    app.router.add_get("/v1/requests/{request_id}/trace", endpoints.request_trace)
+    app.router.add_post("/tokenize", endpoints.tokenize)
+    app.router.add_post("/detokenize", endpoints.detokenize)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)

@@ -80,11 +80,10 @@ class DrainController:
 
     def _tell_workers(self, draining: bool) -> None:
         """With worker processes, every worker drains (refuses requests still on their way
-        to it) and resumes with the front."""
-        set_draining = getattr(self.state.engine, "set_draining", None)
-        if set_draining is None:
+        to it) and resumes with the front (the in-process engine has nothing to do)."""
+        if self.state.engine is None:
             return
-        task = asyncio.get_running_loop().create_task(set_draining(draining))
+        task = asyncio.get_running_loop().create_task(self.state.engine.set_draining(draining))
         self._worker_tasks.add(task)
         task.add_done_callback(self._worker_done)
 

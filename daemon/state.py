@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from aiohttp import web
+
+from tokenloom.actors.engine_client import EngineClient
 
 from tokenloom.config.schema import EngineConfig
 from tokenloom.daemon.inflight import InFlight
@@ -14,12 +17,16 @@ from tokenloom.daemon.metrics import Metrics
 from tokenloom.daemon.openai.protocol import Limits
 from tokenloom.daemon.sdnotify import Notifier
 
+if TYPE_CHECKING:   # (both import this module)
+    from tokenloom.daemon.connections import ConnectionStats
+    from tokenloom.daemon.drain import DrainController
+
 
 @dataclasses.dataclass
 class ServerState:
     config: EngineConfig
-    engine: object | None = None            # tokenloom.actors.engine.Engine once loaded
-    engine_task: object | None = None       # the asyncio.Task running the actors
+    engine: EngineClient | None = None      # the Engine or the WorkerPool, once loaded
+    engine_task: asyncio.Task | None = None  # running the engine's actors
     metrics: Metrics | None = None
     limits: Limits | None = None
     model_name: str = ""
@@ -28,10 +35,10 @@ class ServerState:
     draining: bool = False                  # draining (SIGTERM or admin): no new requests
     stopping: bool = False                  # the app is shutting down its engine
     inflight: InFlight = dataclasses.field(default_factory=InFlight)  # HTTP requests running
-    drain: object | None = None             # tokenloom.daemon.drain.DrainController (create_app)
+    drain: DrainController | None = None    # made by create_app
     notifier: Notifier = dataclasses.field(default_factory=Notifier)  # sd_notify (or no-op)
     started: int = dataclasses.field(default_factory=lambda: int(time.time()))
-    connections: object | None = None       # daemon.connections.ConnectionStats once serving
+    connections: ConnectionStats | None = None  # once serving
 
 
 STATE = web.AppKey("tokenloom_state", ServerState)

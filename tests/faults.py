@@ -107,7 +107,7 @@ class Injector:
 def install() -> Injector:
     """Wrap the fault points (once per process; `uninstall()` undoes it)."""
     from tokenloom.actors.execution import model_runner
-    from tokenloom.actors.engine import Engine
+    from tokenloom.actors.engine_client import EngineFront
     from tokenloom.actors.kv.kv_actor import KVManagerActor
     from tokenloom.actors.kv.kv_manager import KVCacheManager
     from tokenloom.actors.output.output_processor import OutputProcessor
@@ -117,9 +117,10 @@ def install() -> Injector:
 
     def submit(original):
         def wrapper(self, request, queue=None):
-            if request.tenant is not None:
+            tenant = request.meta.tenant
+            if tenant is not None:
                 with inj._lock:
-                    inj._victims[request.request_id] = request.tenant
+                    inj._victims[request.request_id] = tenant
             return original(self, request, queue)
         return wrapper
 
@@ -166,7 +167,7 @@ def install() -> Injector:
             return original(self, update)
         return wrapper
 
-    inj._wrap(Engine, "submit", submit)
+    inj._wrap(EngineFront, "submit", submit)
     inj._wrap(model_runner.ModelRunner, "_forward", forward)
     for name in ("sample", "sample_ids_on_device"):
         original = getattr(model_runner, name)

@@ -26,7 +26,8 @@ from tokenloom.actors.execution.guided import FIELD_OF_KIND
 from tokenloom.graphs.capture import DecodeGraphs
 from tokenloom.graphs.dispatch import GRAPH, PIECEWISE, Dispatcher
 from tokenloom.graphs.piecewise import PiecewiseGraphs
-from tokenloom.actors.messages import (PLACEHOLDER, ExecuteBatch, NewSequence, SampledToken,
+from tokenloom.actors.messages import (PLACEHOLDER, ExecuteBatch, GraphStats, NewSequence,
+                                       SampledToken,
                                        SpecResult, StepOutput, TokenLogprob)
 from tokenloom.kernels.kv_store import HostKVPool, KVCache
 from tokenloom.kernels.models.llama import LlamaForCausalLM
@@ -441,21 +442,21 @@ class ModelRunner:
         """The raw logits of a batch's sampled rows (for parity tests and debugging)."""
         return self._forward(batch, None)[0].clone()
 
-    def graph_stats(self) -> dict:
+    def graph_stats(self) -> GraphStats:
         stats = self.dispatcher.stats()
         if self.graphs is not None:
-            stats["captured_sizes"] = list(self.graphs.sizes)
-            stats["capture_seconds"] = self.graphs.capture_seconds
-            stats["capture_bytes"] = self.graphs.capture_bytes
-            stats["replays"] = self.graphs.num_replays
-            stats["static_eager_runs"] = self.graphs.num_static_eager
+            stats.update(captured_sizes=list(self.graphs.sizes),
+                         capture_seconds=self.graphs.capture_seconds,
+                         capture_bytes=self.graphs.capture_bytes,
+                         replays=self.graphs.num_replays,
+                         static_eager_runs=self.graphs.num_static_eager)
         if self.piecewise is not None:
-            stats["piecewise_captured_sizes"] = list(self.piecewise.sizes)
-            stats["piecewise_capture_seconds"] = self.piecewise.capture_seconds
-            stats["piecewise_capture_bytes"] = self.piecewise.capture_bytes
-            stats["piecewise_replays"] = self.piecewise.num_replays
-            stats["piecewise_static_eager_runs"] = self.piecewise.num_static_eager
-        return stats
+            stats.update(piecewise_captured_sizes=list(self.piecewise.sizes),
+                         piecewise_capture_seconds=self.piecewise.capture_seconds,
+                         piecewise_capture_bytes=self.piecewise.capture_bytes,
+                         piecewise_replays=self.piecewise.num_replays,
+                         piecewise_static_eager_runs=self.piecewise.num_static_eager)
+        return GraphStats(**stats)
 
     def _forward(self, batch: ExecuteBatch, patch) -> tuple[torch.Tensor, list[str]]:
         """Logits of the rows to sample [S, vocab] and their request ids. `patch`: None, or

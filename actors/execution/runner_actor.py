@@ -21,7 +21,7 @@ from typing import Any
 
 from tokenloom.actors.base import Actor, resolve
 from tokenloom.actors.messages import (ExecuteBatch, ForgetRequests, GetGraphStats,
-                                       GetRunnerState, RunnerState, Shutdown, StepOutput)
+                                       GetRunnerState, GraphStats, RunnerState, Shutdown, StepOutput)
 from tokenloom.actors.execution.model_runner import ModelRunner
 
 
@@ -44,9 +44,9 @@ def thaw_objects() -> None:
 class RunnerActor(Actor):
     name = "runner"
 
-    def __init__(self, runner: ModelRunner, run_ahead: bool | None = None):
+    def __init__(self, model_runner: ModelRunner, run_ahead: bool | None = None):
         super().__init__()
-        self.runner = runner
+        self.model_runner = runner = model_runner
         # Launch step N+1 before finishing step N when it is queued in time. Pays on CUDA,
         # where launching only queues kernels; on CPU a launch computes the whole forward,
         # so finishing N first gets its tokens out sooner (False there unless forced, e.g.
@@ -61,7 +61,7 @@ class RunnerActor(Actor):
         self.compute = None
         # Graph/eager counters for /metrics and admin stats, refreshed by the compute thread
         # (a reference swap: readers on the event loop never wait behind a step).
-        self.graph_snapshot: dict = runner.graph_stats()
+        self.graph_snapshot: GraphStats = runner.graph_stats()
         self._snapshot_time = 0.0
 
     def send(self, msg: Any) -> None:
@@ -91,7 +91,7 @@ class RunnerActor(Actor):
         batch is already queued and may go ahead, it is launched *before* the previous one
         is finished: its placeholders read the previous step's tokens on the device, and the
         GPU never waits for the host round trip of the sampled ids."""
-        pending = None    # LaunchedStep not finished yet (only with run_ahead)
+        pending = None    # ModelRunner.LaunchedStep not finished yet (only with run_ahead)
         last_end = None   # when the previous step was launched after the one before ended
         try:
             while True:
@@ -102,7 +102,7 @@ class RunnerActor(Actor):
                     continue
                 match msg:
                     case ExecuteBatch():
-                        if pending is not None and not self.runner.can_launch_ahead(msg):
+                        if pending is not None and not self.model_runner.can_launch_ahead(msg):
                             self._finish(pending)
                             pending = None
                         start = time.perf_counter()
@@ -119,13 +119,13 @@ class RunnerActor(Actor):
                             pending = None
                         last_end = time.perf_counter()
                     case ForgetRequests(request_ids=ids):
-                        self.runner.forget(ids)   # behind every batch sent before it
+                        self.model_runner.forget(ids)   # behind every batch sent before it
                     case GetRunnerState(reply=reply):
                         self._post(resolve, reply, RunnerState(
-                            num_tracked=self.runner.num_tracked,
-                            graphs=self.runner.graph_stats()))
+                            num_tracked=self.model_runner.num_tracked,
+                            graphs=self.model_runner.graph_stats()))
                     case GetGraphStats(reply=reply):
-                        self._post(resolve, reply, self.runner.graph_stats())
+                        self._post(resolve, reply, self.model_runner.graph_stats())
                     case Shutdown():
                         if pending is not None:
                             self._finish(pending)
@@ -147,14 +147,14 @@ class RunnerActor(Actor):
 
     def _launch(self, batch: ExecuteBatch, pending):
         try:
-            return self.runner.launch(batch, pending)
+            return self.model_runner.launch(batch, pending)
         except Exception as e:  # the step failed; its requests end with an error (the
             self._fail(batch, e)  # scheduler takes outputs by step number, in any order)
             return None
 
     def _finish(self, launched) -> None:
         try:
-            out = self.runner.finish(launched)
+            out = self.model_runner.finish(launched)
         except Exception as e:
             self._fail(launched.batch, e)
             return
@@ -163,10 +163,10 @@ class RunnerActor(Actor):
         now = time.perf_counter()
         if now - self._snapshot_time > 0.25:
             self._snapshot_time = now
-            self.graph_snapshot = self.runner.graph_stats()
+            self.graph_snapshot = self.model_runner.graph_stats()
 
     def _fail(self, batch: ExecuteBatch, e: Exception) -> None:
-        self.runner.forget_failed(batch)
+        self.model_runner.forget_failed(batch)
         self.log.error("step failed", step=batch.step, error=repr(e),
                        traceback=traceback.format_exc())
         self._post(self.scheduler_inbox.put_nowait, StepOutput(

@@ -140,12 +140,12 @@ class WorkerRouterActor(Actor):
     def hashes(self, msg: AddRequest) -> list[bytes]:
         if not self.prefix_caching:
             return []
-        ident = self._identities.get(msg.cache_salt)
+        salt = msg.meta.cache_salt
+        ident = self._identities.get(salt)
         if ident is None:
-            ident = CacheIdentity(model_fingerprint=self.fingerprint,
-                                  cache_salt=msg.cache_salt).encode()
+            ident = CacheIdentity(model_fingerprint=self.fingerprint, cache_salt=salt).encode()
             if len(self._identities) < 4096:
-                self._identities[msg.cache_salt] = ident
+                self._identities[salt] = ident
         return hash_request_blocks(msg.prompt_token_ids, self.block_size, ident)
 
     def _add(self, msg: AddRequest) -> None:
@@ -153,8 +153,9 @@ class WorkerRouterActor(Actor):
         hashes = self.hashes(msg)
         need = -(-(len(msg.prompt_token_ids) + msg.sampling_params.max_tokens)
                  // self.block_size)
-        leader = self._requests.get(msg.group_id) if msg.group_id else None
-        key = msg.affinity or msg.tenant
+        meta = msg.meta
+        leader = self._requests.get(meta.group_id) if meta.group_id else None
+        key = meta.affinity or meta.tenant
         if leader is not None and self.core.loads[leader.worker].up:
             w = leader.worker
             decision = RouteDecision(w, self.core.policy, "sibling", len(hashes),

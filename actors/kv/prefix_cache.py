@@ -42,10 +42,13 @@ import enum
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
+from typing import Annotated
+
 import msgspec
 
 from tokenloom.actors.kv.block_hash import BlockHash
 from tokenloom.actors.kv.block_pool import BlockPool
+from tokenloom.actors.metric_fields import counter
 from tokenloom.actors.kv.events import (MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored,
                                         KVEventPublisher)
 
@@ -88,15 +91,31 @@ class PrefixCacheStats(msgspec.Struct, kw_only=True, gc=False):
     preempted_hit + missed["recompute_after_preempt"]. ``requests``/``queried_tokens``/
     ``hit_tokens`` are vLLM's ``prefix_cache_queries``/``prefix_cache_hits`` semantics."""
     requests: int = 0
-    queried_tokens: int = 0
-    hit_tokens: int = 0
+    queried_tokens: Annotated[int, counter("vllm:prefix_cache_queries", "Prefix cache queries, "
+                                           "in terms of number of queried tokens.")] = 0
+    hit_tokens: Annotated[int, counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms "
+                                       "of number of cached tokens.")] = 0
     preempted_requests: int = 0
     preempted_queried_tokens: int = 0
     preempted_hit_tokens: int = 0
-    missed_tokens: dict[str, int] = {}
+    # (a preempted request's recompute is neither a query nor a hit, only a miss reason)
+    missed_tokens: Annotated[dict[str, int], counter(
+        "tokenloom:prefix_cache_missed_tokens", "Prompt tokens not served from the prefix "
+        "cache, by the reason of the request's first miss.", "reason")] = {}
     stored_blocks: int = 0
     evicted_blocks: int = 0
     flushed_blocks: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Hit / queried tokens of requests not preempted (0 before any query)."""
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+    @property
+    def preempted_hit_rate(self) -> float:
+        """The same for recomputation after preemption."""
+        return (self.preempted_hit_tokens / self.preempted_queried_tokens
+                if self.preempted_queried_tokens else 0.0)
 
 
 def empty_stats() -> PrefixCacheStats:

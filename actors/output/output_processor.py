@@ -4,8 +4,6 @@ One stage between the scheduler and the streams. It owns, per request, the incre
 detokenizer (with the prompt's last tokens as context) and the stop strings, so a request
 that hits a stop string finishes as STOP inside the engine, in the step that produced it:
 its blocks are freed with the next KV update, with no abort round trip through the front
-end. It also owns n > 1 fan-out (`fan_out`): the HTTP layer and the offline `LLM` submit
-the same sibling requests and consume the same deltas.
 
 Pure apart from the tokenizer: no asyncio, no torch.
 """
@@ -17,41 +15,7 @@ from typing import Any, Sequence
 import msgspec
 
 from tokenloom.actors.output.detokenizer import IncrementalDetokenizer
-from tokenloom.actors.messages import GenerateRequest
 from tokenloom.actors.scheduling.request import Request
-from tokenloom.actors.sampling_params import SamplingParams
-
-
-def choice_request_id(request_id: str, index: int, num_choices: int) -> str:
-    """Choice `index` of a request with `num_choices` choices runs as `<id>-<index>`; a
-    single choice keeps the request's own id."""
-    return request_id if num_choices == 1 else f"{request_id}-{index}"
-
-
-def fan_out(request_id: str, prompts: Sequence[str | list[int] | None],
-            params: SamplingParams, **common: Any) -> list[GenerateRequest]:
-    """One engine request per choice, in OpenAI's order: choice index = prompt × n + i.
-
-    Siblings of one prompt must differ: each gets its own seed stream (seed + i). Siblings
-    1..n-1 name sibling 0 as `group_id`: they wait until its prompt is computed, then reuse
-    its prompt blocks (see scheduler_siblings.py) instead of computing it n times.
-    `common` fills the other GenerateRequest fields (messages, arrival_time, cache_salt...)."""
-    n = params.n
-    total = len(prompts) * n
-    sibling = msgspec.structs.replace(params, n=1) if n > 1 else params
-    out = []
-    for p, prompt in enumerate(prompts):
-        for i in range(n):
-            index = p * n + i
-            sp = sibling if params.seed is None or i == 0 else msgspec.structs.replace(
-                sibling, seed=params.seed + i)
-            out.append(GenerateRequest(
-                request_id=choice_request_id(request_id, index, total), sampling_params=sp,
-                prompt=prompt if isinstance(prompt, str) else None,
-                prompt_token_ids=list(prompt) if isinstance(prompt, list) else None,
-                group_id=choice_request_id(request_id, p * n, total) if i > 0 else None,
-                **common))
-    return out
 
 
 class OutputProcessor:

@@ -12,6 +12,7 @@ import enum
 import time
 from typing import Sequence
 
+from tokenloom.actors.messages import RequestMeta
 from tokenloom.actors.sampling_params import SamplingParams
 
 
@@ -60,11 +61,17 @@ class FinishReason(enum.IntEnum):
 class Request:
     """Scheduler-side state of one sequence. Owned by the scheduler actor only."""
 
+    # Read through to the request's metadata (lower priority runs first; tenant is the
+    # fair-share key; group_id, n > 1: sibling 0's id, see siblings.py).
+    priority = property(lambda self: self.meta.priority)
+    tenant = property(lambda self: self.meta.tenant)
+    cache_salt = property(lambda self: self.meta.cache_salt)
+    group_id = property(lambda self: self.meta.group_id)
+
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
                  sampling_params: SamplingParams, eos_token_ids: Sequence[int] = (),
                  arrival_time: float | None = None, max_model_len: int | None = None,
-                 cache_salt: str | None = None, group_id: str | None = None,
-                 priority: int = 0, tenant: str | None = None, arrival_seq: int = 0):
+                 meta: RequestMeta = RequestMeta(), arrival_seq: int = 0):
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
         self.request_id = request_id
@@ -87,10 +94,9 @@ class Request:
         # Iterations in a row it was running as a decode and left out (invariant 3).
         self.num_skipped = 0
         self.num_preemptions = 0
-        # Scheduling: lower priority runs first; tenant is the fair-share key; arrival_seq
-        # breaks ties in arrival order.
-        self.priority = priority
-        self.tenant = tenant
+        # Salt, priority, tenant, affinity, sibling group: as the submitter gave them
+        # (messages.RequestMeta); arrival_seq breaks ties in arrival order.
+        self.meta = meta
         self.arrival_seq = arrival_seq
         # Swap preemption: host-pool slots holding this request's KV (in table order)
         # while it waits to be swapped back in; None when its KV is on the device or gone.
@@ -105,8 +111,6 @@ class Request:
         # Prefix cache: chain hashes of full blocks (extended as tokens are computed), the
         # salt-free chain when salted (to explain isolation misses), blocks committed to the
         # cache, and what the first admission found cached.
-        self.cache_salt = cache_salt
-        self.group_id = group_id  # n > 1: sibling 0's id (see SchedulerActor._held_back)
         self.block_hashes: list[bytes] = []
         self.content_hashes: list[bytes] = []
         self.num_committed_blocks = 0

@@ -112,7 +112,7 @@ class SchedulerActor(Actor):
         self.max_model_len = max_model_len
         self.emit = emit
         self.kv_inbox: asyncio.Queue | None = None      # wired by the engine
-        self.runner = None                              # the runner actor (its send())
+        self.runner_actor = None                        # wired by the engine (its send())
         # The one registry of live requests on the engine side, and its two queues.
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -165,11 +165,9 @@ class SchedulerActor(Actor):
         self._arrivals += 1
         req = Request(msg.request_id, msg.prompt_token_ids, msg.sampling_params,
                       eos_token_ids=self.eos_token_ids, arrival_time=msg.arrival_time,
-                      max_model_len=self.max_model_len, cache_salt=msg.cache_salt,
-                      group_id=msg.group_id, priority=msg.priority, tenant=msg.tenant,
+                      max_model_len=self.max_model_len, meta=msg.meta,
                       arrival_seq=self._arrivals)
-        req.trace = RequestTrace(req.request_id, msg.arrival_time, msg.routed_time,
-                                 priority=msg.priority, tenant=msg.tenant)
+        req.trace = RequestTrace(req.request_id, msg.arrival_time, msg.routed_time, msg.meta)
         if self.spec is not None:
             req.spec = self.spec.new_state(msg.sampling_params.speculative)
             if req.spec is not None:
@@ -207,7 +205,7 @@ class SchedulerActor(Actor):
                 await self._kv_update(None)  # return blocks promptly even when idle
             if not self.waiting and not self.running:  # (a request may have come meanwhile)
                 if self._runner_finished:  # no next batch to carry them: tell the runner now
-                    self.runner.send(ForgetRequests(request_ids=self._runner_finished))
+                    self.runner_actor.send(ForgetRequests(request_ids=self._runner_finished))
                     self._runner_finished = []
                 self._busy = False
                 self._handle(await self.inbox.get())
@@ -223,7 +221,7 @@ class SchedulerActor(Actor):
                 await self._process(self.in_flight.popleft())
         launched = await self._schedule()
         if launched is not None:
-            self.runner.send(launched.batch)
+            self.runner_actor.send(launched.batch)
             self.in_flight.append(launched)
         if self.in_flight and (len(self.in_flight) > 1 or launched is None or not self.overlap):
             await self._process(self.in_flight.popleft())

@@ -12,6 +12,10 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
+import msgspec
+
+from tokenloom.actors.messages import RequestMeta
+
 # The events, in the order they normally happen. `preempted` / `resumed` may repeat.
 EVENTS = ("request_received", "routed", "prefix_cache_lookup_done", "admitted",
           "prefill_started", "prefill_finished", "first_token", "preempted", "resumed",
@@ -20,11 +24,11 @@ EVENTS = ("request_received", "routed", "prefix_cache_lookup_done", "admitted",
 
 class RequestTrace:
     __slots__ = ("request_id", "events", "num_decode_iterations", "_last_token", "max_gap",
-                 "sum_gaps", "preemptions", "plan", "finish_reason", "priority", "tenant",
+                 "sum_gaps", "preemptions", "plan", "finish_reason", "meta",
                  "prefill_chunks", "speculation", "kv_refusals")
 
     def __init__(self, request_id: str, received: float, routed: float | None = None,
-                 priority: int = 0, tenant: str | None = None):
+                 meta: RequestMeta = RequestMeta()):
         self.request_id = request_id
         self.events: list[tuple[str, float]] = [("request_received", received)]
         if routed is not None:
@@ -38,8 +42,7 @@ class RequestTrace:
         self.plan: dict | None = None       # the KV plan of the latest admission
         self.kv_refusals = 0                # steps it waited first in line, KV plan refused
         self.finish_reason: str | None = None
-        self.priority = priority
-        self.tenant = tenant
+        self.meta = meta
         # (method, SpecState) when the request may speculate (see actors/speculation/controller.py)
         self.speculation = None
 
@@ -71,8 +74,9 @@ class RequestTrace:
         return {
             "request_id": self.request_id,
             "received_at": round(t0 + wall_offset, 6),
-            "priority": self.priority,
-            "tenant": self.tenant,
+            "priority": self.meta.priority,
+            "tenant": self.meta.tenant,
+            "meta": msgspec.structs.asdict(self.meta),
             "events": [{"event": name, "t": round(t - t0, 6)} for name, t in self.events],
             "prefill_chunks": self.prefill_chunks,
             "decode": {"iterations": n,

@@ -52,16 +52,17 @@ class DraftModelProposer:
                               f"{spec.vocab_size} tokens but the model has "
                               f"{info.spec.vocab_size}: a draft must share the tokenizer",
                               key="speculative.draft_model")
-        model, spec = load_model(model_dir, info.dtype, info.device,
+        device, dtype = info.torch_device, info.torch_dtype
+        model, spec = load_model(model_dir, dtype, device,
                                  max_positions=info.max_model_len)
-        select_decode_backend(model, attention_backend, info.device,
+        select_decode_backend(model, attention_backend, device,
                               max_model_len=info.max_model_len, block_size=info.block_size)
         kv = KVCache.allocate(spec.num_layers, info.num_blocks, info.block_size,
-                              spec.num_kv_heads, spec.head_dim, info.dtype, info.device)
+                              spec.num_kv_heads, spec.head_dim, dtype, device)
         from tokenloom.graphs.setup import precompile_decode   # no-op unless the Triton split
         width = -(-info.max_model_len // info.block_size) * info.block_size
         precompile_decode(model, kv, max_num_seqs=max_num_seqs, width=width, graph_sizes=())
-        return cls(model, kv, info.device)
+        return cls(model, kv, device)
 
     def _reference_decode(self) -> bool:
         return self.model.layers[0].self_attn.decode_fn is None

@@ -136,6 +136,10 @@ def _render_drain(p: P.DrainProgress) -> str:
 
 
 def _render_stats(r: P.StatsReply) -> str:
+    """A summary of what an operator looks at first, then every field of the engine's
+    stats by section (so a new counter shows without touching this file)."""
+    e = r.engine
+    sched, kv, pc, t = e.scheduler, e.kv, e.kv.prefix_cache, e.scheduler.timings
     rows = [
         ("model", r.model),
         ("ready", "yes" if r.ready else "no"),
@@ -143,31 +147,27 @@ def _render_stats(r: P.StatsReply) -> str:
         ("uptime", f"{r.uptime_seconds:.0f} s"),
         ("log level", r.log_level),
         ("HTTP requests in flight", r.in_flight),
-        ("engine: running / waiting", f"{r.running} / {r.waiting}"),
-        ("engine: steps, preemptions", f"{r.num_steps}, {r.num_preemptions}"),
+        ("engine: running / waiting", f"{sched.running} / {sched.waiting}"),
+        ("engine: steps, preemptions", f"{sched.num_steps}, {sched.num_preemptions}"),
         ("engine: stalled", f"{r.engine_stalled_seconds:.1f} s"),
-        ("KV blocks: used / free / total", f"{r.kv_blocks_used} / {r.kv_blocks_free} / "
-                                           f"{r.kv_blocks_total} ({100 * r.kv_usage:.1f}% used)"),
-        ("KV blocks cached", r.kv_blocks_cached),
-        ("prefix cache hit rate", f"{100 * r.prefix_cache_hit_rate:.1f}% "
-                                  f"({r.prefix_cache_hit_tokens} / "
-                                  f"{r.prefix_cache_queried_tokens} tokens)"),
-        ("hit rate after preemption", f"{100 * r.preempted_hit_rate:.1f}%"),
-        ("preemptions by swap", r.num_swap_preemptions),
-        ("max decode skip", r.max_decode_skip),
-        ("admission", "paused (KV resume watermark)" if r.admission_paused else "open"),
-        ("prefill budget", "static" if r.prefill_budget is None
-         else f"{r.prefill_budget} tokens (SLO)"),
-        ("step cost model", "not fitted" if r.cost_model is None else
+        ("KV blocks: used / free / total", f"{kv.used} / {kv.free} / {kv.num_blocks} "
+                                           f"({100 * kv.usage:.1f}% used)"),
+        ("KV blocks cached", kv.cached_blocks),
+        ("prefix cache hit rate", f"{100 * pc.hit_rate:.1f}% ({pc.hit_tokens} / "
+                                  f"{pc.queried_tokens} tokens)"),
+        ("hit rate after preemption", f"{100 * pc.preempted_hit_rate:.1f}%"),
+        ("admission", "paused (KV resume watermark)" if sched.admission_paused else "open"),
+        ("prefill budget", "static" if sched.prefill_budget is None
+         else f"{sched.prefill_budget} tokens (SLO)"),
+        ("step cost model", "not fitted" if sched.cost_model is None else
          "{:.2f} ms + {:.4f} ms/token + {:.3f} ms/M query-key pairs + {:.3f} ms/M keys "
-         "read + {:.4f} ms/sampled row".format(*(1000 * c for c in r.cost_model),
-                                               *(0.0,) * (5 - len(r.cost_model)))),
-        ("goodput", f"{r.goodput_requests} / {r.slo_evaluated_requests} requests"),
-        ("decode graphs", _graphs_row(r.graphs)),
-        ("engine loop", ("overlapped" if r.overlap else "serial") +
-         f", step {r.step_timings.forward_ms:.2f} ms forward + {r.step_timings.host_ms:.2f} ms "
-         f"host ({r.step_timings.exposed_host_ms:.2f} ms exposed), "
-         f"mean batch {r.step_timings.batch_size:g}"),
+         "read + {:.4f} ms/sampled row".format(*(1000 * c for c in sched.cost_model),
+                                               *(0.0,) * (5 - len(sched.cost_model)))),
+        ("goodput", f"{sched.num_slo_good} / {sched.num_slo_evaluated} requests"),
+        ("decode graphs", _graphs_row(e.graphs)),
+        ("engine loop", ("overlapped" if sched.overlap else "serial") +
+         f", step {t.forward_ms:.2f} ms forward + {t.host_ms:.2f} ms "
+         f"host ({t.exposed_host_ms:.2f} ms exposed), mean batch {t.batch_size:g}"),
     ]
     if r.process is not None:
         p = r.process
@@ -185,23 +185,38 @@ def _render_stats(r: P.StatsReply) -> str:
             + f", {w.restarts} restarts, {w.in_flight} in flight, {w.routed} routed "
               f"({w.expected_hit_blocks} blocks expected cached), KV {100 * w.kv_usage:.1f}%, "
               f"prefix hit rate {100 * w.prefix_cache_hit_rate:.1f}%"))
+    rows.append(("", ""))
+    rows += _struct_rows("engine", e)
     width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+    return "\n".join(f"{k:<{width}}  {v}".rstrip() for k, v in rows)
 
 
-def _graphs_row(g: dict) -> str:
+def _struct_rows(prefix: str, obj) -> list[tuple[str, object]]:
+    """Every field of a stats Struct as `section.field  value`, nested Structs in turn."""
+    rows, nested = [], []
+    for name in obj.__struct_fields__:
+        value = getattr(obj, name)
+        if isinstance(value, msgspec.Struct):
+            nested.append((f"{prefix}.{name}", value))
+        else:
+            rows.append((f"{prefix}.{name}", value))
+    for sub_prefix, sub in nested:
+        rows += _struct_rows(sub_prefix, sub)
+    return rows
+
+
+def _graphs_row(g) -> str:
     """Decode graph, piecewise and eager steps, why eager, padding waste, and the decode
-    batch sizes seen."""
-    if not g:
+    batch sizes seen (a GraphStats)."""
+    if not (g.graph_steps or g.eager_steps or g.piecewise_steps):
         return "no data yet"
-    reasons = ", ".join(f"{n} {why}" for why, n in sorted(g.get("eager_reasons", {}).items()))
-    sizes = g.get("decode_batch_size_histogram", {})
-    piecewise = (f"{g.get('piecewise_steps', 0)} piecewise (padding "
-                 f"{100 * g.get('piecewise_padding_waste_fraction', 0.0):.1f}%), "
-                 if g.get("piecewise") else "")
-    return (f"{g.get('graph_steps', 0)} graph, {piecewise}{g.get('eager_steps', 0)} eager"
+    reasons = ", ".join(f"{n} {why}" for why, n in sorted(g.eager_reasons.items()))
+    sizes = g.decode_batch_size_histogram
+    piecewise = (f"{g.piecewise_steps} piecewise (padding "
+                 f"{100 * g.piecewise_padding_waste_fraction:.1f}%), " if g.piecewise else "")
+    return (f"{g.graph_steps} graph, {piecewise}{g.eager_steps} eager"
             + (f" ({reasons})" if reasons else "")
-            + f"; padding waste {100 * g.get('padding_waste_fraction', 0.0):.1f}%"
+            + f"; padding waste {100 * g.padding_waste_fraction:.1f}%"
             + (f"; decode batch sizes {sizes}" if sizes else ""))
 
 
@@ -220,7 +235,7 @@ def run(args) -> int:
         return EXIT_UNREACHABLE
     if args.admin_command == "graph-histogram" and isinstance(reply, P.StatsReply):
         # {batch_size: count}: save it and point graphs.histogram_path at the file.
-        print(json.dumps(reply.graphs.get("decode_batch_size_histogram", {})))
+        print(json.dumps(reply.engine.graphs.decode_batch_size_histogram))
     elif args.json:
         print(msgspec.json.encode(reply).decode())
     else:

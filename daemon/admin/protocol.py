@@ -17,7 +17,7 @@ from typing import Any, Literal, Union
 
 import msgspec
 
-from tokenloom.actors.messages import StepTimings
+from tokenloom.actors.messages import EngineStats
 
 LogLevel = Literal["debug", "info", "warning", "error"]
 
@@ -110,45 +110,19 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
 
 
 class StatsReply(_Reply, tag="stats", kw_only=True):
+    """The daemon (`model` ... `drain`, `process`), the engine's own typed stats unchanged
+    (`engine`: scheduler, KV pool and prefix cache, router, graphs — the same struct /metrics
+    exports), and one entry per engine worker process (empty in-process)."""
     model: str
     ready: bool
     uptime_seconds: float
     log_level: str
     in_flight: int                      # HTTP requests being served
-    waiting: int                        # engine queues
-    running: int
-    num_steps: int
-    num_preemptions: int
     engine_stalled_seconds: float
-    kv_blocks_total: int
-    kv_blocks_used: int
-    kv_blocks_free: int
-    kv_blocks_cached: int
-    kv_usage: float
-    prefix_cache_queried_tokens: int
-    prefix_cache_hit_tokens: int
-    prefix_cache_hit_rate: float        # hit / queried tokens (requests not preempted)
-    preempted_hit_rate: float           # the same for recomputation after preemption
     drain: DrainProgress
-    # Scheduling (README, Scheduling): swap preemptions, most consecutive iterations a
-    # running decode was skipped, admission paused after a preemption, the SLO chunker's
-    # last prefill budget (None: static) and cost model (c0, c1, c2; None: not fitted).
-    num_swap_preemptions: int = 0
-    max_decode_skip: int = 0
-    admission_paused: bool = False
-    prefill_budget: int | None = None
-    cost_model: list[float] | None = None
-    goodput_requests: int = 0
-    # The graph dispatcher's counters (graphs/dispatch.py): graph and eager steps (with
-    # reasons), padding waste, the decode batch-size histogram graphs.histogram_path wants.
-    graphs: dict = {}
-    slo_evaluated_requests: int = 0
-    # The engine loop: overlapped steps on, and where a step's time goes (means, ms).
-    overlap: bool = True
-    step_timings: StepTimings = StepTimings()
+    engine: EngineStats
     # The process (for leak checks: benchmarks/soak.py) and the HTTP connections.
     process: ProcessStats | None = None
-    # Engine worker processes, one entry each (empty with the in-process engine).
     workers: list[WorkerInfo] = []
 
 

@@ -224,54 +224,33 @@ class AdminServer:
             raise _Refused("unavailable", "the engine is not running")
         return engine
 
-    async def _ask(self, actor, query):
-        return await asyncio.wait_for(self._engine().ask(actor, query), QUERY_TIMEOUT)
-
     async def stats(self) -> P.StatsReply:
         engine = self._engine()
-        s = await asyncio.wait_for(engine.stats(), QUERY_TIMEOUT)
-        sched, kv, pc = s.scheduler, s.kv, s.kv.prefix_cache
-        rate = lambda hit, asked: round(hit / asked, 6) if asked else 0.0  # noqa: E731
         return P.StatsReply(
             model=self.state.model_name, ready=self.state.ready,
             uptime_seconds=round(time.time() - self.state.started, 3),
             log_level=logs.current_level(), in_flight=len(self.state.inflight),
-            waiting=sched.waiting, running=sched.running, num_steps=sched.num_steps,
-            num_preemptions=sched.num_preemptions,
             engine_stalled_seconds=round(engine.stalled_seconds(), 3),
-            kv_blocks_total=kv.num_blocks, kv_blocks_used=kv.used,
-            kv_blocks_free=kv.free, kv_blocks_cached=kv.cached_blocks,
-            kv_usage=round(kv.usage, 6),
-            prefix_cache_queried_tokens=pc.queried_tokens,
-            prefix_cache_hit_tokens=pc.hit_tokens,
-            prefix_cache_hit_rate=rate(pc.hit_tokens, pc.queried_tokens),
-            preempted_hit_rate=rate(pc.preempted_hit_tokens, pc.preempted_queried_tokens),
             drain=self.state.drain.progress(),
-            num_swap_preemptions=sched.num_swap_preemptions,
-            max_decode_skip=sched.max_decode_skip,
-            admission_paused=sched.admission_paused, prefill_budget=sched.prefill_budget,
-            cost_model=sched.cost_model, goodput_requests=sched.num_slo_good,
-            slo_evaluated_requests=sched.num_slo_evaluated, overlap=sched.overlap,
-            step_timings=sched.timings, process=self.process_stats(), graphs=s.graphs,
-            workers=await self.worker_infos(engine))
+            engine=await asyncio.wait_for(engine.stats(), QUERY_TIMEOUT),
+            process=self.process_stats(), workers=await self.worker_infos(engine))
 
     async def worker_infos(self, engine) -> list[P.WorkerInfo]:
         """Per worker process (none with the in-process engine)."""
-        if not hasattr(engine, "worker_stats"):
+        stats = await asyncio.wait_for(engine.worker_stats(), QUERY_TIMEOUT)
+        if stats is None:
             return []
-        statuses, routing, stats = await asyncio.wait_for(engine.worker_stats(), QUERY_TIMEOUT)
-        out = []
-        for st in statuses:
-            w = st["worker"]
-            pc = stats[w].kv.prefix_cache if w in stats else None
+        routing, out = stats.routing, []
+        for st in stats.statuses:
+            w = st.worker
+            mine = stats.engines.get(w)
             out.append(P.WorkerInfo(
-                worker=w, up=st["up"], pid=st["pid"], restarts=st["restarts"],
-                last_exit_code=st["last_exit_code"], draining=st["draining"],
+                worker=w, up=st.up, pid=st.pid, restarts=st.restarts,
+                last_exit_code=st.last_exit_code, draining=st.draining,
                 in_flight=routing.in_flight[w], routed=routing.routed[w],
                 expected_hit_blocks=routing.expected_hit_blocks[w],
                 kv_usage=routing.kv_usage[w],
-                prefix_cache_hit_rate=(round(pc.hit_tokens / pc.queried_tokens, 6)
-                                       if pc is not None and pc.queried_tokens else 0.0)))
+                prefix_cache_hit_rate=round(mine.kv.prefix_cache.hit_rate, 6) if mine else 0.0))
         return out
 
     def process_stats(self) -> P.ProcessStats:

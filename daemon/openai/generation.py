@@ -24,9 +24,11 @@ import time
 from typing import AsyncIterator
 
 
+from tokenloom.actors.engine_client import EngineClient
+from tokenloom.actors.front.fan_out import fan_out
 from tokenloom.actors.messages import (ERROR_INVALID, ERROR_OVERLOADED, GenerateRequest,
-                                       RequestOutput, RequestTimings, TokenLogprob)
-from tokenloom.actors.output.output_processor import fan_out
+                                       RequestMeta, RequestOutput, RequestTimings,
+                                       TokenLogprob)
 from tokenloom.actors.sampling_params import SamplingParams
 from tokenloom.daemon.errors import APIError
 
@@ -58,11 +60,10 @@ class Choice:
 
 
 class Generation:
-    def __init__(self, engine, request_id: str, prompts: list[str | list[int] | None],
-                 messages: list[dict] | None, params: SamplingParams, fit_max_tokens: bool,
-                 metrics=None, log=None, cache_salt: str | None = None,
-                 priority: int = 0, tenant: str | None = None, affinity: str | None = None,
-                 tools: list[dict] | None = None):
+    def __init__(self, engine: EngineClient, request_id: str,
+                 prompts: list[str | list[int] | None], messages: list[dict] | None,
+                 params: SamplingParams, fit_max_tokens: bool, meta: RequestMeta = RequestMeta(),
+                 metrics=None, log=None, tools: list[dict] | None = None):
         self.engine = engine
         self.request_id = request_id
         self.metrics = metrics
@@ -73,8 +74,7 @@ class Generation:
         self.n = params.n
         self._requests: list[GenerateRequest] = fan_out(
             request_id, prompts, params, arrival_time=self.arrival, messages=messages,
-            fit_max_tokens=fit_max_tokens, cache_salt=cache_salt, priority=priority,
-            tenant=tenant, tools=tools, affinity=affinity)
+            fit_max_tokens=fit_max_tokens, meta=meta, tools=tools)
         for index, req in enumerate(self._requests):
             self.choices[req.request_id] = Choice(index, req.request_id)
         self._open: set[str] = set()

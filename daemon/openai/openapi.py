@@ -29,7 +29,7 @@ def _error(description: str) -> dict:
     return {"description": description, "content": {JSON: {"schema": _ref(R.ErrorResponse)}}}
 
 
-# Statuses every POST endpoint may answer with besides 200 (see README "Errors").
+# Statuses every POST endpoint may answer with besides 200 (see docs/http-api.md, "Errors").
 _POST_ERRORS = {
     "400": "malformed JSON, wrong types, values out of range, prompt too long, invalid UTF-8",
     "404": "unknown model", "408": "the body was not received within the read timeout",

@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 
+from tokenloom.actors.messages import RequestMeta
 from tokenloom.actors.sampling_params import MAX_LOGPROBS, GuidedDecoding, SamplingParams
 from tokenloom.daemon.errors import APIError
 from tokenloom.daemon.openai.tools import ToolSpec, parse_tools
@@ -53,7 +54,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # OpenAI's prompt-caching hint: requests with the same key share a prefix. With worker
-    # processes it is the routing affinity key (README, Worker processes).
+    # processes it is the routing affinity key (docs/workers-and-routing.md).
     prompt_cache_key: str | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
@@ -136,11 +137,9 @@ class ParsedRequest:
     logprobs: int | None                        # None: no logprobs in the response
     model: str
     max_tokens_field: str = "max_tokens"        # how the body spelled it (for error params)
-    cache_salt: str | None = None               # prefix-cache isolation (tenant)
-    priority: int | str | None = None           # as given; see resolve_priority
-    user: str | None = None                     # the fair-share tenant unless X-Tenant says
-    prompt_cache_key: str | None = None         # routing affinity (see resolve_affinity)
-    tools: ToolSpec | None = None               # chat: tools and tool_choice (daemon/openai/tools.py)
+    # Salt, priority, tenant and routing affinity, from the body and headers (request_meta).
+    meta: RequestMeta = RequestMeta()
+    tools: ToolSpec | None = None               # chat: tools and tool_choice (tools.py)
 
 
 # -- decoding ----------------------------------------------------------------------------
@@ -262,7 +261,22 @@ def _completion_prompts(prompt) -> list[str | list[int]]:
     return prompts
 
 
-def parse_completion(body: bytes, limits: Limits) -> ParsedRequest:
+def request_meta(req: _Sampling, headers, priority_classes: dict[str, int]) -> RequestMeta:
+    """The request's metadata from its body and headers: the prefix-cache salt, the
+    priority (body, else X-Priority), the fair-share tenant (X-Tenant, else `user`) and the
+    routing affinity key (`prompt_cache_key`, else X-Session-Id, else the tenant)."""
+    tenant = resolve_tenant(req.user, headers.get("X-Tenant"))
+    return RequestMeta(
+        cache_salt=req.cache_salt,
+        priority=resolve_priority(req.priority, headers.get("X-Priority"), priority_classes),
+        tenant=tenant,
+        affinity=resolve_affinity(req.prompt_cache_key, headers.get("X-Session-Id"), tenant))
+
+
+def parse_completion(body: bytes, limits: Limits, headers=None,
+                     priority_classes: dict[str, int] | None = None) -> ParsedRequest:
+    """`headers` (a mapping) and `priority_classes` (scheduler.priority_classes) give the
+    request's metadata (`request_meta`); None: none."""
     req = decode(body, CompletionRequest)
     _check_model(req, limits)
     prompts = _completion_prompts(req.prompt)
@@ -278,8 +292,8 @@ def parse_completion(body: bytes, limits: Limits) -> ParsedRequest:
     return ParsedRequest(prompts=prompts, messages=None, params=params, fit_max_tokens=False,
                          stream=req.stream, include_usage=_include_usage(req),
                          return_metrics=req.return_metrics, logprobs=req.logprobs,
-                         model=req.model, cache_salt=req.cache_salt, priority=req.priority,
-                         user=req.user, prompt_cache_key=req.prompt_cache_key)
+                         model=req.model,
+                         meta=request_meta(req, headers or {}, priority_classes or {}))
 
 
 def chat_messages(messages: list[ChatMessage], param: str = "messages") -> list[dict]:
@@ -323,7 +337,8 @@ def _arguments(text):
         return text
 
 
-def parse_chat(body: bytes, limits: Limits) -> ParsedRequest:
+def parse_chat(body: bytes, limits: Limits, headers=None,
+               priority_classes: dict[str, int] | None = None) -> ParsedRequest:
     req = decode(body, ChatCompletionRequest)
     _check_model(req, limits)
     messages = chat_messages(req.messages)
@@ -350,8 +365,8 @@ def parse_chat(body: bytes, limits: Limits) -> ParsedRequest:
                          fit_max_tokens=max_tokens is None, stream=req.stream,
                          include_usage=_include_usage(req), return_metrics=req.return_metrics,
                          logprobs=logprobs, model=req.model, max_tokens_field=field,
-                         cache_salt=req.cache_salt, priority=req.priority, user=req.user,
-                         prompt_cache_key=req.prompt_cache_key, tools=tools)
+                         meta=request_meta(req, headers or {}, priority_classes or {}),
+                         tools=tools)
 
 
 # JSON-schema keywords the grammar engine cannot enforce: refused (400) rather than ignored,

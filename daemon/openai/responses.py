@@ -13,6 +13,8 @@ from typing import Any
 
 import msgspec
 
+from tokenloom.actors.messages import WorkerStatus
+
 
 class ErrorDetail(msgspec.Struct, kw_only=True):
     message: str
@@ -126,6 +128,12 @@ class TokenizeResponse(msgspec.Struct, kw_only=True):
 
 class DetokenizeResponse(msgspec.Struct, kw_only=True):
     prompt: str
+
+
+class HealthResponse(msgspec.Struct, kw_only=True):
+    """/health with worker processes ("degraded" while one is down and restarting)."""
+    status: str
+    workers: list[WorkerStatus]
 
 
 class ReadyResponse(msgspec.Struct, kw_only=True, omit_defaults=True):

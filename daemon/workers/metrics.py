@@ -13,12 +13,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 class WorkerCollector:
     def __init__(self, model_name: str):
         self.model_name = model_name
-        self.snapshot = None   # (statuses, RoutingStats, {worker: EngineStats}) or None
+        self.snapshot = None   # WorkerStats, or None (the in-process engine)
 
     def collect(self):
         if self.snapshot is None:
             return
-        statuses, routing, stats = self.snapshot
+        snap = self.snapshot
+        statuses, routing, stats = snap.statuses, snap.routing, snap.engines
         labels = ["model_name", "worker"]
 
         def family(kind, name, doc, values):
@@ -27,12 +28,12 @@ class WorkerCollector:
                 f.add_metric([self.model_name, str(w)], v)
             return f
 
-        workers = [s["worker"] for s in statuses]
+        workers = [s.worker for s in statuses]
         G, C = GaugeMetricFamily, CounterMetricFamily
         yield family(G, "tokenloom:worker_up", "1 while the engine worker process serves.",
-                     [(s["worker"], float(s["up"])) for s in statuses])
+                     [(s.worker, float(s.up)) for s in statuses])
         yield family(C, "tokenloom:worker_restarts", "Times the worker was restarted after "
-                     "dying.", [(s["worker"], s["restarts"]) for s in statuses])
+                     "dying.", [(s.worker, s.restarts) for s in statuses])
         yield family(G, "tokenloom:worker_requests_in_flight", "Requests routed to the "
                      "worker and not finished (the router's account).",
                      [(w, routing.in_flight[w]) for w in workers])
@@ -61,5 +62,4 @@ class WorkerCollector:
                      [(w, s.kv.prefix_cache.hit_tokens) for w, s in live])
         yield family(G, "tokenloom:worker_prefix_cache_hit_rate", "hits / queries of the "
                      "worker's prefix cache since its last start.",
-                     [(w, s.kv.prefix_cache.hit_tokens / s.kv.prefix_cache.queried_tokens
-                       if s.kv.prefix_cache.queried_tokens else 0.0) for w, s in live])
+                     [(w, s.kv.prefix_cache.hit_rate) for w, s in live])

@@ -1,8 +1,8 @@
 """The front's engine when requests run in worker processes: `WorkerPool`.
 
-It offers the HTTP layer the interface of `actors.engine.Engine` (submit, generate, abort,
-streams, tokenizer, info, stats, trace, stalled_seconds, run, shutdown,
-flush_prefix_cache), so nothing above it knows about processes:
+It is an `EngineClient` (actors/engine_client.py), like the in-process Engine, and shares
+its front half (`EngineFront`: request ids, streams, submit / generate / abort), so nothing
+above it knows about processes:
 
     submit -> tokenizer actor (validates, in order) -> WorkerRouterActor (chooses a worker)
            -> Submit on worker i's socket ... Outputs from any worker -> streams
@@ -26,21 +26,19 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import AsyncIterator
 
 import msgspec
 import structlog
 import zmq
 import zmq.asyncio
 
-from tokenloom.actors.messages import (ERROR_INTERNAL, AbortRequest, AddRequest, EngineStats,
-                                       GenerateRequest, GetRouterStats, GetRoutingStats,
-                                       RequestFinished, RequestOutput, RequestStarted,
-                                       RoutingStats, Shutdown, WorkerDown, WorkerKVEvents,
-                                       WorkerReport, WorkerUp)
+from tokenloom.actors.engine_client import EngineFront, merge_traces
+from tokenloom.actors.messages import (ERROR_INTERNAL, AddRequest, EngineStats, GetRouterStats,
+                                       GetRoutingStats, RequestFinished, RequestOutput,
+                                       RequestStarted, Shutdown, WorkerDown, WorkerKVEvents,
+                                       WorkerReport, WorkerStats, WorkerStatus, WorkerUp)
 from tokenloom.actors.kv.prefix_cache import FlushResult
 from tokenloom.actors.front.routing import RouteDecision, RoutingCore
-from tokenloom.actors.front.streams import StreamRegistry
 from tokenloom.config.schema import EngineConfig
 from tokenloom.daemon.workers import aggregate, supervisor, wire
 from tokenloom.daemon.workers.slot import (STOP_SECONDS, WorkerConfigError, WorkerSlot,
@@ -58,14 +56,13 @@ class _Route:
     started: bool = False
 
 
-class WorkerPool:
+class WorkerPool(EngineFront):
     """Build with `await WorkerPool.start(config)` (every worker up and warm, or it raises),
     then run `await pool.run()` like an Engine."""
 
     def __init__(self, config: EngineConfig):
+        super().__init__()
         self.config = config
-        self.streams = StreamRegistry()
-        self.streams.on_delivery_failure = self.abort
         self._dir = Path(tempfile.mkdtemp(prefix="tokenloom-workers-"))
         self._out_addr = f"ipc://{self._dir}/out"
         self._ctx = zmq.asyncio.Context()
@@ -79,11 +76,9 @@ class WorkerPool:
         self._query_ids = itertools.count()
         self._tasks: set[asyncio.Task] = set()
         self._stopping = asyncio.Event()
-        self._ids = itertools.count()
         self.loop: asyncio.AbstractEventLoop | None = None
         # Set by _build_front from worker 0's Hello:
-        self.info = self.tokenizer = self.tokenizer_actor = self.router = None
-        self.eos_token_ids: tuple[int, ...] = ()
+        self.info = self.tokenizer = self.router = None
 
     # -- start-up ------------------------------------------------------------------------
     @classmethod
@@ -118,35 +113,22 @@ class WorkerPool:
     def _build_front(self, hello: wire.Hello) -> None:
         """The front's tokenizer (validation, chat templates, guided checks) and router,
         from what worker 0 measured; heavy imports, so off the loop."""
-        import torch
         from transformers import AutoTokenizer
 
-        from tokenloom.actors.engine import RuntimeInfo
         from tokenloom.actors.execution.guided import GuidedCompiler
         from tokenloom.actors.front.router_actor import WorkerRouterActor
         from tokenloom.actors.front.tokenizer_actor import TokenizerActor
-        from tokenloom.kernels.models.loader import load_spec
 
-        model_dir = Path(hello.model_dir)
-        spec = load_spec(model_dir)
-        self.info = RuntimeInfo(model_dir=model_dir, spec=spec,
-                                device=torch.device(hello.device),
-                                dtype=getattr(torch, hello.dtype),
-                                num_blocks=hello.num_blocks, block_size=hello.block_size,
-                                kv_bytes_per_token=hello.kv_bytes_per_token,
-                                max_model_len=hello.max_model_len,
-                                attention_backend=hello.attention_backend,
-                                weights_digest=hello.weights_digest)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.eos_token_ids = tuple(hello.eos_token_ids)
-        guided = GuidedCompiler(self.tokenizer, spec.vocab_size, self.eos_token_ids)
-        self.tokenizer_actor = TokenizerActor(self.tokenizer, hello.max_model_len,
+        self.info = info = hello.info
+        self.tokenizer = AutoTokenizer.from_pretrained(info.model_dir)
+        guided = GuidedCompiler(self.tokenizer, info.spec.vocab_size, info.eos_token_ids)
+        self.tokenizer_actor = TokenizerActor(self.tokenizer, info.max_model_len,
                                               self.streams.emit, guided=guided)
         w = self.config.workers
         core = RoutingCore(len(self.slots), w.routing, w.decode_weight,
                            w.routed_prefix_ttl_seconds)
         self.router = WorkerRouterActor(core, self._send_to_worker, self.streams.emit,
-                                        hello.fingerprint, hello.block_size,
+                                        info.fingerprint, info.block_size,
                                         self.config.cache.enable_prefix_caching)
         self.tokenizer_actor.next_inbox = self.router.inbox
 
@@ -288,72 +270,67 @@ class WorkerPool:
         self.streams.emit(out)
 
     # -- control queries -----------------------------------------------------------------
-    async def ask_worker(self, w: int, op: str, result_type=None, **fields):
-        """One control query to worker w; its answer decoded as `result_type`."""
+    async def ask_worker(self, w: int, query: wire.WorkerQuery):
+        """One control query to worker w; its answer decoded as the query's reply type."""
         slot = self.slots[w]
         if not slot.up:
             raise RuntimeError(f"engine worker {w} is not up")
         qid = next(self._query_ids)
         reply = asyncio.get_running_loop().create_future()
         slot.replies[qid] = reply
-        if not slot.send(wire.Control(id=qid, op=op, **fields)):
+        if not slot.send(wire.Control(id=qid, query=query)):
             slot.replies.pop(qid, None)
             raise RuntimeError(f"engine worker {w} is not reachable")
         try:   # a wedged worker must not hang admin or /metrics (it still shows in /health)
             raw = await asyncio.wait_for(reply, QUERY_SECONDS)
         finally:
             slot.replies.pop(qid, None)
-        return msgspec.msgpack.decode(raw, type=result_type) if result_type else \
-            msgspec.msgpack.decode(raw)
+        kind = query.reply_type
+        return msgspec.msgpack.decode(raw, type=kind) if kind else msgspec.msgpack.decode(raw)
 
-    async def ask_all(self, op: str, result_type=None, **fields) -> list:
+    async def ask_all(self, query: wire.WorkerQuery) -> list:
         """The same query to every worker up, answers in worker order."""
         up = [s.index for s in self.slots if s.up]
-        return list(await asyncio.gather(*(self.ask_worker(w, op, result_type, **fields)
-                                           for w in up)))
+        return list(await asyncio.gather(*(self.ask_worker(w, query) for w in up)))
 
     async def stats(self) -> EngineStats:
-        per_worker = await self.ask_all("stats", EngineStats)
+        per_worker = await self.ask_all(wire.StatsQuery())
         router = await self._ask_router(GetRouterStats())
         if not per_worker:
             raise RuntimeError("no engine worker is up")
         return aggregate.engine_stats(per_worker, router)
 
-    async def worker_stats(self) -> tuple[list[dict], RoutingStats, dict[int, EngineStats]]:
+    async def worker_stats(self) -> WorkerStats:
         """Per worker: status, the router's account, and each live worker's stats."""
         up = [s.index for s in self.slots if s.up]
-        stats = await asyncio.gather(*(self.ask_worker(w, "stats", EngineStats) for w in up),
+        stats = await asyncio.gather(*(self.ask_worker(w, wire.StatsQuery()) for w in up),
                                      return_exceptions=True)
-        by_worker = {w: s for w, s in zip(up, stats) if isinstance(s, EngineStats)}
-        return ([s.status() for s in self.slots], await self._ask_router(GetRoutingStats()),
-                by_worker)
+        return WorkerStats(statuses=self.worker_status(),
+                           routing=await self._ask_router(GetRoutingStats()),
+                           engines={w: s for w, s in zip(up, stats)
+                                    if isinstance(s, EngineStats)})
 
     async def flush_prefix_cache(self, force: bool = False) -> FlushResult:
-        results = await self.ask_all("flush", FlushResult, force=force)
+        results = await self.ask_all(wire.FlushQuery(force=force))
         refused = [f"worker {i}: {r.refused_reason}" for i, r in enumerate(results)
                    if r.refused_reason]
         return FlushResult(freed=sum(r.freed for r in results),
                            refused_reason="; ".join(refused) or None)
 
-    async def set_draining(self, draining: bool) -> list[bool]:
+    async def set_draining(self, draining: bool) -> None:
         """Drain (or resume) every worker up; the front has stopped routing already."""
-        return await self.ask_all("drain" if draining else "resume", bool)
+        await self.ask_all(wire.DrainQuery(draining=draining))
 
     async def trace(self, request_id: str) -> dict | None:
         """A recent request's trace from the worker that ran it, with the routing decision
         (`routing`: worker, policy, reason, prompt and expected hit blocks, costs)."""
         traces = []   # the choices of one HTTP request may have run on several workers
-        for t in await self.ask_all("trace", request_id=request_id):
+        for t in await self.ask_all(wire.TraceQuery(request_id=request_id)):
             if t is not None:
                 traces += t.get("choices", [t])
-        if not traces:
-            return None
         for t in traces:
             t["routing"] = self._decisions.get(t.get("request_id"))
-        if len(traces) == 1 and traces[0]["request_id"] == request_id:
-            return traces[0]
-        return {"request_id": request_id,
-                "choices": sorted(traces, key=lambda t: _choice_index(t["request_id"]))}
+        return merge_traces(request_id, traces)
 
     async def _ask_router(self, query):
         query.reply = asyncio.get_running_loop().create_future()
@@ -364,42 +341,10 @@ class WorkerPool:
         return max((s.report.stalled_seconds for s in self.slots if s.up and s.report),
                    default=0.0)
 
-    def worker_counts(self) -> tuple[int, int]:
-        return sum(s.up for s in self.slots), len(self.slots)
-
-    def worker_status(self) -> list[dict]:
+    def worker_status(self) -> list[WorkerStatus]:
         return [s.status() for s in self.slots]
 
-    # -- the Engine interface ------------------------------------------------------------
-    def new_request_id(self) -> str:
-        return f"req-{next(self._ids)}"
-
-    def submit(self, request: GenerateRequest,
-               queue: asyncio.Queue[RequestOutput] | None = None) -> asyncio.Queue:
-        queue = self.streams.open(request.request_id, queue)
-        if not request.arrival_time:
-            request.arrival_time = time.monotonic()
-        self.tokenizer_actor.send(request)
-        return queue
-
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        queue = self.submit(request)
-        finished = False
-        try:
-            while True:
-                out = await queue.get()
-                finished = out.finished
-                yield out
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self.abort(request.request_id)
-            self.streams.close(request.request_id)
-
-    def abort(self, request_id: str) -> None:
-        self.tokenizer_actor.send(AbortRequest(request_id=request_id))
-
+    # -- running -------------------------------------------------------------------------
     async def run(self) -> None:
         """The front's actors until shutdown; then the workers are stopped."""
         try:
@@ -440,8 +385,3 @@ class WorkerPool:
         self._pull.close(linger=0)
         shutil.rmtree(self._dir, ignore_errors=True)
 
-
-def _choice_index(engine_request_id: str) -> int:
-    """Choice i of a request runs as "<id>-<i>" (output_processor.choice_request_id)."""
-    tail = engine_request_id.rsplit("-", 1)[-1]
-    return int(tail) if tail.isdigit() else 0

@@ -16,6 +16,7 @@ from pathlib import Path
 import structlog
 import zmq
 
+from tokenloom.actors.messages import WorkerStatus
 from tokenloom.config.schema import EngineConfig
 from tokenloom.daemon.workers import supervisor, wire
 
@@ -49,18 +50,18 @@ class WorkerSlot:
     report: wire.Report | None = None
     replies: dict[int, asyncio.Future] = dataclasses.field(default_factory=dict)
 
-    def status(self) -> dict:
+    def status(self) -> WorkerStatus:
         r = self.report
-        return {"worker": self.index, "up": self.up,
-                "pid": self.proc.pid if self.proc is not None and self.up else None,
-                "incarnation": self.incarnation, "restarts": self.restarts,
-                "last_exit_code": self.last_exit,
-                "seconds_since_exit": (None if self.last_exit_time is None
-                                       else round(time.monotonic() - self.last_exit_time, 3)),
-                "device": self.config.model.device,
-                "threads": self.config.model.num_threads or None,
-                "kv_usage": r.kv_usage if r is not None and self.up else None,
-                "draining": r.draining if r is not None and self.up else False}
+        return WorkerStatus(
+            worker=self.index, up=self.up,
+            pid=self.proc.pid if self.proc is not None and self.up else None,
+            incarnation=self.incarnation, restarts=self.restarts,
+            last_exit_code=self.last_exit,
+            seconds_since_exit=(None if self.last_exit_time is None
+                                else round(time.monotonic() - self.last_exit_time, 3)),
+            device=self.config.model.device, threads=self.config.model.num_threads or None,
+            kv_usage=r.kv_usage if r is not None and self.up else None,
+            draining=r.draining if r is not None and self.up else False)
 
     async def start(self, ctx: zmq.Context, ipc_dir: Path, out_addr: str) -> None:
         """Start the next incarnation and wait until it serves (or raise)."""

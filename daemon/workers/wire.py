@@ -11,12 +11,14 @@ what a dead incarnation left in flight.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar
 
 import msgspec
 
 from tokenloom.actors.kv.events import KVEvent
-from tokenloom.actors.messages import AbortRequest, AddRequest, RequestOutput
+from tokenloom.actors.kv.prefix_cache import FlushResult
+from tokenloom.actors.messages import (AbortRequest, AddRequest, EngineStats, RequestOutput,
+                                       RuntimeInfo)
 
 
 class _Wire(msgspec.Struct, tag=True, kw_only=True, gc=False):
@@ -32,15 +34,38 @@ class Abort(_Wire):
     abort: AbortRequest
 
 
-ControlOp = Literal["stats", "flush", "trace", "drain", "resume"]
+# -- control queries: each names the type of its answer ---------------------------------------
+class _Query(msgspec.Struct, tag=True, kw_only=True, frozen=True):
+    reply_type: ClassVar[type | None] = None
+
+
+class StatsQuery(_Query):
+    reply_type = EngineStats
+
+
+class FlushQuery(_Query):
+    reply_type = FlushResult
+    force: bool = False
+
+
+class TraceQuery(_Query):
+    """-> the worker engine's trace (dict) or None"""
+    request_id: str
+
+
+class DrainQuery(_Query):
+    """Refuse (draining) or take again new requests -> bool: it was draining before."""
+    reply_type = bool
+    draining: bool
+
+
+WorkerQuery = StatsQuery | FlushQuery | TraceQuery | DrainQuery
 
 
 class Control(_Wire):
     """An admin/test query; answered by one Reply with the same id."""
     id: int
-    op: ControlOp
-    force: bool = False
-    request_id: str = ""
+    query: WorkerQuery
 
 
 class Stop(_Wire):
@@ -58,19 +83,10 @@ class _FromWorker(_Wire):
 
 class Hello(_FromWorker):
     """The worker loaded its model, warmed up and serves. What the front needs to build
-    its tokenizer, validate requests and hash blocks exactly as the workers do."""
+    its tokenizer, validate requests and hash blocks exactly as the workers do: the
+    worker engine's own RuntimeInfo."""
     pid: int
-    model_dir: str
-    device: str
-    dtype: str
-    num_blocks: int
-    block_size: int
-    kv_bytes_per_token: int
-    max_model_len: int
-    attention_backend: str
-    weights_digest: str
-    fingerprint: str
-    eos_token_ids: list[int]
+    info: RuntimeInfo
 
 
 class Failed(_FromWorker):

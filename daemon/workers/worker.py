@@ -9,7 +9,7 @@ subscribe to its KV events, then say `Hello`. From then on:
   validated it), its outputs to one shared queue that a sender task drains into `Outputs`
   envelopes — every output of a burst in one message;
 - Abort: to the engine's router, behind its request;
-- Control: stats / flush / trace / drain / resume, answered by `Reply`;
+- Control: a typed query (stats, flush, trace, drain), answered by `Reply`;
 - Stop, or the front process disappearing (the parent pid changes): shut down and exit.
 
 A draining worker refuses new requests (the front stops routing to it first; this closes
@@ -117,20 +117,17 @@ class WorkerServer:
 
     async def _answer(self, c: wire.Control):
         engine = self.engine
-        match c.op:
-            case "stats":
+        match c.query:
+            case wire.StatsQuery():
                 return await engine.stats()
-            case "flush":
-                return await engine.flush_prefix_cache(c.force)
-            case "trace":
-                return await engine.trace(c.request_id)
-            case "drain":
-                self.draining = True
-                return True
-            case "resume":
-                was, self.draining = self.draining, False
+            case wire.FlushQuery(force=force):
+                return await engine.flush_prefix_cache(force)
+            case wire.TraceQuery(request_id=rid):
+                return await engine.trace(rid)
+            case wire.DrainQuery(draining=draining):
+                was, self.draining = self.draining, draining
                 return was
-        raise ValueError(f"unknown control op {c.op!r}")
+        raise ValueError(f"unknown control query {c.query!r}")
 
     async def receive(self, pull: zmq.asyncio.Socket, parent: int) -> None:
         """Until Stop, or until the front is gone (we were re-parented)."""
@@ -158,7 +155,6 @@ class WorkerServer:
 async def serve(config, index: int, incarnation: int, in_addr: str, out_addr: str,
                 parent: int) -> int:
     from tokenloom.actors.engine import Engine
-    from tokenloom.actors.kv.block_hash import model_fingerprint
     from tokenloom.daemon.app import warm_up
 
     ctx = zmq.asyncio.Context()
@@ -183,17 +179,8 @@ async def serve(config, index: int, incarnation: int, in_addr: str, out_addr: st
     try:
         await warm_up(engine)
         await engine.ask(engine.kv_manager, SubscribeKVEvents(callback=server.on_kv_event))
-        info = engine.info
-        await server.send(
-            wire.Hello, pid=os.getpid(), model_dir=str(info.model_dir), device=str(info.device),
-            dtype=str(info.dtype).removeprefix("torch."), num_blocks=info.num_blocks,
-            block_size=info.block_size, kv_bytes_per_token=info.kv_bytes_per_token,
-            max_model_len=info.max_model_len, attention_backend=info.attention_backend,
-            weights_digest=info.weights_digest,
-            fingerprint=model_fingerprint(info.weights_digest, str(info.dtype),
-                                          info.block_size),
-            eos_token_ids=list(engine.eos_token_ids))
-        log.info("worker ready", worker=index, pid=os.getpid(), device=str(info.device),
+        await server.send(wire.Hello, pid=os.getpid(), info=engine.info)
+        log.info("worker ready", worker=index, pid=os.getpid(), device=engine.info.device,
                  threads=config.model.num_threads)
         helpers = [asyncio.create_task(c) for c in (server.forward_outputs(),
                                                     server.forward_kv_events(),

@@ -16,7 +16,7 @@ programs at batch 1 under 2k context).
   width (partitions past a row's context exit at once).
 
 The partition depends on the number of rows and on the step's longest context, so a row's
-rounding (not its value) may differ between two steps of different shape; see README.
+rounding (not its value) may differ between two steps of different shape; see docs/gpu.md.
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ def test_a_failed_step_ends_only_its_requests(model_dir, tmp_path, overlap, run_
     try:
         a, b = [5, 6, 7, 8, 9], [40, 41, 42]
         alone = llm.generate([b], GREEDY)[0].token_ids
-        fault = Fault(llm.engine.runner.runner, request_id="req-1", at=3)  # A is req-1
+        fault = Fault(llm.engine.runner.model_runner, request_id="req-1", at=3)  # A is req-1
         out_a, out_b = llm.generate([a, b], GREEDY)
         assert fault.fired.is_set()
         assert out_a.finish_reason == "error" and "injected fault" in out_a.outputs[0].error

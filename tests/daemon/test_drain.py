@@ -47,7 +47,7 @@ async def open_streams(server, session, model_name, count: int) -> list:
 
 async def running(socket_path: str) -> int:
     reply = await asyncio.to_thread(admin_cli.send, socket_path, P.Stats())
-    return reply.running
+    return reply.engine.scheduler.running
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ This machine has no systemd user manager (`systemd-run --user` needs one), so `S
 plays the part of the unit's `Type=notify` + `WatchdogSec=` + `Restart=on-failure`: it
 passes $NOTIFY_SOCKET and $WATCHDOG_USEC, waits for READY=1, and when no WATCHDOG=1 arrives
 for WatchdogSec it kills the daemon with SIGABRT (as systemd does) and starts it again.
-The manual check on a systemd host is in the README ("Reliability").
+The manual check on a systemd host is in docs/operations.md ("Restart under systemd").
 
 1. `tokenloom serve` (tiny model, with the test-only fault hook armed from the environment)
    sends READY=1 and WATCHDOG=1 pings;

@@ -173,9 +173,9 @@ def test_greedy_matches_transformers_with_graphs_on(tmp_path):
         stats = llm.graph_stats()
     finally:
         llm.close()
-    assert stats["graph_steps"] > 0 and stats["replays"] > 0, stats
-    assert stats["piecewise_steps"] > 0 and stats["piecewise_replays"] > 0, stats
-    assert not stats["eager_reasons"], stats
+    assert stats.graph_steps > 0 and stats.replays > 0, stats
+    assert stats.piecewise_steps > 0 and stats.piecewise_replays > 0, stats
+    assert not stats.eager_reasons, stats
     assert got == expected
 
 

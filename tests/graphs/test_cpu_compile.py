@@ -132,8 +132,8 @@ def test_compiled_programs_match_eager_and_transformers(tiny_dir, tmp_path):
     tok_e = _drive(eager, prompts, tables, 9, decode_sets)
     assert tok_c == tok_e
     stats = compiled.graph_stats()
-    assert stats["replays"] == 9 and stats["static_eager_runs"] == 0
-    assert stats["graph_padded_rows"] > 0
+    assert stats.replays == 9 and stats.static_eager_runs == 0
+    assert stats.graph_padded_rows > 0
     # Padded rows wrote nothing: block 0 is in no table and must still be all zeros.
     assert all((k[0] == 0).all() and (v[0] == 0).all() for k, v in zip(kv.key, kv.value))
     hf = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()

@@ -119,11 +119,11 @@ def test_pieces_compose_to_the_plain_forward_and_match_transformers(tiny):
     assert tok_e == tok_p
     stats = pieces.graph_stats()
     # Both dispatches of a step (forward_logits and execute) counted.
-    assert stats["piecewise_steps"] > 0 and stats["graph_steps"] > 0
-    assert stats["eager_reasons"] == {"more tokens than the largest token bucket": 2}
-    assert stats["piecewise_static_eager_runs"] == stats["piecewise_steps"]
-    assert stats["piecewise_padded_tokens"] > 0 and stats["piecewise_replays"] == 0
-    assert 0 < stats["piecewise_padding_waste_fraction"] < 1
+    assert stats.piecewise_steps > 0 and stats.graph_steps > 0
+    assert stats.eager_reasons == {"more tokens than the largest token bucket": 2}
+    assert stats.piecewise_static_eager_runs == stats.piecewise_steps
+    assert stats.piecewise_padded_tokens > 0 and stats.piecewise_replays == 0
+    assert 0 < stats.piecewise_padding_waste_fraction < 1
     kv = pieces.kv
     assert all((k[0] == 0).all() and (v[0] == 0).all() for k, v in zip(kv.key, kv.value))
     # Against the oracle: sequence 2 (a 40-token prompt in 4 chunks, then decodes).
@@ -274,7 +274,7 @@ def test_engine_with_piecewise_steps_matches_transformers(tiny, tmp_path, monkey
         stats = llm.graph_stats()
     finally:
         request()
-    assert stats["piecewise_steps"] > 0 and stats["piecewise_static_eager_runs"] > 0
+    assert stats.piecewise_steps > 0 and stats.piecewise_static_eager_runs > 0
     for p, o in zip(prompts, outs):
         ids = torch.tensor([p])
         ref = hf.generate(ids, do_sample=False, max_new_tokens=8, eos_token_id=None,

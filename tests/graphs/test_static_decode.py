@@ -140,8 +140,8 @@ def test_static_path_matches_eager_and_transformers(tiny):
     assert tok_e == tok_s
     stats = static.graph_stats()
     # Every decode step replayed (forward_logits and execute both dispatch); prefill was eager.
-    assert stats["graph_steps"] == 2 * 12 and stats["eager_steps"] == 1
-    assert stats["graph_padded_rows"] > 0
+    assert stats.graph_steps == 2 * 12 and stats.eager_steps == 1
+    assert stats.graph_padded_rows > 0
     # Padded rows wrote nothing: block 0 is in no table and must still be all zeros.
     assert all((k[0] == 0).all() and (v[0] == 0).all() for k, v in zip(static.kv.key, static.kv.value))
     # Against the oracle: sequence 2 (prefill + 9 decodes, mostly in padded batches).

@@ -7,8 +7,8 @@ import asyncio
 
 from tokenloom.actors.kv.events import BlockRemoved, BlockStored
 from tokenloom.actors.messages import (AbortRequest, AddRequest, GetRoutingStats,
-                                       RequestFinished, RequestStarted, Shutdown, WorkerDown,
-                                       WorkerKVEvents, WorkerUp)
+                                       RequestFinished, RequestMeta, RequestStarted, Shutdown,
+                                       WorkerDown, WorkerKVEvents, WorkerUp)
 from tokenloom.actors.scheduling.prefix_tracker import PrefixTracker
 from tokenloom.actors.scheduling.request import Request
 from tokenloom.actors.front.router_actor import WorkerRouterActor
@@ -19,16 +19,17 @@ FP, BS = "fingerprint-1", 4
 PROMPT = list(range(10, 30))          # 5 full blocks
 
 
-def add(rid, salt=None, prompt=PROMPT, **kw):
+def add(rid, salt=None, prompt=PROMPT, **meta):
     return AddRequest(request_id=rid, prompt_token_ids=list(prompt),
                       sampling_params=SamplingParams(max_tokens=4), arrival_time=0.0,
-                      cache_salt=salt, **kw)
+                      meta=RequestMeta(cache_salt=salt, **meta))
 
 
 def test_hashes_are_the_schedulers():
     router = WorkerRouterActor(RoutingCore(2), None, None, FP, BS, prefix_caching=True)
     for salt in (None, "tenant-a"):
-        req = Request("r", PROMPT, SamplingParams(max_tokens=4), cache_salt=salt)
+        req = Request("r", PROMPT, SamplingParams(max_tokens=4),
+                      meta=RequestMeta(cache_salt=salt))
         expected = PrefixTracker(FP, BS, True).query(req).block_hashes
         assert router.hashes(add("r", salt)) == expected and len(expected) == 5
     assert router.hashes(add("r", "a")) != router.hashes(add("r", "b"))

@@ -60,7 +60,8 @@ from tokenloom.actors.kv.kv_actor import KVManagerActor
 from tokenloom.actors.kv.kv_manager import KVCacheManager
 from tokenloom.actors.messages import (PLACEHOLDER, AbortRequest, AddRequest, CheckIntegrity,
                                        ExecuteBatch, ForgetRequests, GetKVStats, IsIdle,
-                                       KVGrant, KVStats, RequestOutput, SampledToken, Shutdown,
+                                       KVGrant, KVStats, RequestMeta, RequestOutput, SampledToken,
+                                       Shutdown,
                                        SpecResult, StepOutput)
 from tokenloom.actors.scheduling.policy import PolicyLimits, blocks_for
 from tokenloom.actors.speculation.controller import SpecController
@@ -476,7 +477,7 @@ class EngineHarness:
                                                 enable_prefix_caching=s.prefix_caching))
         self.runner = FakeRunner(self)
         self.scheduler.kv_inbox = self.kv.inbox
-        self.scheduler.runner = self.runner
+        self.scheduler.runner_actor = self.runner
         # The KV manager's replies reach the scheduler's inbox through a tap that notes the
         # swap-outs each grant resolves (to check that every one reaches the runner).
         self.kv.scheduler_inbox = _Tap(self.scheduler.inbox, self._on_kv_reply)
@@ -503,9 +504,9 @@ class EngineHarness:
         self._deliver(AddRequest(
             request_id=rid, prompt_token_ids=list(a.prompt),
             sampling_params=SamplingParams(max_tokens=a.max_tokens, ignore_eos=True),
-            arrival_time=time.monotonic(), cache_salt=a.cache_salt,
-            group_id=None if a.sibling_of is None else request_id(a.sibling_of),
-            priority=a.priority, tenant=a.tenant))
+            arrival_time=time.monotonic(), meta=RequestMeta(
+                cache_salt=a.cache_salt, priority=a.priority, tenant=a.tenant,
+                group_id=None if a.sibling_of is None else request_id(a.sibling_of))))
 
     def _add_due(self) -> None:
         while self.future and self.arrivals[self.future[0]].iteration <= self.runner.executed:

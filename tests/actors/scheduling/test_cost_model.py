@@ -9,6 +9,7 @@ import pytest
 
 from tokenloom.actors.scheduling.cost_model import AttentionWork, StepCostModel, attention_work
 from tokenloom.actors.scheduling.swap import SwapSpace
+from tokenloom.actors.messages import RequestMeta
 from tokenloom.actors.scheduling.trace import RequestTrace, TraceHistory
 
 
@@ -174,7 +175,8 @@ def test_swap_space_hands_out_and_takes_back_slots():
 
 
 def test_trace_records_events_gaps_and_exports_relative_times():
-    tr = RequestTrace("r1", received=100.0, routed=100.001, priority=10, tenant="t")
+    tr = RequestTrace("r1", received=100.0, routed=100.001,
+                      meta=RequestMeta(priority=10, tenant="t"))
     tr.mark("admitted", 100.5)
     tr.token(101.0)
     tr.token(101.1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import deque
 
 from tokenloom.actors.kv.kv_manager import KVCacheManager
+from tokenloom.actors.messages import RequestMeta
 from tokenloom.actors.scheduling.policy import AdmissionParams, PolicyLimits, blocks_for, schedule
 from tokenloom.actors.scheduling.request import Request, RequestStatus
 from tokenloom.actors.sampling_params import SamplingParams
@@ -211,9 +212,9 @@ def test_preemption_picks_the_cheapest_victim_to_redo():
 def test_preemption_prefers_the_least_important_class_then_the_least_preempted():
     a = decoding("a", prompt_len=4)          # needs a new block, none free
     cheap_vip = decoding("vip", prompt_len=5)
-    cheap_vip.priority = -1                  # more important than everyone
+    cheap_vip.meta = RequestMeta(priority=-1)   # more important than everyone
     batch = decoding("batch", prompt_len=9)
-    batch.priority = 10                      # least important: the victim despite its cost
+    batch.meta = RequestMeta(priority=10)   # least important: the victim despite its cost
     d = schedule([a, cheap_vip, batch], deque(), 0, held_from(a=1, vip=2, batch=3),
                  limits(block_size=4, num_blocks=6))
     assert ids(d.preempted) == ["batch"]
@@ -229,7 +230,7 @@ def test_preemption_prefers_the_least_important_class_then_the_least_preempted()
 
 def test_decodes_run_most_important_class_first_so_it_never_preempts_itself():
     low = decoding("low", prompt_len=4)
-    low.priority = 5
+    low.meta = RequestMeta(priority=5)
     high = decoding("high", prompt_len=4)
     # Both need a block; one is free. Running order puts low first, class order high first:
     # high gets the block and low (not yet scheduled) is the victim.
@@ -293,9 +294,9 @@ def test_a_higher_class_is_admitted_first_and_aging_lifts_a_starved_low_class():
 
     fs = FairShare(aging_seconds=10.0)
     low = make_request("low", 4)
-    low.priority, low.arrival_time, low.arrival_seq = 10, 0.0, 1
+    low.meta, low.arrival_time, low.arrival_seq = RequestMeta(priority=10), 0.0, 1
     high = make_request("high", 4)
-    high.priority, high.arrival_time, high.arrival_seq = 0, 5.0, 2
+    high.meta, high.arrival_time, high.arrival_seq = RequestMeta(priority=0), 5.0, 2
     assert ids(fs.order([low, high], now=6.0)) == ["high", "low"]
     # 100 s later the low request has aged 10 classes: it ties with, then beats, new work.
     high.arrival_time = 105.0

@@ -99,7 +99,7 @@ def refs(model_path, prompts, tmp_path_factory):
     are filled on the guided worker while the forward runs (the default on CUDA) or after
     it (on CPU)."""
     llm = make_llm(model_path, tmp_path_factory.mktemp("ref"))
-    runner = llm.engine.runner.runner
+    runner = llm.engine.runner.model_runner
     try:
         outs = llm.generate(prompts, greedy("off"))
         assert runner._guided_worker is None and not runner.overlap_guided_masks
@@ -121,7 +121,7 @@ def test_greedy_constrained_output_is_the_same_with_speculation(model_path, prom
                                                                 tmp_path, schedule):
     llm = make_llm(model_path, tmp_path, **SCHEDULES[schedule])
     proposer = OracleProposer(refs)
-    llm.engine.runner.runner.proposer = proposer
+    llm.engine.runner.model_runner.proposer = proposer
     try:
         outs = llm.generate(prompts, greedy("on"))
         stats = llm.scheduler_stats()
@@ -146,7 +146,7 @@ def test_sampled_constrained_speculation_is_well_formed_and_seeded(model_path, p
     runs = []
     for i in range(2):
         llm = make_llm(model_path, tmp_path / str(i))
-        llm.engine.runner.runner.proposer = OracleProposer(refs)
+        llm.engine.runner.model_runner.proposer = OracleProposer(refs)
         try:
             outs = llm.generate(prompts, params)
             runs.append([[c.token_ids for c in o.outputs] for o in outs])

@@ -95,7 +95,7 @@ def make_llm(path, tmp_path, proposer=None, **options) -> LLM:
               **{"speculative.method": "ngram", "speculative.num_speculative_tokens": 4,
                  **options})
     if proposer is not None:
-        llm.engine.runner.runner.proposer = proposer
+        llm.engine.runner.model_runner.proposer = proposer
     return llm
 
 

@@ -80,7 +80,7 @@ def admin_server(tiny_model_dir, tmp_path_factory):
                          "server.retry_after_seconds": 7})
     s = ServerThread(cfg)
     s.socket_path = cfg.admin.socket_path
-    s.gate = Gate(s.engine.runner.runner)
+    s.gate = Gate(s.engine.runner.model_runner)
     s.state = s.app[STATE]
     yield s
     s.gate.open()
@@ -177,20 +177,22 @@ async def test_stats(server, model_name):
     reply = await asend(server, P.Stats())
     assert isinstance(reply, P.StatsReply) and reply.ok
     assert reply.model == model_name and reply.ready and reply.log_level == "info"
-    assert reply.kv_blocks_total == 1024
-    assert reply.kv_blocks_used + reply.kv_blocks_free == reply.kv_blocks_total
-    assert reply.kv_blocks_cached >= 1 and reply.num_steps >= 1
-    assert reply.prefix_cache_queried_tokens > 0 and 0.0 <= reply.prefix_cache_hit_rate <= 1.0
+    kv, graphs = reply.engine.kv, reply.engine.graphs
+    assert kv.num_blocks == 1024
+    assert kv.used + kv.free == kv.num_blocks
+    assert kv.cached_blocks >= 1 and reply.engine.scheduler.num_steps >= 1
+    assert kv.prefix_cache.queried_tokens > 0 and 0.0 <= kv.prefix_cache.hit_rate <= 1.0
     assert reply.drain.draining is False and reply.in_flight == 0
     # the graph dispatcher's counters (CPU: every step eager, with that reason)
-    assert reply.graphs["graphs"] is False and reply.graphs["graph_steps"] == 0
-    assert set(reply.graphs["eager_reasons"]) <= {"graphs.cpu_compile is off"}
+    assert graphs.graphs is False and graphs.graph_steps == 0
+    assert set(graphs.eager_reasons) <= {"graphs.cpu_compile is off"}
+    from tokenloom.actors.messages import GraphStats
     from tokenloom.daemon.admin.cli import _graphs_row
-    assert "graph" in _graphs_row(reply.graphs) and _graphs_row({}) == "no data yet"
-    assert "piecewise" not in _graphs_row(reply.graphs)   # CPU: no piecewise graphs
-    row = _graphs_row({"graph_steps": 5, "piecewise": True, "piecewise_steps": 3,
-                       "piecewise_padding_waste_fraction": 0.25, "eager_steps": 1,
-                       "eager_reasons": {"more tokens than the largest token bucket": 1}})
+    assert "graph" in _graphs_row(graphs) and _graphs_row(GraphStats()) == "no data yet"
+    assert "piecewise" not in _graphs_row(graphs)   # CPU: no piecewise graphs
+    row = _graphs_row(GraphStats(graph_steps=5, piecewise=True, piecewise_steps=3,
+                                 piecewise_padding_waste_fraction=0.25, eager_steps=1,
+                                 eager_reasons={"more tokens than the largest token bucket": 1}))
     assert row.startswith("5 graph, 3 piecewise (padding 25.0%), 1 eager (1 more tokens")
 
 
@@ -216,7 +218,7 @@ async def test_flush_cache_refuses_while_a_request_runs_unless_forced(server, mo
     assert idle["used"] == 0
     reply = await asend(server, P.FlushCache())  # idle: allowed
     assert isinstance(reply, P.FlushCacheReply)
-    assert (await asend(server, P.Stats())).kv_blocks_cached == 0
+    assert (await asend(server, P.Stats())).engine.kv.cached_blocks == 0
 
 
 @pytest.mark.parametrize("n", [1, 2])
@@ -225,7 +227,7 @@ async def test_cancel_ends_a_running_stream_with_an_error_and_frees_its_kv(serve
     async with aiohttp.ClientSession() as session:
         resp, rid = await start_stream(server, session, model_name, n=n)
         server.gate.close()
-        assert (await asend(server, P.Stats())).kv_blocks_used > 0
+        assert (await asend(server, P.Stats())).engine.kv.used > 0
         reply = await asend(server, P.Cancel(request_id=rid))
         assert isinstance(reply, P.CancelReply), reply
         assert reply.cancelled == ([rid] if n == 1 else [f"{rid}-0", f"{rid}-1"])
@@ -414,7 +416,7 @@ def test_cli_prints_human_readable_output_and_json(server):
     assert "KV blocks: used / free / total" in p.stdout and "not draining" in p.stdout
     p = _cli(server, "--json", "stats")
     assert p.returncode == 0 and json.loads(p.stdout)["reply"] == "stats"
-    graphs = json.loads(p.stdout)["graphs"]
+    graphs = json.loads(p.stdout)["engine"]["graphs"]
     p = _cli(server, "graph-histogram")   # the file graphs.histogram_path reads
     assert p.returncode == 0 and json.loads(p.stdout) == graphs["decode_batch_size_histogram"]
     from tokenloom.graphs.setup import read_histogram

@@ -116,16 +116,26 @@ def test_cli_renders_every_reply():
         "log level: info -> debug"
     assert "cmpl-1-0, cmpl-1-1" in admin_cli.render(
         P.CancelReply(request_id="cmpl-1", cancelled=["cmpl-1-0", "cmpl-1-1"]))
+    from tokenloom.actors.kv.prefix_cache import PrefixCacheStats
+    from tokenloom.actors.messages import EngineStats, KVStats, RouterStats, SchedulerStats
+    sched = SchedulerStats(waiting=2, running=3, in_flight_steps=0, overlap=True, num_steps=4,
+                           num_forks=0, num_preemptions=0, num_swap_preemptions=0,
+                           num_free_blocks=75, max_decode_skip=0, admission_paused=False,
+                           prefill_budget=None, cost_model=None, swap_free_slots=None,
+                           num_slo_evaluated=0, num_slo_good=0)
+    kv = KVStats(num_blocks=100, free=75, used=25, usage=0.25, block_size=16, cached_blocks=5,
+                 prefix_cache=PrefixCacheStats(queried_tokens=10, hit_tokens=5))
+    engine = EngineStats(scheduler=sched, kv=kv,
+                         router=RouterStats(in_flight=1, capacity=8, num_rejected=0))
     stats = P.StatsReply(model="m", ready=True, uptime_seconds=3, log_level="info", in_flight=1,
-                         waiting=2, running=3, num_steps=4, num_preemptions=0,
-                         engine_stalled_seconds=0.0, kv_blocks_total=100, kv_blocks_used=25,
-                         kv_blocks_free=75, kv_blocks_cached=5, kv_usage=0.25,
-                         prefix_cache_queried_tokens=10, prefix_cache_hit_tokens=5,
-                         prefix_cache_hit_rate=0.5, preempted_hit_rate=0.0,
+                         engine_stalled_seconds=0.0, engine=engine,
                          drain=msgspec.structs.replace(progress, draining=False))
     text = admin_cli.render(stats)
     assert "25 / 75 / 100 (25.0% used)" in text and "50.0% (5 / 10 tokens)" in text
     assert "not draining" in text
+    # every field of the engine's stats is shown, by section (a new counter needs no edit)
+    assert "engine.scheduler.num_forks" in text and "engine.kv.prefix_cache.hit_tokens" in text
+    assert "engine.graphs.graph_steps" in text
 
 
 def test_cli_builds_commands_from_arguments():

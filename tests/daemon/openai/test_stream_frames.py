@@ -1,5 +1,5 @@
-"""The per-token SSE fast path (`_Formatter.chunk_frame`) is byte for byte the frame of the
-general path (`sse.frame(_Formatter.chunk(...))`), for both endpoints and every option that
+"""The per-token SSE fast path (`Formatter.chunk_frame`) is byte for byte the frame of the
+general path (`sse.frame(Formatter.chunk(...))`), for both endpoints and every option that
 shapes a text-only chunk."""
 
 import json
@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import pytest
 
 from tokenloom.daemon import sse
-
-from tokenloom.daemon.openai import handlers as openai_api
-
 from tokenloom.daemon.openai import protocol
+from tokenloom.daemon.openai.chat import ChatFormatter
+from tokenloom.daemon.openai.completions import CompletionFormatter
+from tokenloom.daemon.openai.formatter import Formatter
 from tokenloom.daemon.openai.generation import Delta
 
 LIMITS = protocol.Limits(max_n=4, served_name="m", model_names=frozenset({"m", 'we"ird/m'}),
@@ -19,7 +19,7 @@ LIMITS = protocol.Limits(max_n=4, served_name="m", model_names=frozenset({"m", '
 TEXTS = ["", "hello", ' "quoted" \\ back\nslash', "é日本語🎉", "\u2028\x00"]
 
 
-def formatter(chat: bool, include_usage: bool, model: str) -> openai_api._Formatter:
+def formatter(chat: bool, include_usage: bool, model: str) -> Formatter:
     body = {"model": model, "stream": True}
     if chat:
         body["messages"] = [{"role": "user", "content": "hi"}]
@@ -30,7 +30,7 @@ def formatter(chat: bool, include_usage: bool, model: str) -> openai_api._Format
     parse = protocol.parse_chat if chat else protocol.parse_completion
     parsed = parse(json.dumps(body).encode(), LIMITS)
     state = SimpleNamespace(token_text=str)
-    return openai_api._Formatter(state, "cmpl-0123", parsed, chat)
+    return (ChatFormatter if chat else CompletionFormatter)(state, "cmpl-0123", parsed)
 
 
 @pytest.mark.parametrize("chat", [False, True])

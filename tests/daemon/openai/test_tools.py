@@ -147,18 +147,18 @@ def _served(answer: str, choice, piece: int, finish: str = "stop"):
     from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
     from tokenloom.daemon import sse
-
     from tokenloom.daemon.openai import protocol
+    from tokenloom.daemon.openai.chat import ChatFormatter
     from tokenloom.daemon.openai.generation import Choice, Delta
-    from tokenloom.daemon.openai.handlers import _CallStream, _Formatter
+    from tokenloom.daemon.openai.streaming import ToolCallStream
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
             "tools": [ADD, NOW], "tool_choice": choice, "stream": True}
     parsed = protocol.parse_chat(json.dumps(body).encode(), protocol.Limits(
         max_n=1, served_name="m", model_names=frozenset({"m"}), max_model_len=100))
-    fmt = _Formatter(_State(), "chatcmpl-1", parsed, chat=True)
+    fmt = ChatFormatter(_State(), "chatcmpl-1", parsed)
     done = [Choice(0, "r", text=[answer], finish_reason=finish)]
     full = ChatCompletion.model_validate(fmt.full_response(done, _Gen(done)))
-    stream, state = _CallStream(fmt, parsed.tools), ChatCompletionStreamState()
+    stream, state = ToolCallStream(fmt, parsed.tools), ChatCompletionStreamState()
     frames = [sse.frame(c) for c in fmt.first_chunks(_Gen([Choice(0, "r")]))]
     pieces = [answer[i:i + piece] for i in range(0, len(answer), piece)]
     for k, text in enumerate(pieces):

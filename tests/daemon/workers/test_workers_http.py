@@ -169,7 +169,7 @@ def test_admin_reaches_every_worker(cluster):
                                     for w in get(cluster, "/health")[1]["workers"]))
     assert complete(cluster.url, "w5 w6")["choices"][0]["finish_reason"] == "length"
     # Nothing in flight: no KV block is held by a request on either worker.
-    assert wait_for(lambda: admin(cluster, {"cmd": "stats"})["kv_blocks_used"] == 0)
+    assert wait_for(lambda: admin(cluster, {"cmd": "stats"})["engine"]["kv"]["used"] == 0)
 
 
 def test_killed_worker_ends_its_streams_and_restarts(cluster):
@@ -215,5 +215,5 @@ def test_killed_worker_ends_its_streams_and_restarts(cluster):
     for i in range(4):   # both workers serve (the restarted one is idle: it gets some)
         complete(cluster.url, f"w{80 + i}")
     stats = admin(cluster, {"cmd": "stats"})
-    assert wait_for(lambda: admin(cluster, {"cmd": "stats"})["kv_blocks_used"] == 0)
+    assert wait_for(lambda: admin(cluster, {"cmd": "stats"})["engine"]["kv"]["used"] == 0)
     assert stats["workers"][0]["routed"] >= 1
