@@ -44,13 +44,14 @@ def block_hashes(ids: list[int], block_size: int, secret: bytes, salt: str | Non
 
 def make_record(*, t: float, endpoint: str, body: bytes | dict, content: str, status: int,
                 error: str | None, usage: dict | None, metrics: dict | None,
-                tenant: str | None, priority: int, tokenizer=None, block_size: int = 16,
-                secret: bytes = b"") -> dict:
-    """One `request` line. `tokens` and `hashes` need the tokenizer."""
+                tenant: str | None, priority: int, salt: str | None = None, tokenizer=None,
+                block_size: int = 16, secret: bytes = b"") -> dict:
+    """One `request` line. `tokens` and `hashes` need the tokenizer. `salt`: the request's
+    cache_salt (default: the body's)."""
     if isinstance(body, (bytes, bytearray)):
         body = json.loads(body)
     rec: dict = {"kind": "request", "t": round(t, 6), "endpoint": endpoint}
-    salt = body.get("cache_salt")
+    salt = salt if salt is not None else body.get("cache_salt")
     if content == "body":
         rec["body"] = body
     else:
@@ -98,10 +99,10 @@ class Recorder:
 
     def note(self, arrival: float, endpoint: str, body: bytes, status: int,
              error: str | None, usage: dict | None, metrics: dict | None,
-             tenant: str | None, priority: int) -> None:
+             tenant: str | None, priority: int, salt: str | None = None) -> None:
         """Called on the event loop for each finished request: O(1), never blocks."""
         self._queue.put((arrival - self.start_mono, endpoint, body, status, error, usage,
-                         metrics, tenant, priority))
+                         metrics, tenant, priority, salt))
 
     def _write(self, line: str) -> bool:
         size = len(line.encode("utf-8"))
@@ -117,12 +118,13 @@ class Recorder:
             item = self._queue.get()
             if item is None:
                 break
-            t, endpoint, body, status, error, usage, metrics, tenant, priority = item
+            t, endpoint, body, status, error, usage, metrics, tenant, priority, salt = item
             try:
                 rec = make_record(t=t, endpoint=endpoint, body=body, content=self.content,
                                   status=status, error=error, usage=usage, metrics=metrics,
-                                  tenant=tenant, priority=priority, tokenizer=self.tokenizer,
-                                  block_size=self.block_size, secret=self.secret)
+                                  tenant=tenant, priority=priority, salt=salt,
+                                  tokenizer=self.tokenizer, block_size=self.block_size,
+                                  secret=self.secret)
             except Exception as e:   # a body the server refused may not even be JSON
                 rec = {"kind": "request", "t": round(t, 6), "endpoint": endpoint,
                        "status": status, "error": error or f"unrecordable body: {e}"}
@@ -140,3 +142,39 @@ class Recorder:
         self._thread.join(timeout=30)
         self._file.close()
         return self.stats()
+
+
+def note_http(recorder: Recorder, gen, parsed, endpoint: str, body: bytes,
+              error) -> None:
+    """The HTTP handler's call (daemon/openai/handlers.py), made only while recording: the
+    request as it finished. `error`: the APIError that refused it, None when it was served,
+    or "aborted" (the client went away)."""
+    if error is None:
+        status, message = 200, None
+    elif isinstance(error, str):
+        status, message = 499, error
+    else:
+        status, message = error.status, error.message
+    meta = parsed.meta
+    recorder.note(gen.arrival, endpoint, body, status, message, gen.usage(),
+                  gen.request_metrics(), meta.tenant, meta.priority, meta.cache_salt)
+
+
+def start(state, path: str | Path, content: str = "body", max_bytes: int | None = None
+          ) -> Recorder:
+    """Start recording the server's traffic (`state`: its ServerState) into `path`."""
+    if state.recorder is not None:
+        raise RuntimeError(f"already recording into {state.recorder.path}; stop it first")
+    engine = state.engine
+    state.recorder = Recorder(path, content=content,
+                              max_bytes=max_bytes or state.config.record.max_bytes,
+                              tokenizer=engine.tokenizer if engine is not None else None,
+                              block_size=state.config.cache.block_size, model=state.model_name)
+    return state.recorder
+
+
+def stop(state) -> dict:
+    recorder, state.recorder = state.recorder, None
+    if recorder is None:
+        raise RuntimeError("not recording")
+    return recorder.stop()

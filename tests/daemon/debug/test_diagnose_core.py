@@ -7,6 +7,8 @@ from __future__ import annotations
 import html
 import random
 
+import pytest
+
 from tokenloom.daemon.debug import capture as C
 from tokenloom.daemon.debug import report
 from tokenloom.daemon.debug.diagnose import diagnose, mann_whitney_p
@@ -157,3 +159,27 @@ def test_html_report_has_the_plots(tmp_path):
     page = report.html(d)
     assert page.count("<svg") >= 4 and "polyline" in page and html.escape(d.sentence) in page
     assert "First prefix-cache miss position" in page and "Mean TTFT by phase" in page
+
+
+def test_html_report_renders_in_chromium(tmp_path):
+    """The report opens in a real browser (headless Chromium) and the plots are drawn: the
+    screenshot is not blank and holds both cohorts' colours (before blue, after orange)."""
+    import numpy as np
+
+    import screenshot
+    from tokenloom.daemon.debug.svg import COLORS
+
+    if screenshot.chromium() is None:
+        pytest.skip("chromium is not installed (make test installs it: apt-get install -y "
+                    "chromium)")
+    d = diagnose(cohort(cached=144), cohort(cached=0, reason="no_prefix", ttft=0.06))
+    page, png = tmp_path / "report.html", tmp_path / "report.png"
+    page.write_text(report.html(d), encoding="utf-8")
+    screenshot.screenshot(page, png, size=(1280, 1800))
+    w, h, px = screenshot.png_rgb(png)
+    assert (w, h) == (1280, 1800)
+    assert (px.min(axis=2) < 240).mean() > 0.02          # not a blank page
+    for colour in COLORS[:2]:
+        rgb = [int(colour[i:i + 2], 16) for i in (1, 3, 5)]
+        drawn = np.all(np.abs(px.astype(int) - rgb) < 12, axis=2).sum()
+        assert drawn > 500, f"{colour} (a cohort's series) is not on the screenshot"
