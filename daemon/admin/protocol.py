@@ -7,7 +7,8 @@ per command, as msgspec tagged unions (no torch, no asyncio: the CLI imports thi
     ← {"reply": "error", "ok": false, "code": "refused", "error": "2 request(s) running; ..."}
 
 Commands: stats, flush-cache {force}, drain {timeout, wait}, resume, cancel {request_id},
-trace {request_id}, log-level {level}, record-start {path, content, max_bytes}, record-stop. Every reply has `ok`; failures are ErrorReply with a
+trace {request_id}, log-level {level}, record-start {path, content, max_bytes},
+record-stop. Every reply has `ok`; failures are ErrorReply with a
 `code` from ERROR_CODES.
 """
 

@@ -183,3 +183,21 @@ def test_html_report_renders_in_chromium(tmp_path):
         rgb = [int(colour[i:i + 2], 16) for i in (1, 3, 5)]
         drawn = np.all(np.abs(px.astype(int) - rgb) < 12, axis=2).sum()
         assert drawn > 500, f"{colour} (a cohort's series) is not on the screenshot"
+
+
+def test_diagnose_cli_text_json_and_html(tmp_path, capsys):
+    import json
+
+    from tokenloom.daemon.__main__ import main
+
+    for name, cap in (("b", cohort(cached=144)), ("a", cohort(cached=0, reason="no_prefix",
+                                                               ttft=0.06))):
+        C.write(tmp_path / f"{name}.jsonl", cap.header, cap.records)
+    html = tmp_path / "r.html"
+    assert main(["diagnose", str(tmp_path / "b.jsonl"), str(tmp_path / "a.jsonl"), "--json",
+                 "--html", str(html)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["top_mechanism"] == "prefix_layout" and out["significant_change"] is True
+    assert out["sentence"].startswith("p95 TTFT regressed") and "<svg" in html.read_text()
+    assert main(["diagnose", str(tmp_path / "b.jsonl"), str(tmp_path / "b.jsonl")]) == 0
+    assert "Incident: No significant change" in capsys.readouterr().out

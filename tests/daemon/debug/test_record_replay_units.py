@@ -149,3 +149,26 @@ def test_parse_prometheus():
     assert m["vllm:num_preemptions_total"] == 3.0
     assert m['tokenloom:decode_batch_size_total{size="4"}'] == 7.0
     assert m["vllm:kv_cache_usage_perc"] == 0.5
+
+
+def test_admin_record_commands_from_the_cli(tmp_path, monkeypatch):
+    from tokenloom.daemon.__main__ import build_parser
+    from tokenloom.daemon.admin import cli as admin_cli
+    from tokenloom.daemon.admin import protocol as P
+
+    monkeypatch.chdir(tmp_path)
+    parser = build_parser()
+    args = parser.parse_args(["admin", "record", "start", "--out", "cap.jsonl", "--content",
+                              "hashes"])
+    assert admin_cli.build_command(args) == P.RecordStart(path=str(tmp_path / "cap.jsonl"),
+                                                          content="hashes")
+    assert admin_cli.build_command(parser.parse_args(["admin", "record", "stop"])) \
+        == P.RecordStop()
+    line = P.encode(P.RecordStart(path="/x", max_bytes=8192))
+    assert P.decode_command(line) == P.RecordStart(path="/x", max_bytes=8192)
+    with pytest.raises(P.ProtocolError, match="max_bytes"):
+        P.decode_command(b'{"cmd": "record-start", "path": "/x", "max_bytes": 10}')
+    reply = P.RecordReply(recording=False, path="/x", content="body", requests=3, bytes=10)
+    assert P.decode_reply(P.encode(reply)) == reply
+    assert admin_cli.render(reply) == "recording stopped: 3 request(s), 10 bytes in /x"
+
