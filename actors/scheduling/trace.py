@@ -17,7 +17,7 @@ import msgspec
 from tokenloom.actors.messages import RequestMeta
 
 # The events, in the order they normally happen. `preempted` / `resumed` may repeat.
-EVENTS = ("request_received", "routed", "prefix_cache_lookup_done", "admitted",
+EVENTS = ("request_received", "tokenized", "routed", "prefix_cache_lookup_done", "admitted",
           "prefill_started", "prefill_finished", "first_token", "preempted", "resumed",
           "final_token", "kv_blocks_released")
 
@@ -28,9 +28,11 @@ class RequestTrace:
                  "prefill_chunks", "speculation", "kv_refusals")
 
     def __init__(self, request_id: str, received: float, routed: float | None = None,
-                 meta: RequestMeta = RequestMeta()):
+                 meta: RequestMeta = RequestMeta(), tokenized: float | None = None):
         self.request_id = request_id
         self.events: list[tuple[str, float]] = [("request_received", received)]
+        if tokenized is not None:
+            self.events.append(("tokenized", tokenized))
         if routed is not None:
             self.events.append(("routed", routed))
         self.num_decode_iterations = 0

@@ -4,7 +4,9 @@ into phases from the scheduler's trace (actors/scheduling/trace.py). Pure module
 The phases, in order, sum to the TTFT the client saw (the last one is what the server's
 trace cannot see: the first chunk's way to the client):
 
-    tokenize_route   request received -> routed (tokenizer + router actors)
+    tokenization     request received -> tokenized (the tokenizer actor)
+    routing          tokenized -> routed (the router: queue bound, worker choice)
+                     (a trace without the `tokenized` event: one `tokenize_route` phase)
     queue            routed -> prefix lookup (waiting in the scheduler's queue)
     prefix_lookup    prefix lookup -> admitted (a KV plan granted)
     prefill_wait     admitted -> first prefill chunk started
@@ -18,10 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 
-PHASES = ("tokenize_route", "queue", "prefix_lookup", "prefill_wait", "prefill",
-          "first_decode", "stream")
+PHASES = ("tokenization", "routing", "tokenize_route", "queue", "prefix_lookup",
+          "prefill_wait", "prefill", "first_decode", "stream")
 # Each phase ends at an event; it starts where the previous one ended.
-_PHASE_END = (("tokenize_route", "routed"), ("queue", "prefix_cache_lookup_done"),
+_PHASE_END = (("tokenization", "tokenized"), ("routing", "routed"),
+              ("tokenize_route", "routed"), ("queue", "prefix_cache_lookup_done"),
               ("prefix_lookup", "admitted"), ("prefill_wait", "prefill_started"),
               ("prefill", "prefill_finished"), ("first_decode", "first_token"))
 
@@ -71,9 +74,11 @@ def phases_of(trace: dict, client_ttft: float | None = None) -> dict[str, float]
         first.setdefault(e["event"], float(e["t"]))
     out: dict[str, float] = {}
     start = first.get("request_received", 0.0)
+    split = "tokenized" in first
     for phase, end_event in _PHASE_END:
         end = first.get(end_event)
-        if end is None:
+        if end is None or (phase == "tokenize_route" if split
+                           else phase in ("tokenization", "routing")):
             continue
         out[phase] = max(0.0, end - start)
         start = end

@@ -29,7 +29,7 @@ async def get(server, path: str) -> tuple[int, bytes, dict]:
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
-EVENT_ORDER = ["request_received", "routed", "prefix_cache_lookup_done", "admitted",
+EVENT_ORDER = ["request_received", "tokenized", "routed", "prefix_cache_lookup_done", "admitted",
                "prefill_started", "prefill_finished", "first_token", "final_token",
                "kv_blocks_released"]
 

@@ -25,6 +25,7 @@ def response(i, *, prompt=200, cached=160, ttft=0.02, gap=0.005, tokens=8, tenan
     t_first = max(ttft - 0.0005, t_pf + prefill + 0.0001)
     trace = {"request_id": f"cmpl-{i}", "tenant": tenant,
              "events": [{"event": "request_received", "t": 0.0},
+                        {"event": "tokenized", "t": t_routed / 2},
                         {"event": "routed", "t": t_routed},
                         {"event": "prefix_cache_lookup_done", "t": t_lookup},
                         {"event": "admitted", "t": t_lookup},
@@ -71,9 +72,9 @@ def test_phases_sum_to_the_client_ttft():
     rec = response(0, ttft=0.05)
     s = from_record(rec, 0)
     assert abs(sum(s.phases.values()) - 0.05) < 1e-9
-    assert list(s.phases) == ["tokenize_route", "queue", "prefix_lookup", "prefill_wait",
+    assert list(s.phases) == ["tokenization", "routing", "queue", "prefix_lookup", "prefill_wait",
                               "prefill", "first_decode", "stream"]
-    # A trace without the later events: only the phases that ended.
+    # A trace without `tokenized` (or the later events): only the phases that ended.
     assert set(phases_of({"events": [{"event": "request_received", "t": 0},
                                      {"event": "routed", "t": 0.1}]})) == {"tokenize_route"}
 

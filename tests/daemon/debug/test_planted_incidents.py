@@ -147,15 +147,16 @@ def test_kv_pool_too_small(baseline, small_pool, tmp_path):
 
 
 def test_prefix_evicted_then_recomputed(baseline, small_pool, tmp_path):
-    """A shared 200-token prefix, each use followed by two unrelated prompts: the large pool
-    keeps it cached between uses, the 64-block pool evicts it (retention runs out)."""
-    shared = words(200, 7)
+    """A shared 400-token prefix, each use followed by two unrelated prompts: the large pool
+    keeps it cached between uses; in the 64-block pool the two others turn the pool over
+    (freed blocks are reused oldest first), so the prefix is evicted before it is reused."""
+    shared = words(400, 7)
     lines = []
     for r in range(8):
         t = 0.45 * r
         lines.append(completion(t, f"{shared} w{20 + r} w{40 + r}", 2))
-        lines.append(completion(t + 0.15, words(200, 50 + 2 * r), 2))
-        lines.append(completion(t + 0.30, words(200, 51 + 2 * r), 2))
+        lines.append(completion(t + 0.15, words(260, 50 + 2 * r), 2))
+        lines.append(completion(t + 0.30, words(260, 51 + 2 * r), 2))
     cap = write_capture(tmp_path / "c.jsonl", lines)
     d = diagnose(replay(baseline, cap, tmp_path / "rb.jsonl"),
                  replay(small_pool, cap, tmp_path / "ra.jsonl"))
@@ -240,8 +241,8 @@ def post(url, path, body, headers=None):
 @pytest.mark.parametrize("content", ["body", "tokens", "hashes"])
 def test_record_live_traffic_then_replay_it(baseline, tmp_path, content):
     """1. start recording over the admin socket 2. live requests (chat and completions,
-    two tenants, a refused one) 3. stop 4. the capture holds each request with its usage and
-    trace 5. replaying it gives the same prompts (same prompt token counts; hashes-only:
+    two tenants, one the engine refuses) 3. stop 4. the capture holds each request with its
+    usage and trace 5. replaying it gives the same prompts (same prompt token counts; hashes-only:
     the same sharing structure, hence the same cached tokens)."""
     path = tmp_path / f"live-{content}.jsonl"
     reply = admin(baseline, P.RecordStart(path=str(path), content=content))
@@ -256,8 +257,9 @@ def test_record_live_traffic_then_replay_it(baseline, tmp_path, content):
                  {"role": "user", "content": f"w{140 + i} w33"}]}, {"X-Tenant": "t1"})
         post(baseline.url, "/v1/completions", {"model": "m", "max_tokens": 2,
                                                "prompt": words(30, i), "user": "t2"})
-    with pytest.raises(urllib.error.HTTPError):
-        post(baseline.url, "/v1/completions", {"model": "m", "prompt": "w5", "max_tokens": -1})
+    with pytest.raises(urllib.error.HTTPError):   # refused by the engine: longer than the context
+        post(baseline.url, "/v1/completions", {"model": "m", "prompt": words(2100, 1),
+                                               "max_tokens": 2})
     stopped = admin(baseline, P.RecordStop())
     assert isinstance(stopped, P.RecordReply) and not stopped.recording
     assert stopped.requests == 9 and stopped.dropped == 0, stopped
