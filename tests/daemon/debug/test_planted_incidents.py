@@ -242,8 +242,8 @@ def post(url, path, body, headers=None):
 def test_record_live_traffic_then_replay_it(baseline, tmp_path, content):
     """1. start recording over the admin socket 2. live requests (chat and completions,
     two tenants, one the engine refuses) 3. stop 4. the capture holds each request with its
-    usage and trace 5. replaying it gives the same prompts (same prompt token counts; hashes-only:
-    the same sharing structure, hence the same cached tokens)."""
+    usage and trace 5. replaying it gives the same prompts (same prompt token counts;
+    hashes-only: the same sharing structure, hence the same cached tokens)."""
     path = tmp_path / f"live-{content}.jsonl"
     reply = admin(baseline, P.RecordStart(path=str(path), content=content))
     assert isinstance(reply, P.RecordReply) and reply.recording, reply
