@@ -282,3 +282,17 @@ def test_record_live_traffic_then_replay_it(baseline, tmp_path, content):
             assert cached == r["usage"]["prompt_tokens_details"]["cached_tokens"]
     # The capture itself is a cohort too: diagnosing it against its replay finds nothing.
     assert diagnose(cap, out).top is None
+
+
+def test_plain_replay_sends_no_extensions(baseline, tmp_path):
+    """`--plain` (any OpenAI-compatible server): no return_metrics, so no traces come back;
+    usage and the client-side timings still do, and diagnose works on what there is."""
+    cap = write_capture(tmp_path / "c.jsonl",
+                        [completion(0.02 * i, words(30, i), 4, tenant="t") for i in range(6)])
+    asyncio.run(R.run(cap, baseline.url, tmp_path / "plain.jsonl", plain=True))
+    out = C.load(tmp_path / "plain.jsonl")
+    assert out.header["plain"] is True and "prompt_token_ids" not in out.records[0]
+    for r in out.records:
+        assert r["status"] == 200 and r["metrics"] is None and r["usage"]["completion_tokens"] == 4
+        assert r["ttft"] > 0 and len(r["itl"]) == 3
+    assert diagnose(out, out).top is None
