@@ -183,22 +183,30 @@ def test_prefill_chunk_too_large_for_the_itl_target(baseline, tiny_model_dir,
 
 
 def test_speculation_acceptance_collapses(tiny_model_dir, tmp_path_factory, tmp_path):
-    """n-gram speculation on repetitive prompts: greedy continuations repeat and are
-    accepted; the same prompts sampled at temperature 1.5 reject most drafts."""
-    prompt = " ".join(["w10 w11 w12 w13 w14"] * 8)
-    greedy = [completion(0.05 * i, f"{prompt} w{100 + i}", 32) for i in range(12)]
-    hot = [completion(0.05 * i, f"{prompt} w{100 + i}", 32, temperature=1.5, seed=i)
-           for i in range(12)]
-    b = write_capture(tmp_path / "b.jsonl", greedy)
-    a = write_capture(tmp_path / "a.jsonl", hot)
-    spec = start(tiny_model_dir, tmp_path_factory, **{"speculative.method": "ngram",
-                                                      "speculative.mode": "on"})
-    try:
-        d = diagnose(replay(spec, b, tmp_path / "rb.jsonl"),
-                     replay(spec, a, tmp_path / "ra.jsonl"))
-    finally:
-        spec.close()
+    """Draft-model speculation: a draft that is a copy of the target has its drafts
+    accepted; a new draft checkpoint (another random model, same vocabulary) disagrees with
+    the target and its drafts are rejected."""
+    from tinymodel import CHAT_TEMPLATE, build_tiny_model
+
+    other = tmp_path_factory.mktemp("other-draft")
+    build_tiny_model(other, "LlamaConfig", dict(num_hidden_layers=1, tie_word_embeddings=True,
+                                                max_position_embeddings=2048), seed=99,
+                     chat_template=CHAT_TEMPLATE)
+    cap = write_capture(tmp_path / "c.jsonl",
+                        [completion(0.05 * i, words(30, i), 24) for i in range(12)])
+    spec = {"speculative.method": "draft", "speculative.mode": "on"}
+    results = []
+    for draft, name in ((tiny_model_dir, "rb.jsonl"), (other, "ra.jsonl")):
+        s = start(tiny_model_dir, tmp_path_factory, **spec,
+                  **{"speculative.draft_model": str(draft)})
+        try:
+            results.append(replay(s, cap, tmp_path / name))
+        finally:
+            s.close()
+    d = diagnose(*results)
     assert d.top is not None and d.top.name == "spec_collapse", explain(d)
+    acc_b, acc_a = d.top.figures["acceptance"]
+    assert acc_b > 0.9 and acc_a < acc_b - 0.2
 
 
 def test_router_imbalance_across_workers(tiny_model_dir, tmp_path_factory, tmp_path):
