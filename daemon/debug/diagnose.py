@@ -122,9 +122,10 @@ def incident_sentence(ttft: Symptom, tpot: Symptom, ranked: list[Finding],
     top = sig[0]
     main, other = (ttft, tpot) if top.symptom == "ttft" else (tpot, ttft)
     if main.verdict == "held":
-        head = f"{main.phrase()}, but it is at risk"
+        head = (f"No {main.metric} regression yet (p95 {ms(main.before.p95)} -> "
+                f"{ms(main.after.p95)}), but")
     else:
-        head = main.phrase()
+        head = f"{main.phrase()} because"
     consequences = [f for f in sig[1:] if f.name in top.explains and f.consequence]
     tail = ""
     if consequences:
@@ -138,7 +139,7 @@ def incident_sentence(ttft: Symptom, tpot: Symptom, ranked: list[Finding],
     else:
         other_clause = f"; p95 {other.metric} improved {ms(other.before.p95)} -> " \
                        f"{ms(other.after.p95)}"
-    return f"{head} because {top.because}{tail}{other_clause}."
+    return f"{head} {top.because}{tail}{other_clause}."
 
 
 def representative_diff(b: Cohort, a: Cohort, window: int = 64) -> dict | None:
@@ -179,10 +180,10 @@ def render_diff(d: dict, block_size: int, tokenizer=None, context: int = 8) -> s
         else:
             lo = max(0, diff.common - context)
             text = (f"first difference at token {diff.common} (block "
-                    f"{diff.first_divergent_block}); #{d['donor']}: ...{x[lo:diff.common]} "
-                    f"[{x[diff.common:diff.common + context]}]  #{d['request']}: ..."
-                    f"{y[lo:diff.common]} [{y[diff.common:diff.common + context]}]; reusable "
-                    f"{diff.reusable_tokens} tokens")
+                    f"{diff.first_divergent_block}); #{d['donor']}: ...{x[lo:diff.common]} then "
+                    f"{x[diff.common:diff.common + context]}; #{d['request']}: ..."
+                    f"{y[lo:diff.common]} then {y[diff.common:diff.common + context]}; "
+                    f"reusable {diff.reusable_tokens} tokens")
         lines += ["  " + line for line in text.splitlines()]
     return "\n".join(lines)
 
