@@ -29,8 +29,8 @@ async def get(server, path: str) -> tuple[int, bytes, dict]:
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
-EVENT_ORDER = ["request_received", "tokenized", "routed", "prefix_cache_lookup_done", "admitted",
-               "prefill_started", "prefill_finished", "first_token", "final_token",
+EVENT_ORDER = ["request_received", "tokenized", "routed", "prefix_cache_lookup_done",
+               "admitted", "prefill_started", "prefill_finished", "first_token", "final_token",
                "kv_blocks_released"]
 
 
