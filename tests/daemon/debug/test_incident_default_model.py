@@ -95,11 +95,13 @@ def test_template_change_on_the_default_model(default_model_dir, tmp_path):
     sock = tmp_path / "admin.sock"
     v16 = serve(default_model_dir, tmp_path / "cache", **{"admin.socket_path": str(sock)})
     try:
+        with urllib.request.urlopen(v16.url + "/v1/models", timeout=30) as r:
+            model = json.loads(r.read())["data"][0]["id"]
         reply = admin_cli.send(str(sock), P.RecordStart(path=str(capture)))
         assert isinstance(reply, P.RecordReply) and reply.recording, reply
         for i in range(16):
             meta = f"request_id={0x8f3a2c01 + 7919 * i:x} time=2026-12-01T22:{10 + i}:07Z"
-            post(v16.url, {"model": "m", "max_tokens": 4, "messages": [
+            post(v16.url, {"model": model, "max_tokens": 4, "messages": [
                 {"role": "system", "content": SYSTEM},
                 {"role": "user", "content": f"{meta}\n{QUESTIONS[i % len(QUESTIONS)]}"}]})
             time.sleep(0.05)

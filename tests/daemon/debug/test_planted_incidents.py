@@ -193,7 +193,7 @@ def test_speculation_acceptance_collapses(tiny_model_dir, tmp_path_factory, tmp_
                                                 max_position_embeddings=2048), seed=99,
                      chat_template=CHAT_TEMPLATE)
     cap = write_capture(tmp_path / "c.jsonl",
-                        [completion(0.05 * i, words(30, i), 24) for i in range(12)])
+                        [completion(0.05 * i, words(30, i), 16) for i in range(8)])
     spec = {"speculative.method": "draft", "speculative.mode": "on"}
     results = []
     for draft, name in ((tiny_model_dir, "rb.jsonl"), (other, "ra.jsonl")):
@@ -247,7 +247,7 @@ def post(url, path, body, headers=None):
 
 
 @pytest.mark.parametrize("content", ["body", "tokens", "hashes"])
-def test_record_live_traffic_then_replay_it(baseline, tmp_path, content):
+def test_record_live_traffic_then_replay_it(baseline, model_name, tmp_path, content):
     """1. start recording over the admin socket 2. live requests (chat and completions,
     two tenants, one the engine refuses) 3. stop 4. the capture holds each request with its
     usage and trace 5. replaying it gives the same prompts (same prompt token counts;
@@ -260,13 +260,13 @@ def test_record_live_traffic_then_replay_it(baseline, tmp_path, content):
     baseline.call(baseline.engine.flush_prefix_cache(force=True))
     for i in range(4):
         post(baseline.url, "/v1/chat/completions",
-             {"model": "m", "max_tokens": 3, "messages": [
+             {"model": model_name, "max_tokens": 3, "messages": [
                  {"role": "system", "content": STABLE},
                  {"role": "user", "content": f"w{140 + i} w33"}]}, {"X-Tenant": "t1"})
-        post(baseline.url, "/v1/completions", {"model": "m", "max_tokens": 2,
+        post(baseline.url, "/v1/completions", {"model": model_name, "max_tokens": 2,
                                                "prompt": words(30, i), "user": "t2"})
     with pytest.raises(urllib.error.HTTPError):   # refused by the engine: longer than the context
-        post(baseline.url, "/v1/completions", {"model": "m", "prompt": words(2100, 1),
+        post(baseline.url, "/v1/completions", {"model": model_name, "prompt": words(2100, 1),
                                                "max_tokens": 2})
     stopped = admin(baseline, P.RecordStop())
     assert isinstance(stopped, P.RecordReply) and not stopped.recording
