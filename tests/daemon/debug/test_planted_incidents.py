@@ -164,22 +164,32 @@ def test_prefix_evicted_then_recomputed(baseline, small_pool, tmp_path):
     assert d.after.summary.preemptions_per_request == 0
 
 
-def test_prefill_chunk_too_large_for_the_itl_target(baseline, tiny_model_dir,
-                                                    tmp_path_factory, tmp_path):
+def test_prefill_chunk_too_large_for_the_itl_target(tmp_path_factory, tmp_path):
     """Streams decode while 1,800-token prompts arrive: SLO chunking (<= 512 tokens) keeps
     their gaps short; one static 2,048-token chunk holds their next token for a whole
-    prefill."""
+    prefill. The model is wider than the other tests' (hidden 256, 4 layers), so that a
+    long prefill costs far more than a decode step, as on a real model, and not only the
+    per-step overhead that dominates a 64-wide model on a busy CPU."""
+    from tinymodel import build_tiny_model
+
+    model = tmp_path_factory.mktemp("wide-llama")
+    build_tiny_model(model, "LlamaConfig", dict(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=2048), seed=3)
     lines = [completion(0.01 * i, words(20, i), 150) for i in range(8)]
     lines += [completion(0.1 + 0.08 * i, words(1800, 60 + i), 2) for i in range(6)]
     cap = write_capture(tmp_path / "c.jsonl", lines)
-    static = start(tiny_model_dir, tmp_path_factory, **{
-        "scheduler.chunking": "static", "scheduler.max_num_batched_tokens": 2048})
-    try:
-        d = diagnose(replay(baseline, cap, tmp_path / "rb.jsonl"),
-                     replay(static, cap, tmp_path / "ra.jsonl"))
-    finally:
-        static.close()
+    results = []
+    for name, chunking in (("rb.jsonl", {}), ("ra.jsonl", {
+            "scheduler.chunking": "static", "scheduler.max_num_batched_tokens": 2048})):
+        s = start(model, tmp_path_factory, **chunking)
+        try:
+            results.append(replay(s, cap, tmp_path / name))
+        finally:
+            s.close()
+    d = diagnose(*results)
     assert d.top is not None and d.top.name == "prefill_interference", explain(d)
+    print(explain(d))
 
 
 def test_speculation_acceptance_collapses(tiny_model_dir, tmp_path_factory, tmp_path):
