@@ -42,9 +42,9 @@ from tokenloom.kernels.models.loader import load_model, resolve_model_dir, weigh
 from tokenloom.kernels.models.weights import apply_weight_dtype
 from tokenloom.kernels.models.model_spec import ModelSpec
 from tokenloom.kernels.models.loader import load_spec
+from tokenloom.startup_log import startup_log
 
 log = structlog.get_logger("tokenloom.engine")
-startup_log = structlog.get_logger("tokenloom.startup", logger_name="tokenloom.startup")
 
 
 def size_kv_pool(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype,

@@ -33,10 +33,10 @@ from tokenloom.actors.kv.prefix_cache import FlushResult
 from tokenloom.actors.sampling_params import SamplingParams
 from tokenloom.config.load import load_config
 from tokenloom.config.schema import ConfigError, EngineConfig, field_types, CacheConfig, ModelConfig, SchedulerConfig, GraphsConfig, SpeculativeConfig
+from tokenloom.startup_log import STARTUP_LOGGER
 
 _SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
              "graphs": GraphsConfig, "speculative": SpeculativeConfig}
-STARTUP_LOGGER = "tokenloom.startup"
 # Per thread of control, so that a quiet LLM built beside a chatty one stays quiet.
 _show_startup: contextvars.ContextVar[bool] = contextvars.ContextVar("tokenloom_show_startup",
                                                                      default=True)

@@ -38,6 +38,9 @@ class RequestMeta(_Msg, frozen=True):
     # n > 1: the request id of sibling 0. A sibling waits until that one's prompt is
     # computed, then reuses its full prompt blocks from the prefix cache (fan_out sets it).
     group_id: str | None = None
+    # The client's own labels (OpenAI's `metadata`: up to 16 string pairs), kept in the
+    # trace so that a cohort of requests can be found and compared by them.
+    labels: dict[str, str] | None = None
 
 
 # -- measured at start-up: the engine's facts, for the front and the worker wire ------------
@@ -408,6 +411,9 @@ class SchedulerStats(_Msg):
                                         "objectives.")]
     num_slo_good: Annotated[int, C("tokenloom:goodput_requests", "Finished requests within "
                                    "the TTFT and ITL objectives.")]
+    num_kv_plan_waits: Annotated[int, C("tokenloom:kv_plan_waits", "Iterations in which the "
+                                        "first waiting request was held back by the KV plan "
+                                        "(pool pressure).")] = 0
     timings: StepTimings = StepTimings()
     spec: SpecStats | None = None
 

@@ -45,10 +45,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_loop import VOCAB_LO, VOCAB_HI, start_llama, stop  # noqa: E402
+from harness import PEERS, VOCAB_HI, VOCAB_LO, start_llama_server, write_json
 
-PEERS = Path(os.environ.get("TOKENLOOM_PEERS", Path.home() / ".cache" / "tokenloom-peers"))
 GGUF = "SmolLM2-135M-Instruct.{}.gguf"
 MODES = {  # name: (LLM options, llama.cpp GGUF type, KV bytes per element)
     "fp32": (dict(dtype="float32"), "F32", 4),
@@ -198,8 +196,9 @@ def _completion(url: str, prompt: list[int], n_predict: int) -> dict:
 def llama_mode(mode: str, args, rng: random.Random, logdir: Path) -> dict:
     gguf = PEERS / GGUF.format(MODES[mode][1])
     t = time.perf_counter()
-    proc, url, _ = start_llama(PEERS / "llama-server", gguf, 16, 16 * 2048, args.threads,
-                               logdir / f"llama-{mode}.log")
+    server = start_llama_server(PEERS / "llama-server", gguf, 16, 16 * 2048, args.threads,
+                                logdir / f"llama-{mode}.log")
+    url = server.url
     res: dict = {"startup_s": time.perf_counter() - t, "gguf_bytes": gguf.stat().st_size}
     try:
         _completion(url, prompts(rng, 1, 32)[0], 8)
@@ -226,7 +225,7 @@ def llama_mode(mode: str, args, rng: random.Random, logdir: Path) -> dict:
             best16 = min(best16, statistics.median(got))
         res["batch16_step_ms"] = best16
     finally:
-        stop(proc)
+        server.stop()
     return res
 
 
@@ -321,9 +320,9 @@ def main() -> None:
         print(f"[{mode}] llama.cpp {MODES[mode][1]} ...", flush=True)
         r["llama"] = llama_mode(mode, args, rng, logdir)
         print(json.dumps(r, indent=1), flush=True)
-        Path(args.out).write_text(json.dumps(out, indent=1))
+        write_json(args.out, out, indent=1)
     print("\n".join(report(out)))
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    write_json(args.out, out, indent=1)
 
 
 def _gate_summary() -> str:

@@ -40,89 +40,32 @@ import json
 import os
 import random
 import re
-import subprocess
-import sys
 import tempfile
 import time
-import types
 import urllib.request
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import interference  # noqa: E402  (benchmarks/interference.py)
-from serve import (_Stream, build_tiny_model, free_port, model_name, print_table,  # noqa: E402
-                   resolve_dir, run_async, run_load, start_server, summarise, wait_for_200)
+import interference  # benchmarks/interference.py
+from harness import (PEERS, VOCAB_HI, VOCAB_LO, PeerStream, build_tiny_vocab_model,
+                     model_name, percentile, print_table, resolve_dir, run_async, run_load,
+                     start_llama_server, start_tokenloom, summarise, write_json)
 
-PEERS = Path.home() / ".cache" / "tokenloom-peers"
-VOCAB_LO, VOCAB_HI = 1000, 20000   # ordinary tokens of the default vocabulary, no special ones
 
 
 # -- servers -----------------------------------------------------------------------------
-def start_tokenloom(model: str, overlap: bool, extra: list[str]):
+def serve_tokenloom(model: str, overlap: bool, extra: list[str]):
     """`tokenloom serve` with overlap on or off, admin socket off (others may run one)."""
     settings = [f"scheduler.overlap={'true' if overlap else 'false'}", "admin.enabled=false",
                 *extra]
-    return start_server(types.SimpleNamespace(set=settings), model)
+    return start_tokenloom(model, settings)
 
 
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def start_llama(binary: Path, gguf: Path, slots: int, ctx: int, threads: int, log_path: Path):
-    """llama-server with `slots` parallel slots sharing one `ctx`-token KV cache; waits for
-    /health 200 (503 while the model loads)."""
-    port = free_port()
-    cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-           "-t", str(threads), "-np", str(slots), "-c", str(ctx), "--kv-unified",
-           "--cont-batching", "--no-webui"]
-    log = open(log_path, "ab")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    log.close()
-    url = f"http://127.0.0.1:{port}"
-    problem = wait_for_200(proc, url + "/health", 300)
-    if problem is not None:
-        stop(proc)
-        raise RuntimeError(f"llama-server {problem}; see {log_path}")
-    return proc, url, cmd
-
-
-class PeerStream(_Stream):
-    """serve.py's SSE reader, for llama-server: its last frame carries an empty-text choice
-    *and* the usage, which must not count as a token (nor hide the usage). A frame with a
-    usage object is decoded; it counts as a token only if it has text. llama-server also
-    closes the connection after a streamed response although it announces keep-alive, so
-    every request gets a fresh connection."""
-
-    def _finish(self, error_body: str | None) -> None:
-        super()._finish(error_body)
-        self.reusable = False
-
-    def _feed(self, data: bytes, now: float) -> None:
-        if self._status != 200:
-            self._sse += data
-            return
-        *frames, self._sse = (self._sse + data).split(b"\n\n")
-        for frame in frames:
-            payload = frame[len(b"data: "):]
-            if b'"usage":{' in payload:
-                event = json.loads(payload)
-                if any(c.get("text") for c in event.get("choices") or ()):
-                    self._times.append(now)
-                self._usage = event["usage"]
-            elif b'"choices":[{' in payload:
-                self._times.append(now)
-            elif payload != b"[DONE]" and payload:
-                event = json.loads(payload)
-                if event.get("choices"):
-                    self._times.append(now)
+def start_llama(args, slots: int, ctx: int, logdir: Path):
+    """llama-server (the F32 GGUF of --gguf) with `slots` slots sharing a `ctx`-token cache."""
+    return start_llama_server(args.llama_server, args.gguf, slots, ctx, args.llama_threads,
+                              logdir / "llama-server.log")
 
 
 def complete(url: str, model: str, prompt, max_tokens: int) -> dict:
@@ -195,16 +138,17 @@ def section_a(args, out: dict) -> None:
     res = {"workload": {"concurrency": conc, "prompt_len": plen, "output_len": olen,
                         "requests": n}}
     with tempfile.TemporaryDirectory() as tmp:
-        build_tiny_model(Path(tmp), Path(resolve_dir("default")))
+        build_tiny_vocab_model(Path(tmp), Path(resolve_dir("default")))
         for label, overlap in (("overlap_on", True), ("overlap_off", False)):
-            proc, url = start_tokenloom(tmp, overlap, args.set)
+            server = serve_tokenloom(tmp, overlap, args.set)
+            url = server.url
             try:
                 name = run_async(model_name(url))
                 warm_up(url, name, random.Random(args.seed + 7), conc)
                 s = load(url, name, prompts, olen, conc, args.seed)
                 s["step_time"] = step_times(url)
             finally:
-                stop(proc)
+                server.stop()
             res[label] = s
             print_table(f"tokenloom tiny, {label.replace('_', ' ')}", s)
     on, off = res["overlap_on"], res["overlap_off"]
@@ -229,7 +173,8 @@ def tokenloom_levels(args, overlap: bool, plan, prompts_by_level, host_prompts,
     """One tokenloom server (default model) through every level; after the levels named by
     --host-levels, a steady probe at that batch size and a /metrics read."""
     label = "overlap on" if overlap else "overlap off"
-    proc, url = start_tokenloom(args.model, overlap, args.set)
+    server = serve_tokenloom(args.model, overlap, args.set)
+    url = server.url
     res: dict = {"levels": {}, "host": {}}
     try:
         name = run_async(model_name(url))
@@ -249,7 +194,7 @@ def tokenloom_levels(args, overlap: bool, plan, prompts_by_level, host_prompts,
                                   "probe_errors": probe["errors"]}
                 print(f"  steady batch {c} ({args.host_steps} tokens each): {t}", flush=True)
     finally:
-        stop(proc)
+        server.stop()
     return res
 
 
@@ -258,9 +203,9 @@ def llama_levels(args, plan, prompts_by_level, check_prompt, logdir: Path) -> di
     for (c, _n), prompts in zip(plan, prompts_by_level):
         slots = max(c, 1)
         ctx = max(slots * args.llama_ctx_per_slot, 1024)
-        proc, url, cmd = start_llama(args.llama_server, args.gguf, slots, ctx,
-                                     args.llama_threads, logdir / "llama-server.log")
-        res.setdefault("commands", {})[c] = " ".join(cmd)
+        server = start_llama(args, slots, ctx, logdir)
+        url = server.url
+        res.setdefault("commands", {})[c] = " ".join(server.cmd)
         try:
             name = run_async(model_name(url))
             if "check" not in res:
@@ -270,19 +215,19 @@ def llama_levels(args, plan, prompts_by_level, check_prompt, logdir: Path) -> di
             res["levels"][c] = s
             print_table(f"llama-server F32, concurrency {c} (-np {slots} -c {ctx})", s)
         finally:
-            stop(proc)
+            server.stop()
     return res
 
 
 def token_prompts_ok(args, check_prompt, logdir: Path) -> tuple[bool, dict]:
     """Does llama-server take token-id prompts as they are (no BOS added)?"""
-    proc, url, _ = start_llama(args.llama_server, args.gguf, 1, 1024, args.llama_threads,
-                               logdir / "llama-server.log")
+    server = start_llama(args, 1, 1024, logdir)
+    url = server.url
     try:
         name = run_async(model_name(url))
         r = complete(url, name, check_prompt, 1)
     finally:
-        stop(proc)
+        server.stop()
     n = (r.get("usage") or {}).get("prompt_tokens")
     return r.get("status") == 200 and n == len(check_prompt), {"status": r.get("status"),
                                                                 "prompt_tokens": n,
@@ -434,7 +379,7 @@ async def _short_streams(url, name, args, rng, seconds: float, with_long: bool) 
     errors = [r["error"] for r in shorts + long_results if "error" in r]
     gaps = np.array([g for r in shorts if "gaps" in r for g in r["gaps"]]) * 1000
     ttfts = np.array([r["ttft"] for r in long_results if r.get("ttft") is not None]) * 1000
-    pct = lambda xs, q: float(np.percentile(xs, q)) if len(xs) else None  # noqa: E731
+    pct = percentile
     res = {"elapsed_s": elapsed, "errors": len(errors), "short_requests": len(shorts),
            "num_gaps": int(len(gaps)), "num_long_prompts": len(long_results),
            "itl_ms": {"p50": pct(gaps, 50), "p99": pct(gaps, 99), "p99.9": pct(gaps, 99.9),
@@ -460,7 +405,8 @@ def section_d(args, out: dict) -> None:
                         "short_output_len": args.short_output_len, "long_len": long_len,
                         "long_output": args.long_output, "long_every": args.long_every,
                         "seconds": seconds}}
-    proc, url = start_tokenloom(args.model, True, args.set)
+    server = serve_tokenloom(args.model, True, args.set)
+    url = server.url
     try:
         name = run_async(model_name(url))
         warm_up(url, name, random.Random(args.seed + 300), args.streams)
@@ -473,7 +419,7 @@ def section_d(args, out: dict) -> None:
                   f"{r['errors']} errors, {r['elapsed_s']:.1f} s", flush=True)
         res["step_time"] = step_times(url)
     finally:
-        stop(proc)
+        server.stop()
     a, b = res["without_long"], res["with_long"]
     res["itl_p50_with_over_without"] = _ratio(b["itl_ms"]["p50"], a["itl_ms"]["p50"])
     res["p99_over_p50_with_long"] = b.get("p99_over_p50")
@@ -551,9 +497,7 @@ def _f(x, width: int, digits: int = 1) -> str:
 
 
 def _write(args, out: dict) -> None:
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2, default=str))
+    write_json(args.json, out, default=str)
 
 
 def _ints(text: str) -> list[int]:

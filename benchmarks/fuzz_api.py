@@ -15,6 +15,7 @@ exits non-zero on any failure.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -22,8 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+from harness import start_tokenloom, tests_module
 
 ST = str(Path(sys.executable).with_name("st"))
 CHECKS = "not_a_server_error,status_code_conformance,content_type_conformance," \
@@ -62,20 +62,19 @@ def main() -> int:
         rc, out = fuzz(args.url, args.max_examples, args.seed)
         print(out[-4000:])
         return rc
-    from servers import ServerProcess
-    from tinymodel import CHAT_TEMPLATE, build_tiny_model
+    tinymodel = tests_module("tinymodel")
 
     with tempfile.TemporaryDirectory(prefix="tokenloom-fuzz-") as tmp:
         tmp = Path(tmp)
-        build_tiny_model(tmp / "tiny", "LlamaConfig", dict(
+        tinymodel.build_tiny_model(tmp / "tiny", "LlamaConfig", dict(
             num_hidden_layers=2, tie_word_embeddings=True, max_position_embeddings=2048),
-            seed=7, chat_template=CHAT_TEMPLATE)
+            seed=7, chat_template=tinymodel.CHAT_TEMPLATE)
         admin = str(tmp / "admin.sock")
-        server = ServerProcess(
-            "--model", str(tmp / "tiny"), "--set", f'admin.socket_path="{admin}"',
-            "--set", f'model.cache_dir="{tmp / "cache"}"', "--set", 'model.device="cpu"',
-            "--set", 'model.dtype="float32"', "--set", "server.max_n=4",
-            "--set", "server.max_tokens=32", timeout=300)
+        server = start_tokenloom(str(tmp / "tiny"), [
+            f'admin.socket_path="{admin}"', f'model.cache_dir="{tmp / "cache"}"',
+            'model.device="cpu"', 'model.dtype="float32"', "server.max_n=4",
+            "server.max_tokens=32"], timeout=300,
+            env={**os.environ, "OMP_NUM_THREADS": "1"})
         try:
             t0 = time.monotonic()
             rc, out = fuzz(server.url, args.max_examples, args.seed)

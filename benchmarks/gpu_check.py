@@ -202,6 +202,7 @@ def build(shape: str, device: str, max_batch: int, context: int, dtype):
     """Random model + KV pool + static buffers; Triton kernels on CUDA."""
     import torch
 
+    from tokenloom.arith import cdiv
     from tokenloom.graphs.buffers import DecodeBuffers
     from tokenloom.graphs.capture import DecodeGraphs
     from tokenloom.kernels.kv_store import KVCache
@@ -214,7 +215,7 @@ def build(shape: str, device: str, max_batch: int, context: int, dtype):
         from tokenloom.kernels.gpu.triton_attention import make_decode_kernel, store_kv_triton
         model.set_decode_kernel(make_decode_kernel(spec))
         model.set_kv_store_kernel(store_kv_triton)
-    bps = -(-max_len // BLOCK_SIZE)
+    bps = cdiv(max_len, BLOCK_SIZE)
     kv = KVCache.allocate(spec.num_layers, max_batch * bps + 1, BLOCK_SIZE, spec.num_kv_heads,
                           spec.head_dim, dtype, device)
     for k, v in zip(kv.key, kv.value):
@@ -322,12 +323,13 @@ def kernel_bandwidth(context: int, copy_bw: float) -> list[dict]:
     """Triton decode vs torch reference on one Llama-3-8B layer at `context` tokens."""
     import torch
 
+    from tokenloom.arith import cdiv
     from tokenloom.kernels.attention import decode_attention
     from tokenloom.kernels.models.random_model import SHAPES
     from tokenloom.kernels.gpu.triton_attention import make_decode_kernel
 
     heads, kvh, d = 32, 8, 128
-    nb = -(-context // BLOCK_SIZE)
+    nb = cdiv(context, BLOCK_SIZE)
     rows = []
     fn = make_decode_kernel(SHAPES["llama3-8b"])   # the split sized per call by the SMs
     for b in (1, 8, 32):

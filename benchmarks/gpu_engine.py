@@ -11,7 +11,7 @@ model files: `kernels/random_model.write_checkpoint`) and measures three things:
 2. parity: a tiny random checkpoint in fp32, greedy through `LLM` against transformers'
    `generate` on the same device (the oracle of tests/kernels/models/test_tiny_models.py);
 3. HTTP: `tokenloom serve` as a subprocess on 127.0.0.1 over the same checkpoint, a
-   time-bounded closed loop of streaming /v1/completions requests (benchmarks/serve.py's
+   time-bounded closed loop of streaming /v1/completions requests (benchmarks/harness.py's
    client), TTFT/ITL percentiles and tokens/s, the GPU's busy fraction sampled from NVML
    during the load, and the graph counters of /metrics over the load window.
 
@@ -30,8 +30,6 @@ import os
 import random
 import re
 import shutil
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -90,9 +88,9 @@ def _load_by_path(name: str, path: Path):
     return module
 
 
-def serve_client():
-    """benchmarks/serve.py: its free port, readiness poll, SSE client and summary."""
-    return _load_by_path("tokenloom_bench_serve", ROOT / "benchmarks" / "serve.py")
+def bench_harness():
+    """benchmarks/harness.py: servers, the load generator's SSE client and its summary."""
+    return _load_by_path("tokenloom_bench_harness", ROOT / "benchmarks" / "harness.py")
 
 
 # -- pure helpers (tested on CPU) --------------------------------------------------------------
@@ -388,18 +386,6 @@ def server_env(pythonpath: str) -> dict:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(parts)}
 
 
-def stop_server(proc: subprocess.Popen, timeout: float = 60.0) -> int:
-    """SIGTERM (drain, then exit 0), then SIGKILL if it does not exit within `timeout`."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return proc.returncode
-
-
 def log_tail(path: Path, lines: int = 60, head: bool = False) -> str:
     try:
         text = path.read_text(errors="replace").splitlines()
@@ -416,13 +402,13 @@ async def _fetch_text(url: str) -> str:
             return await r.text()
 
 
-async def timed_load(serve, url: str, model: str, prompts, output_len: int, streams: int,
+async def timed_load(h, url: str, model: str, prompts, output_len: int, streams: int,
                      seconds: float) -> tuple[list, float]:
-    """`streams` workers send streaming completions back to back (serve.py's client), each
+    """`streams` workers send streaming completions back to back (the harness's client), each
     starting new requests until `seconds` have passed; returns (results, elapsed)."""
-    conns = serve._Connections(url)
+    conns = h.Connections(url)
     gc.collect()
-    gc.freeze()   # as serve.run_load: no full collection stalls the streams mid-run
+    gc.freeze()   # as harness.run_load: no full collection stalls the streams mid-run
     results: list = []
     t0 = time.perf_counter()
     deadline = t0 + seconds
@@ -430,8 +416,8 @@ async def timed_load(serve, url: str, model: str, prompts, output_len: int, stre
     async def worker(k: int):
         i = k
         while time.perf_counter() < deadline:
-            results.append(await serve.one_request(conns, model, prompts[i % len(prompts)],
-                                                   output_len))
+            results.append(await h.one_request(conns, model, prompts[i % len(prompts)],
+                                               output_len))
             i += streams
 
     try:
@@ -442,11 +428,11 @@ async def timed_load(serve, url: str, model: str, prompts, output_len: int, stre
     return results, time.perf_counter() - t0
 
 
-async def _http_session(plan: EnginePlan, serve, url: str, spec) -> dict:
-    model = await serve.model_name(url)
+async def _http_session(plan: EnginePlan, h, url: str, spec) -> dict:
+    model = await h.model_name(url)
     prompts = make_prompts(4 * plan.http_streams, plan.prompt_len, plan.shared_prefix_len,
                            spec.vocab_size, seed=1)
-    await serve.run_load(url, model, prompts[:plan.http_streams], 4, plan.http_streams, 0, 0)
+    await h.run_load(url, model, prompts[:plan.http_streams], 4, plan.http_streams, 0, 0)
     before = graph_metrics(await _fetch_text(url + "/metrics"))
     sampler = BusySampler(nvml_probe(plan.device), plan.busy_interval_s).start()
 
@@ -457,12 +443,12 @@ async def _http_session(plan: EnginePlan, serve, url: str, spec) -> dict:
         return await asyncio.to_thread(sampler.stop)
 
     busy_task = asyncio.create_task(sample_steady_state())
-    results, elapsed = await timed_load(serve, url, model, prompts, plan.http_output_len,
+    results, elapsed = await timed_load(h, url, model, prompts, plan.http_output_len,
                                         plan.http_streams, plan.http_seconds)
     busy = await busy_task
     text = await _fetch_text(url + "/metrics")
     after = graph_metrics(text)
-    return {"model": model, "load": serve.summarise(results, elapsed), "gpu_busy": busy,
+    return {"model": model, "load": h.summarise(results, elapsed), "gpu_busy": busy,
             "graphs": stats_delta(before, after), "graphs_total": after,
             "step_time_ms": step_time_metrics(text)}
 
@@ -473,27 +459,27 @@ def http_step(plan: EnginePlan, model_dir: Path, cache_dir: Path, workdir: Path,
     if missing:
         raise RuntimeError(f"`tokenloom serve` needs {', '.join(missing)}, not importable "
                            f"here: carry it as a wheel (`make gpu-wheels`)")
-    serve = serve_client()
-    port = serve.free_port()
+    h = bench_harness()
+    port = h.free_port()
     log_path = workdir / "server.log"
+    log_path.write_text("")
     cmd = server_command(plan, model_dir, cache_dir, port, workdir / "admin.sock")
     out: dict = {"command": " ".join(cmd), "streams": plan.http_streams,
                  "seconds": plan.http_seconds, "output_len": plan.http_output_len}
     t0 = time.perf_counter()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=workdir,
-                                env=server_env(pythonpath))
+    server = None
     try:
-        url = f"http://127.0.0.1:{port}"
-        problem = serve.wait_for_200(proc, url + "/ready", plan.server_timeout_s)
-        if problem is not None:
-            raise RuntimeError(f"the server {problem}")
+        server = h.Server("the server", cmd, f"http://127.0.0.1:{port}", "/ready",
+                          timeout=plan.server_timeout_s, log_path=log_path, cwd=workdir,
+                          env=server_env(pythonpath))
         out["startup_s"] = time.perf_counter() - t0
-        out.update(serve.run_async(_http_session(plan, serve, url, spec)))
-    except Exception:
+        out.update(h.run_async(_http_session(plan, h, server.url, spec)))
+    except Exception as e:
         out["error"] = traceback.format_exc()
+        out["exit_code"] = getattr(e, "returncode", None)
     finally:
-        out["exit_code"] = stop_server(proc)
+        if server is not None:
+            out["exit_code"] = server.stop()
         out["log_head"] = log_tail(log_path, 40, head=True)   # start-up: kernels, capture, KV
         if "error" in out or out["exit_code"] != 0:
             out["log_tail"] = log_tail(log_path)

@@ -19,6 +19,8 @@ BLOCK_SIZE = 16
 def mixed_step(decodes: int, chunk: int, context: int, blocks_per_seq: int, vocab: int):
     """`decodes` rows at position `context`, then one chunk of `chunk` tokens at positions
     [context - chunk, context), in blocks after the decode rows' blocks."""
+    from tokenloom.arith import cdiv
+
     assert chunk <= context, "the chunk must fit the context the RoPE table covers"
     n_blocks = context // BLOCK_SIZE + 1
     seqs = [SimpleNamespace(request_id=f"d{i}", token_ids=[(7 * i + 3) % vocab],
@@ -30,7 +32,7 @@ def mixed_step(decodes: int, chunk: int, context: int, blocks_per_seq: int, voca
     seqs.append(SimpleNamespace(request_id="p", token_ids=[(11 * j + 5) % vocab
                                                            for j in range(chunk)],
                                 start_pos=start, sample=True,
-                                block_table=[first + j for j in range(-(-context // BLOCK_SIZE))]))
+                                block_table=[first + j for j in range(cdiv(context, BLOCK_SIZE))]))
     return SimpleNamespace(sequences=seqs, num_decodes=decodes)
 
 

@@ -36,15 +36,13 @@ import contextlib
 import json
 import os
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve import build_tiny_model, resolve_dir  # noqa: E402
+from harness import build_tiny_vocab_model, percentile, resolve_dir, write_json
 
 
 def _queries():
@@ -218,8 +216,8 @@ def stats_of(xs: list[float]) -> dict:
     if not xs:
         return {"n": 0, "p50": None, "p99": None, "mean": None}
     a = np.asarray(xs)
-    return {"n": int(len(a)), "p50": float(np.percentile(a, 50)),
-            "p99": float(np.percentile(a, 99)), "mean": float(a.mean())}
+    return {"n": int(len(a)), "p50": percentile(a, 50), "p99": percentile(a, 99),
+            "mean": float(a.mean())}
 
 
 def phase(llm, args, probe: KVProbe, rng: random.Random) -> dict:
@@ -276,7 +274,7 @@ def main() -> None:
     model = args.model
     if model == "tiny":
         tmp = tempfile.TemporaryDirectory()
-        build_tiny_model(Path(tmp.name), Path(resolve_dir("default")))
+        build_tiny_vocab_model(Path(tmp.name), Path(resolve_dir("default")))
         model = tmp.name
     llm = LLM(model=model, quiet=True, **options)
     rng = random.Random(args.seed)
@@ -308,9 +306,7 @@ def main() -> None:
         if tmp is not None:
             tmp.cleanup()
     print_table(result)
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    out = write_json(args.json, result)
     print(f"\nwrote {out}")
 
 

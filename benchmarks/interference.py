@@ -20,13 +20,13 @@ prompts' TTFT (p50, max); then (b)/(a) ratios. Targets from the issue: with (b) 
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
-from pathlib import Path
 
 import aiohttp
 import numpy as np
+
+from harness import model_name, percentile, start_tokenloom, write_json
 
 
 async def _stream(session, url, model, prompt, max_tokens) -> dict:
@@ -75,7 +75,7 @@ async def _run(url, model, args, rng) -> dict:
     errors = [r["error"] for r in short_results + long_results if "error" in r]
     gaps = np.array([g for r in short_results if "gaps" in r for g in r["gaps"]]) * 1000
     ttfts = np.array([r["ttft"] for r in long_results if r.get("ttft") is not None]) * 1000
-    pct = lambda xs, q: float(np.percentile(xs, q)) if len(xs) else None  # noqa: E731
+    pct = percentile
     out = {"elapsed_s": elapsed, "errors": len(errors), "num_gaps": int(len(gaps)),
            "num_long_prompts": len(long_results),
            "itl_ms": {"p50": pct(gaps, 50), "p99": pct(gaps, 99), "p99.9": pct(gaps, 99.9),
@@ -91,19 +91,18 @@ async def _run(url, model, args, rng) -> dict:
     return out
 
 
-def interference_main(args, start_server, model_name, model: str) -> dict:
+def interference_main(args, model: str) -> dict:
     summary = {"workload": {k: getattr(args, k) for k in (
         "streams", "prompt_len", "output_len", "long_len", "long_output", "long_every")}}
     base_set = list(args.set)
     for label in ("static", "slo"):
         args.set = base_set + [f"scheduler.chunking={label}"]
-        proc, url = start_server(args, model)
+        server = start_tokenloom(model, args.set)
         try:
-            name = asyncio.run(model_name(url))
-            summary[label] = asyncio.run(_run(url, name, args, random.Random(args.seed)))
+            name = asyncio.run(model_name(server.url))
+            summary[label] = asyncio.run(_run(server.url, name, args, random.Random(args.seed)))
         finally:
-            proc.terminate()
-            proc.wait(60)
+            server.stop()
     args.set = base_set
     print(f"\n{'':<24}{'static (a)':>14}{'slo (b)':>14}{'(b)/(a)':>10}")
     a, b = summary["static"], summary["slo"]
@@ -125,8 +124,6 @@ def interference_main(args, start_server, model_name, model: str) -> dict:
     if a["long_ttft_ms"]["p50"] and b["long_ttft_ms"]["p50"]:
         summary["long_ttft_p50_slo_over_static"] = (b["long_ttft_ms"]["p50"]
                                                     / a["long_ttft_ms"]["p50"])
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(summary, indent=2))
+    out = write_json(args.json, summary)
     print(f"wrote {out}")
     return summary

@@ -47,8 +47,16 @@ from pathlib import Path
 
 import torch
 
+from harness import write_json
+
 ROOT = Path(__file__).resolve().parent
 REPO = ROOT.parent
+
+
+def cdiv(a: int, b: int) -> int:
+    """tokenloom.arith.cdiv, copied: the worker imports older revisions of the package (--rev),
+    which do not all have it."""
+    return -(a // -b)
 
 
 @dataclasses.dataclass
@@ -91,7 +99,7 @@ class Bench:
                 self.backend = "cpu_kernel"
             elif backend == "cpu_kernel":
                 sys.exit("the CPU decode kernel is unavailable")
-        self.blocks_per_seq = -(-max_context // block_size)
+        self.blocks_per_seq = cdiv(max_context, block_size)
         num_blocks = (max_seqs + 1) * self.blocks_per_seq + 1
         self.kv = KVCache.allocate(spec.num_layers, num_blocks, block_size, spec.num_kv_heads,
                                    spec.head_dim, torch.float32, "cpu")
@@ -102,7 +110,7 @@ class Bench:
     def table(self, seq: int, context: int) -> list[int]:
         """Sequence `seq` owns a disjoint run of blocks, shuffled (as a real pool's are)."""
         first = 1 + seq * self.blocks_per_seq
-        blocks = list(range(first, first + -(-context // self.block_size)))
+        blocks = list(range(first, first + cdiv(context, self.block_size)))
         random.Random(seq).shuffle(blocks)
         return blocks
 
@@ -382,9 +390,7 @@ def main(argv: list[str] | None = None) -> dict:
         "raw_ms": {f"{v[0]} D={v[1]} C={v[2]} P={v[3]} S={v[4]} [{name}]":
                    [t * 1000 for t in ts] for (v, name), ts in times.items()},
     }
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(summary, indent=2))
+    out = write_json(args.json, summary)
     print(f"wrote {out}")
     for w in workers.values():
         w.close()

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import random
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from harness import write_json
 
 ROOT = Path(__file__).resolve().parent
 
@@ -199,9 +200,8 @@ def main(argv=None) -> int:
             scale[dtype] = by[("batch_32", "output tok/s")] / by[("decode_b1", "decode tok/s")]
             print(f"{dtype}: our 32-request output rate / our batch-1 decode rate = {scale[dtype]:.2f}x")
     path = args.json or ROOT / "results" / f"offline-{dt.datetime.now():%Y%m%d-%H%M%S}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"copy_bandwidth_gbs": bw, "rooflines": rooflines, "rows": rows,
-                                "scaling_32_vs_1": scale, "argv": sys.argv[1:]}, indent=2))
+    write_json(path, {"copy_bandwidth_gbs": bw, "rooflines": rooflines, "rows": rows,
+                      "scaling_32_vs_1": scale, "argv": sys.argv[1:]})
     print(f"wrote {path}")
     return 0
 

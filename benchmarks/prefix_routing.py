@@ -35,7 +35,6 @@ import asyncio
 import json
 import random
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -44,10 +43,7 @@ from pathlib import Path
 
 import aiohttp
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-
-from servers import ServerProcess  # noqa: E402
+from harness import Server, percentile, start_tokenloom, write_json
 
 BLOCK = 16
 
@@ -116,8 +112,8 @@ async def drive(url, model, prompts, concurrency, max_tokens) -> dict:
     ttfts.sort()
     return {"requests": len(prompts), "output_tokens": total, "seconds": round(wall, 3),
             "tokens_per_s": round(total / wall, 3),
-            "ttft_p50": round(statistics.median(ttfts), 4),
-            "ttft_p99": round(ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], 4)}
+            "ttft_p50": round(percentile(ttfts, 50), 4),
+            "ttft_p99": round(percentile(ttfts, 99), 4)}
 
 
 def prefix_counters(url) -> tuple[float, float]:
@@ -131,20 +127,18 @@ def prefix_counters(url) -> tuple[float, float]:
             values.get("vllm:prefix_cache_queries_total", 0.0))
 
 
-def serve(setup: str, args, tmp: Path) -> ServerProcess:
-    common = ["--set", f"cache.block_size={BLOCK}", "--set", "model.dtype=float32",
-              "--set", "model.device=cpu", "--set", f"admin.socket_path={tmp}/{setup}.sock",
-              "--set", f"scheduler.max_num_seqs={args.concurrency}"]
-    if args.model:
-        common += ["--model", args.model]
+def serve(setup: str, args, tmp: Path) -> Server:
+    common = [f"cache.block_size={BLOCK}", "model.dtype=float32", "model.device=cpu",
+              f"admin.socket_path={tmp}/{setup}.sock",
+              f"scheduler.max_num_seqs={args.concurrency}", "model.num_threads=2"]
     if setup == "one_engine":
-        extra = ["--workers", "1", "--set", "model.num_threads=2",
-                 "--set", f"cache.num_blocks={2 * args.blocks_per_worker}"]
+        workers, extra = 1, [f"cache.num_blocks={2 * args.blocks_per_worker}"]
     else:
-        extra = ["--workers", "2", "--set", "model.num_threads=2",
-                 "--set", f"workers.routing={setup}",
-                 "--set", f"cache.num_blocks={args.blocks_per_worker}"]
-    return ServerProcess(*common, *extra, timeout=600, env={"OMP_NUM_THREADS": "2"})
+        workers, extra = 2, [f"workers.routing={setup}",
+                             f"cache.num_blocks={args.blocks_per_worker}"]
+    return start_tokenloom(args.model or "default", common + extra,
+                           args=["--workers", str(workers)], timeout=600,
+                           env={**os.environ, "OMP_NUM_THREADS": "2"})
 
 
 def measure(server, model: str, setup: str, kind: str, args, seed: int) -> dict:
@@ -193,7 +187,7 @@ def main() -> int:
     plan = (("shared_prefix", ("prefix", "round_robin", "one_engine")),
             ("uniform", ("prefix", "round_robin")))
     runs: list[dict] = []
-    servers: dict[str, ServerProcess] = {}
+    servers: dict[str, Server] = {}
     with tempfile.TemporaryDirectory() as tmp:
         try:
             # All three servers stay up (idle ones cost nothing) and the passes interleave
@@ -244,10 +238,8 @@ def main() -> int:
         mark = "" if k not in targets else ("  (target met)" if targets[k] else "  (TARGET MISSED)")
         print(f"  {k:<48} {v:6.3f}{mark}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results,
-                                               "runs": runs,
-                                               "ratios": ratios, "targets_met": targets},
-                                              indent=2))
+        write_json(args.json, {"args": vars(args), "results": results, "runs": runs,
+                               "ratios": ratios, "targets_met": targets})
     return 0 if all(targets.values()) else 1
 
 

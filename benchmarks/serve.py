@@ -25,368 +25,16 @@ token-id prompts nor ignore_eos, so in this mode both servers get the same text 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import gc
 import json
 import os
 import random
-import socket
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.parse
-import urllib.request
 from pathlib import Path
 
-import aiohttp
-import numpy as np
-
-
-def run_async(coro):
-    """asyncio.run on uvloop (a dependency of the server): the load generator shares the
-    cores it measures, so its own event loop should cost as little as the server's."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
-
-
-# -- the server ----------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_for_200(proc: subprocess.Popen, url: str, timeout: float) -> str | None:
-    """Poll `url` until it answers 200: None, or why it never did (the server exited, or
-    `timeout` seconds passed)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            return f"exited with status {proc.returncode}"
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return None
-        except OSError:
-            pass
-        time.sleep(0.2)
-    return f"did not answer 200 within {timeout:.0f} s"
-
-
-def start_server(args, model: str) -> tuple[subprocess.Popen, str]:
-    """`tokenloom serve` on a free port, with request logging off (it would cost CPU)."""
-    port = free_port()
-    exe = str(Path(sys.executable).with_name("tokenloom"))
-    cmd = [exe, "serve", "--host", "127.0.0.1", "--port", str(port), "--model", model,
-           "--set", "server.log_level=warning", *sum((["--set", s] for s in args.set), [])]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    problem = wait_for_200(proc, url + "/ready", 600)
-    if problem is not None:
-        proc.kill()
-        raise SystemExit(f"the server {problem}")
-    return proc, url
-
-
-def build_tiny_model(path: Path, default_dir: Path) -> None:
-    """A 2-layer random Llama with the default model's tokenizer and vocabulary."""
-    import shutil
-
-    import torch
-    import transformers
-
-    src = json.loads((default_dir / "config.json").read_text())
-    cfg = transformers.LlamaConfig(vocab_size=src["vocab_size"], hidden_size=64,
-                                   intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2,
-                                   max_position_embeddings=4096, tie_word_embeddings=True,
-                                   bos_token_id=src.get("bos_token_id"),
-                                   eos_token_id=src.get("eos_token_id"))
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
-    for f in default_dir.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
-            shutil.copy(f, path / f.name)
-
-
-def resolve_dir(model: str) -> str:
-    if model != "default":
-        return model
-    from tokenloom.config.schema import ModelConfig, resolve_cache_dir
-    from tokenloom.kernels.models.loader import resolve_model_dir
-
-    return str(resolve_model_dir("default", resolve_cache_dir(ModelConfig())))
-
-
-def text_prompts(url: str, prompts: list[list[int]]) -> list[str]:
-    """Token-id prompts as text, through the server's /detokenize."""
-    async def convert():
-        async with aiohttp.ClientSession() as s:
-            out = []
-            for ids in prompts:
-                async with s.post(url + "/detokenize", json={"tokens": ids}) as r:
-                    out.append((await r.json())["prompt"])
-            return out
-    return run_async(convert())
-
-
-async def model_name(url: str) -> str:
-    async with aiohttp.ClientSession() as s:
-        async with s.get(url + "/v1/models") as r:
-            return (await r.json())["data"][0]["id"]
-
-
-# -- the load -------------------------------------------------------------------------------
-def start_transformers(model_dir: str) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    exe = str(Path(sys.executable).with_name("transformers"))
-    proc = subprocess.Popen([exe, "serve", "--continuous-batching", "--host", "127.0.0.1",
-                             "--port", str(port), model_dir], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"transformers serve exited with status {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=1):
-                return proc, url
-        except OSError:
-            time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("transformers serve did not start")
-
-
-class _Stream(asyncio.Protocol):
-    """One keep-alive HTTP/1.1 connection that sends a streaming POST and reads the response
-    (chunked or Content-Length) with as little Python as possible: the load generator shares
-    the cores it measures, and an aiohttp client costs ~3x more per SSE chunk than this.
-
-    `post()` resolves to (status, chunk arrival times, usage or None, error body or None)."""
-
-    def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
-        self.reusable = False
-        self._done: asyncio.Future | None = None
-
-    # -- asyncio.Protocol --------------------------------------------------------------------
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-
-    def connection_lost(self, exc) -> None:
-        self.reusable = False
-        if self._done is not None and not self._done.done():
-            self._done.set_exception(ConnectionError(f"connection lost mid-response: {exc!r}"))
-
-    def data_received(self, data: bytes) -> None:
-        now = time.perf_counter()
-        self._raw += data
-        if self._status is None and not self._parse_head():
-            return
-        if self._length is not None:  # a plain (error) body
-            if len(self._raw) >= self._length:
-                self._finish(bytes(self._raw[: self._length]).decode(errors="replace"))
-            return
-        self._parse_chunks(now)
-
-    # -- one request -------------------------------------------------------------------------
-    def post(self, request: bytes) -> asyncio.Future:
-        self._done = asyncio.get_running_loop().create_future()
-        self._raw = bytearray()
-        self._status, self._length, self._close = None, None, False
-        self._sse = b""
-        self._times: list[float] = []
-        self._usage: dict | None = None
-        self.reusable = False
-        self.transport.write(request)
-        return self._done
-
-    def _parse_head(self) -> bool:
-        end = self._raw.find(b"\r\n\r\n")
-        if end < 0:
-            return False
-        head = bytes(self._raw[:end]).decode("latin-1").split("\r\n")
-        del self._raw[: end + 4]
-        self._status = int(head[0].split(" ", 2)[1])
-        chunked = False
-        for line in head[1:]:
-            name, _, value = line.partition(":")
-            name, value = name.strip().lower(), value.strip().lower()
-            if name == "transfer-encoding" and "chunked" in value:
-                chunked = True
-            elif name == "content-length":
-                self._length = int(value)
-            elif name == "connection" and value == "close":
-                self._close = True
-        if chunked:
-            self._length = None
-        elif self._length is None:
-            raise RuntimeError("the response has neither chunked encoding nor a length")
-        return True
-
-    def _parse_chunks(self, now: float) -> None:
-        raw, pos = self._raw, 0
-        while True:
-            eol = raw.find(b"\r\n", pos)
-            if eol < 0:
-                break
-            size = int(bytes(raw[pos:eol]).split(b";", 1)[0], 16)
-            if size == 0:
-                if len(raw) < eol + 4:
-                    break
-                del raw[:]
-                self._finish(None if self._status == 200 else self._sse.decode(errors="replace"))
-                return
-            if len(raw) < eol + 2 + size + 2:
-                break
-            self._feed(bytes(raw[eol + 2: eol + 2 + size]), now)
-            pos = eol + 2 + size + 2
-        del raw[:pos]
-
-    def _feed(self, data: bytes, now: float) -> None:
-        if self._status != 200:  # an error body, whole
-            self._sse += data
-            return
-        *frames, self._sse = (self._sse + data).split(b"\n\n")
-        for frame in frames:
-            payload = frame[len(b"data: "):]
-            # Parse JSON only where needed. A compact `"choices":[{` can only be structure
-            # (quotes inside text are escaped), so such a frame is a content chunk; anything
-            # else (the usage chunk, errors, other servers' spacing) is decoded.
-            if b'"choices":[{' in payload:
-                self._times.append(now)
-            elif payload != b"[DONE]" and payload:
-                event = json.loads(payload)
-                if event.get("choices"):
-                    self._times.append(now)
-                elif event.get("usage"):
-                    self._usage = event["usage"]
-
-    def _finish(self, error_body: str | None) -> None:
-        self.reusable = not self._close
-        if not self._done.done():
-            self._done.set_result((self._status, self._times, self._usage, error_body))
-
-
-class _Connections:
-    """Idle keep-alive connections to one server, opened on demand."""
-
-    def __init__(self, url: str, protocol: type | None = None):
-        self.protocol = protocol or _Stream  # a _Stream subclass parses another server's SSE
-        parts = urllib.parse.urlsplit(url)
-        self.host, self.port = parts.hostname, parts.port or 80
-        self.prefix = parts.path.rstrip("/")
-        self._idle: list[_Stream] = []
-
-    async def post(self, path: str, body: bytes):
-        conn = self._idle.pop() if self._idle else None
-        if conn is None:
-            _, conn = await asyncio.get_running_loop().create_connection(
-                self.protocol, self.host, self.port)
-        request = (f"POST {self.prefix}{path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
-                   f"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
-                   f"Content-Length: {len(body)}\r\n\r\n").encode() + body
-        try:
-            return await conn.post(request)
-        finally:
-            if conn.reusable:
-                self._idle.append(conn)
-            elif conn.transport is not None:
-                conn.transport.close()
-
-    def close(self) -> None:
-        for conn in self._idle:
-            conn.transport.close()
-        self._idle.clear()
-
-
-async def one_request(conns: _Connections, model, prompt, output_len, tokenloom=True) -> dict:
-    body = dict(model=model, prompt=prompt, max_tokens=output_len, temperature=0, stream=True,
-                stream_options={"include_usage": True})
-    if tokenloom:
-        body["ignore_eos"] = True
-    t0 = time.perf_counter()
-    status, chunk_times, usage, error = await conns.post("/v1/completions",
-                                                         json.dumps(body).encode())
-    end = time.perf_counter()
-    if status != 200:
-        return {"error": f"{status} {error}"}
-    tokens, cached = 0, None
-    if usage:
-        tokens = usage["completion_tokens"]
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-    tokens = tokens or len(chunk_times)  # no usage chunk: one token per chunk
-    return {"ttft": chunk_times[0] - t0 if chunk_times else None,
-            "itl": list(np.diff(chunk_times)), "e2e": end - t0, "tokens": tokens,
-            "cached_tokens": cached}
-
-
-async def run_load(url, model, prompts, output_len, concurrency, rate, seed,
-                   tokenloom=True, protocol: type | None = None) -> tuple[list, float]:
-    rng = random.Random(seed)
-    conns = _Connections(url, protocol)
-    # This process may hold torch and transformers (--tiny, --offline): without this, a full
-    # collection walks all their objects, stalling every stream for ~200 ms mid-run.
-    gc.collect()
-    gc.freeze()
-    try:
-        return await _closed_or_open_loop(conns, model, prompts, output_len, concurrency,
-                                          rate, rng, tokenloom)
-    finally:
-        conns.close()
-
-
-async def _closed_or_open_loop(conns, model, prompts, output_len, concurrency, rate, rng,
-                               tokenloom) -> tuple[list, float]:
-    t0 = time.perf_counter()
-    if rate:
-        tasks = []
-        for p in prompts:
-            tasks.append(asyncio.create_task(one_request(conns, model, p, output_len,
-                                                         tokenloom)))
-            await asyncio.sleep(rng.expovariate(rate))
-        results = await asyncio.gather(*tasks)
-    else:
-        queue = list(reversed(prompts))
-        results = []
-
-        async def worker():
-            while queue:
-                results.append(await one_request(conns, model, queue.pop(), output_len,
-                                                 tokenloom))
-
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return results, time.perf_counter() - t0
-
-
-def summarise(results: list, elapsed: float) -> dict:
-    ok = [r for r in results if "error" not in r]
-    errors = [r["error"] for r in results if "error" in r]
-    pct = lambda xs, q: float(np.percentile(xs, q)) * 1000 if xs else None  # noqa: E731
-    ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
-    itl = [x for r in ok for x in r["itl"]]
-    e2e = [r["e2e"] for r in ok]
-    tokens = sum(r["tokens"] for r in ok)
-    out = {"requests": len(results), "errors": len(errors), "elapsed_s": elapsed,
-           "output_tokens": tokens, "output_tokens_per_s": tokens / elapsed,
-           "requests_per_s": len(ok) / elapsed}
-    for name, xs in (("ttft_ms", ttft), ("itl_ms", itl), ("e2e_ms", e2e)):
-        out[name] = {"p50": pct(xs, 50), "p90": pct(xs, 90), "p99": pct(xs, 99),
-                     "mean": float(np.mean(xs)) * 1000 if xs else None}
-    if errors:
-        out["first_error"] = errors[0]
-    # Prefix-cache split: requests that reused cached blocks vs those that did not.
-    for name, group in (("hit", [r for r in ok if r.get("cached_tokens")]),
-                        ("miss", [r for r in ok if not r.get("cached_tokens")])):
-        xs = [r["ttft"] for r in group if r["ttft"] is not None]
-        out[f"ttft_{name}_ms"] = {"n": len(xs), "p50": pct(xs, 50), "p99": pct(xs, 99)}
-    return out
+from harness import (build_tiny_vocab_model, model_name, print_table, resolve_dir, run_async,
+                     run_load, start_tokenloom, start_transformers, summarise, text_prompts,
+                     write_json)
 
 
 def run_offline(model: str, prompts, output_len: int, settings: list[str],
@@ -410,17 +58,6 @@ def run_offline(model: str, prompts, output_len: int, settings: list[str],
         llm.close()
     tokens = sum(len(o.token_ids) for o in outs)
     return {"elapsed_s": elapsed, "output_tokens": tokens, "output_tokens_per_s": tokens / elapsed}
-
-
-def print_table(label: str, s: dict) -> None:
-    print(f"\n{label}: {s['requests']} requests, {s['errors']} errors, {s['elapsed_s']:.2f} s, "
-          f"{s['output_tokens_per_s']:.0f} output tok/s, {s['requests_per_s']:.2f} req/s")
-    print(f"{'metric':<10}{'p50':>10}{'p90':>10}{'p99':>10}{'mean':>10}   (ms)")
-    for name in ("ttft_ms", "itl_ms", "e2e_ms"):
-        row = s[name]
-        cells = "".join(f"{row[k]:>10.2f}" if row[k] is not None else f"{'-':>10}"
-                        for k in ("p50", "p90", "p99", "mean"))
-        print(f"{name[:-3]:<10}{cells}")
 
 
 def main() -> None:
@@ -469,12 +106,13 @@ def main() -> None:
 
         tmp = tempfile.TemporaryDirectory()
         default_dir = resolve_model_dir("default", resolve_cache_dir(ModelConfig()))
-        build_tiny_model(Path(tmp.name), default_dir)
+        build_tiny_vocab_model(Path(tmp.name), default_dir)
         model = tmp.name
-    proc = None
+    server = None
     url = args.url
     if url is None:
-        proc, url = start_server(args, model)
+        server = start_tokenloom(model, args.set)
+        url = server.url
     try:
         name = run_async(model_name(url))
         rng = random.Random(args.seed)
@@ -487,9 +125,8 @@ def main() -> None:
         results, elapsed = run_async(run_load(url, name, prompts, args.output_len,
                                                 args.concurrency, args.rate, args.seed))
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(60)
+        if server is not None:
+            server.stop()
     summary = {"workload": {k: getattr(args, k) for k in (
         "concurrency", "rate", "num_requests", "prompt_len", "output_len", "tiny")},
         "model": name, "http": summarise(results, elapsed)}
@@ -502,12 +139,11 @@ def main() -> None:
         summary["http_over_offline"] = ratio
         print(f"\noffline LLM.generate: {summary['offline']['output_tokens_per_s']:.0f} output "
               f"tok/s; HTTP/offline = {ratio:.3f}")
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(summary, indent=2))
+    out = write_json(args.json, summary)
     print(f"\nwrote {out}")
     if args.transformers:
-        tproc, turl = start_transformers(resolve_dir(model))
+        peer = start_transformers(resolve_dir(model))
+        turl = peer.url
         try:
             tname = run_async(model_name(turl))
             run_async(run_load(turl, tname, prompts[:2], 2, 2, 0, args.seed, False))
@@ -515,15 +151,14 @@ def main() -> None:
                                                       args.concurrency, args.rate, args.seed,
                                                       False))
         finally:
-            tproc.terminate()
-            tproc.wait(60)
+            peer.stop()
         summary["transformers"] = summarise(tresults, telapsed)
         print_table("transformers serve --continuous-batching", summary["transformers"])
         ratio = (summary["http"]["output_tokens_per_s"]
                  / summary["transformers"]["output_tokens_per_s"])
         summary["tokenloom_over_transformers"] = ratio
         print(f"\ntokenloom / transformers output tok/s = {ratio:.2f}")
-        out.write_text(json.dumps(summary, indent=2))
+        write_json(out, summary)
     if tmp is not None:
         tmp.cleanup()
 
@@ -544,11 +179,11 @@ def interference(args) -> None:
         from tokenloom.kernels.models.loader import resolve_model_dir
 
         tmp = tempfile.TemporaryDirectory()
-        build_tiny_model(Path(tmp.name), resolve_model_dir(
+        build_tiny_vocab_model(Path(tmp.name), resolve_model_dir(
             "default", resolve_cache_dir(ModelConfig())))
         model = tmp.name
     try:
-        interference_main(args, start_server, model_name, model)
+        interference_main(args, model)
     finally:
         if tmp is not None:
             tmp.cleanup()
@@ -569,15 +204,15 @@ def shared_prefix_main(args) -> None:
     base_set = list(args.set)
     for label, caching in (("caching_on", "true"), ("caching_off", "false")):
         args.set = base_set + [f"cache.enable_prefix_caching={caching}"]
-        proc, url = start_server(args, args.model)
+        server = start_tokenloom(args.model, args.set)
+        url = server.url
         try:
             name = run_async(model_name(url))
             run_async(run_load(url, name, warm, 2, 2, 0, args.seed))
             results, elapsed = run_async(run_load(url, name, prompts, args.output_len,
                                                     args.concurrency, 0, args.seed))
         finally:
-            proc.terminate()
-            proc.wait(60)
+            server.stop()
         summary[label] = summarise(results, elapsed)
         print_table(f"prefix caching {caching}", summary[label])
     on, off = summary["caching_on"], summary["caching_off"]
@@ -590,9 +225,7 @@ def shared_prefix_main(args) -> None:
     print(f"hit/miss TTFT p50 = {summary['hit_over_miss_ttft_p50']:.3f}; hit/caching-off = "
           f"{summary['hit_over_cache_off_ttft_p50']:.3f}; throughput on/off = "
           f"{summary['throughput_on_over_off']:.2f}x")
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(summary, indent=2))
+    out = write_json(args.json, summary)
     print(f"wrote {out}")
 
 

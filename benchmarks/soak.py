@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
 import random
 import socket
 import sys
@@ -42,10 +43,7 @@ from pathlib import Path
 
 import aiohttp
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-
-from servers import ServerProcess  # noqa: E402
+from harness import percentile, start_tokenloom, tests_module, write_json
 
 PREFIXES = [" ".join(f"w{(i * 7 + j) % 97}" for j in range(120)) for i in range(3)]
 KINDS = {  # kind -> weight
@@ -257,10 +255,7 @@ class Soak:
 
 
 def p99(values: list[float]) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return values[min(len(values) - 1, int(0.99 * len(values)))]
+    return percentile(values, 99)
 
 
 def run(duration: float, concurrency: int = 8, seed: int = 0, model: str | None = None,
@@ -270,22 +265,21 @@ def run(duration: float, concurrency: int = 8, seed: int = 0, model: str | None 
     with tempfile.TemporaryDirectory(prefix="tokenloom-soak-") as tmp:
         tmp = Path(tmp)
         if model is None:
-            from tinymodel import CHAT_TEMPLATE, build_tiny_model
+            tinymodel = tests_module("tinymodel")
             model = str(tmp / "tiny")
-            build_tiny_model(Path(model), "LlamaConfig", dict(
+            tinymodel.build_tiny_model(Path(model), "LlamaConfig", dict(
                 num_hidden_layers=2, tie_word_embeddings=True, max_position_embeddings=2048),
-                seed=7, chat_template=CHAT_TEMPLATE)
+                seed=7, chat_template=tinymodel.CHAT_TEMPLATE)
         admin = str(tmp / "admin.sock")
-        server = ServerProcess(
-            "--model", model, "--set", f'admin.socket_path="{admin}"',
-            "--set", f'model.cache_dir="{tmp / "cache"}"', "--set", 'model.device="cpu"',
-            "--set", 'model.dtype="float32"', "--set", "cache.block_size=8",
+        server = start_tokenloom(model, [
+            f'admin.socket_path="{admin}"', f'model.cache_dir="{tmp / "cache"}"',
+            'model.device="cpu"', 'model.dtype="float32"', "cache.block_size=8",
             # A pool of a real deployment's order (the tiny model's 1 GiB default would be
             # 262,144 blocks, whose prefix-cache metadata alone takes hours to fill).
-            "--set", f"cache.num_blocks={num_blocks}",
-            "--set", "server.write_timeout_seconds=2.0", "--set", "server.max_n=4",
-            "--set", "scheduler.max_num_seqs=32",
-            timeout=300)
+            f"cache.num_blocks={num_blocks}",
+            "server.write_timeout_seconds=2.0", "server.max_n=4", "scheduler.max_num_seqs=32"],
+            timeout=300,
+            env={**os.environ, "OMP_NUM_THREADS": "1"})
         try:
             name = Path(model).name
             soak = Soak(server.url, name, admin, random.Random(seed))
@@ -384,7 +378,7 @@ def main() -> int:
     for k, v in fig.items():
         print(f"{k:<22} {v}")
     if args.json:
-        Path(args.json).write_text(json.dumps(fig, indent=2))
+        write_json(args.json, fig)
     return 1 if fig["failures"] else 0
 
 

@@ -28,12 +28,12 @@ JSON goes to benchmarks/results/speculative.json.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
 from pathlib import Path
 
+from harness import write_json
 from tokenloom import LLM, SamplingParams
 
 PASSAGES = [
@@ -205,8 +205,7 @@ def main() -> None:
         print(f"| {label} | {v['off']:.1f} | {v['auto']:.1f} | {on} | "
               f"{v['auto'] / v['off']:.2f}x | {on_ratio} |")
     results["ratios"] = {name: round(r, 3) for name, r, _ in rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2))
+    write_json(args.out, results)
     print(f"wrote {args.out}")
 
 

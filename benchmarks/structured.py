@@ -35,6 +35,8 @@ import statistics
 import time
 from pathlib import Path
 
+from harness import percentile, write_json
+
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -195,10 +197,9 @@ def mask_time(llm, tokenizer, vocab: int, eos) -> dict:
         t0 = time.perf_counter()
         apply_bitmask(logits, masks, list(range(16)))
         applies.append(time.perf_counter() - t0)
-    fills.sort()
     return {"tokens": len(fills), "fill_mean_us": 1e6 * statistics.mean(fills),
-            "fill_p50_us": 1e6 * fills[len(fills) // 2],
-            "fill_p99_us": 1e6 * fills[int(len(fills) * 0.99)],
+            "fill_p50_us": percentile(fills, 50, 1e6),
+            "fill_p99_us": percentile(fills, 99, 1e6),
             "apply_16_rows_us": 1e6 * statistics.median(applies)}
 
 
@@ -260,9 +261,7 @@ def main() -> None:
           f"tok/s vs constrained {sp['constrained']:.1f} tok/s: {sp['ratio']:.2f}x "
           f"(acceptance {sp['acceptance']:.2f}, {sp['tokens_per_request']:.0f} tokens/request, "
           f"valid {sp['valid_json']}, same tokens)")
-    out = Path(__file__).parent / "results" / "structured.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
+    out = write_json(Path(__file__).parent / "results" / "structured.json", results)
     print(f"\nwrote {out}")
 
 

@@ -7,7 +7,8 @@
     tokenloom diagnose BEFORE AFTER [--json] [--html FILE] [--model M]
     tokenloom debug prefix-diff A.json B.json
 
-A bad config file, key or value exits with status 2 and a message naming the key.
+A bad config file, key or value exits with status 2 and a message naming the key; so does
+`serve` on an address it cannot bind (a port in use), before it loads the model.
 """
 
 from __future__ import annotations
@@ -111,6 +112,11 @@ def cmd_serve(args) -> int:
     if args.workers is not None:
         overrides["workers.count"] = args.workers
     config = load_config(args.config, overrides=overrides)  # ConfigError: exit 2, before loading
+    from tokenloom.daemon.connections import bind_problem
+    problem = bind_problem(config.server.host, config.server.port)
+    if problem is not None:                                    # exit 2, before loading too
+        print(f"tokenloom: {problem}", file=sys.stderr)
+        return 2
     logs.configure(config.server.log_level)
     from tokenloom.daemon import lifecycle
     return lifecycle.run(config, config.server.host, config.server.port)

@@ -27,9 +27,9 @@ from tokenloom.daemon.openai.protocol import Limits
 from tokenloom.daemon.openai.responses import HealthResponse, ReadyResponse
 from tokenloom.daemon.sdnotify import Notifier
 from tokenloom.daemon.state import STATE, ServerState
+from tokenloom.startup_log import startup_log
 
 log = structlog.get_logger("tokenloom.http")
-startup_log = structlog.get_logger(logs.STARTUP_LOGGER, logger_name=logs.STARTUP_LOGGER)
 
 
 @web.middleware

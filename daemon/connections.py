@@ -125,3 +125,36 @@ class GuardedTCPSite(web.TCPSite):
             lambda: _Guard(self.stats, server()), self._host, self._port,
             backlog=self._backlog, reuse_address=self._reuse_address,
             reuse_port=self._reuse_port)
+
+
+def bind_problem(host: str, port: int) -> str | None:
+    """Why `host:port` cannot be bound right now (one line naming it and the fix), or None.
+
+    `tokenloom serve` asks before it loads the model, so an occupied port costs a second, not
+    a model load followed by the event loop's traceback. The probe binds the way the site will
+    (SO_REUSEADDR, every address `host` resolves to) and closes at once; port 0 always binds.
+    """
+    import errno
+    import socket
+
+    if port == 0:
+        return None
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        return f"cannot bind {host}:{port}: {e.strerror} (check --host)"
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    return (f"{host}:{port} is already in use (another server is listening "
+                            f"there); stop it or choose another port with --port")
+                if e.errno == errno.EACCES:
+                    return (f"cannot bind {host}:{port}: permission denied (ports below 1024 "
+                            f"need privileges); choose another port with --port")
+                return f"cannot bind {host}:{port}: {e.strerror} (check --host and --port)"
+    return None

@@ -7,10 +7,8 @@ The level can change at run time (`set_level`, the admin `log-level` command). L
 before the change (actors bind theirs at start-up) keep their wrapper class, so filtering is
 done by a processor that reads the current level, rather than baked into the class.
 
-Start-up progress (model loaded, KV cache size, graph capture...) is logged on the
-"tokenloom.startup" logger, created as
-`structlog.get_logger("tokenloom.startup", logger_name="tokenloom.startup")` so that the
-name is in every event (structlog's PrintLogger has none; `logger=` is reserved). While a
+Start-up progress (model loaded, KV cache size, graph capture...) is logged on the one
+start-up logger (tokenloom.startup_log), whose name is in every event. While a
 `startup_sink(fn)` block runs, the text of each such event is also handed to `fn` (the
 daemon's systemd STATUS= lines), whatever the log level.
 """
@@ -23,6 +21,8 @@ import sys
 from typing import Callable, Iterator
 
 import structlog
+
+from tokenloom.startup_log import STARTUP_LOGGER
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
            "error": logging.ERROR}
@@ -37,7 +37,6 @@ def _filter_by_level(logger, method_name: str, event_dict):
     return event_dict
 
 
-STARTUP_LOGGER = "tokenloom.startup"
 _startup_sinks: list[Callable[[str], object]] = []
 
 

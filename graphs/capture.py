@@ -30,8 +30,7 @@ if TYPE_CHECKING:
     from tokenloom.actors.messages import ScheduledSequence
 
 try:
-    import structlog
-    startup_log = structlog.get_logger("tokenloom.startup", logger_name="tokenloom.startup")
+    from tokenloom.startup_log import startup_log
 except ImportError:  # the GPU check runs with nothing but torch + triton
     startup_log = None
 

@@ -38,11 +38,11 @@ import torch
 
 from tokenloom.graphs.buffers import DecodeBuffers
 from tokenloom.kernels.kv_store import KVCache
+from tokenloom.startup_log import startup_log
 
 if TYPE_CHECKING:
     from tokenloom.actors.messages import ScheduledSequence
 
-startup_log = structlog.get_logger("tokenloom.startup", logger_name="tokenloom.startup")
 log = structlog.get_logger("tokenloom.graphs")
 
 _fakes_registered = False

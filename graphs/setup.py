@@ -12,9 +12,9 @@ import json
 import time
 from pathlib import Path
 
-import structlog
 import torch
 
+from tokenloom.arith import cdiv
 from tokenloom.config.schema import ConfigError, GraphsConfig
 from tokenloom.graphs.buckets import PaddedSizeTable, capture_sizes, default_token_sizes
 from tokenloom.graphs.buffers import DecodeBuffers
@@ -22,8 +22,8 @@ from tokenloom.graphs.capture import CaptureError, DecodeGraphs
 from tokenloom.graphs.dispatch import Dispatcher
 from tokenloom.graphs.piecewise import PiecewiseBuffers, PiecewiseGraphs
 from tokenloom.kernels.kv_store import KVCache
+from tokenloom.startup_log import startup_log
 
-startup_log = structlog.get_logger("tokenloom.startup", logger_name="tokenloom.startup")
 REFERENCE_MAX_CONTEXT = 4096
 
 
@@ -55,7 +55,7 @@ def build_decode_graphs(cfg: GraphsConfig, model, kv: KVCache, *, max_num_seqs: 
                                   max_model_len=max_model_len, cache_dir=cache_dir)
     if device.type != "cuda":
         return Dispatcher(None, f"eager on {device.type}"), None
-    width = -(-max_model_len // kv.block_size) * kv.block_size
+    width = cdiv(max_model_len, kv.block_size) * kv.block_size
     graphs_possible = not cfg.enforce_eager and model.layers[0].self_attn.store_fn is not None
     precompile_decode(model, kv, max_num_seqs=max_num_seqs, width=width,
                       graph_sizes=resolve_capture_sizes(cfg, max_num_seqs) if graphs_possible
@@ -74,7 +74,7 @@ def build_decode_graphs(cfg: GraphsConfig, model, kv: KVCache, *, max_num_seqs: 
         startup_log.info(f"CUDA graphs disabled: {reason}; decode runs eager", reason=reason)
         return Dispatcher(None, reason), None
     sizes = resolve_capture_sizes(cfg, max_num_seqs)
-    buffers = DecodeBuffers(max(sizes), -(-max_model_len // kv.block_size), kv.block_size,
+    buffers = DecodeBuffers(max(sizes), cdiv(max_model_len, kv.block_size), kv.block_size,
                             model.spec.vocab_size, device)
     graphs = DecodeGraphs(model, kv, buffers)
     try:
@@ -213,7 +213,7 @@ def build_cpu_programs(cfg: GraphsConfig, model, kv: KVCache, *, max_num_seqs: i
     model.set_kv_store_kernel(store_kv_op)
     if cache_dir is not None:
         use_cache_dir(Path(cache_dir) / "cpu_programs" / cache_key(model, kv))
-    buffers = DecodeBuffers(max(sizes), -(-max_model_len // kv.block_size), kv.block_size,
+    buffers = DecodeBuffers(max(sizes), cdiv(max_model_len, kv.block_size), kv.block_size,
                             model.spec.vocab_size, "cpu")
     programs = CompiledDecode(model, kv, buffers)
     programs.compile(sizes)

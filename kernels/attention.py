@@ -16,6 +16,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from tokenloom.arith import cdiv
 from tokenloom.kernels.forward_context import AttentionMetadata
 
 
@@ -84,7 +85,7 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     b, h, d = q.shape
     kvh = key_cache.shape[2]
     bs = key_cache.shape[1]
-    nb = (max_context + bs - 1) // bs
+    nb = cdiv(max_context, bs)
     tables = block_tables[:, :nb]
     k = gather_context(key_cache, tables).transpose(1, 2)    # [B, KVH, L, D]
     v = gather_context(value_cache, tables).transpose(1, 2)
@@ -113,7 +114,7 @@ def prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     kvh = key_cache.shape[2]
     ctx = start_pos + n
     bs = key_cache.shape[1]
-    nb = (ctx + bs - 1) // bs
+    nb = cdiv(ctx, bs)
     if local is not None and start_pos == 0:
         k, v = local[0].transpose(0, 1), local[1].transpose(0, 1)              # [KVH, n, D]
     else:

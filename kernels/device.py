@@ -6,13 +6,11 @@ falls back says why (a missing kernel, no CUDA device...) on the "tokenloom.star
 
 from __future__ import annotations
 
-import structlog
 import torch
 
 from tokenloom.config.schema import ConfigError
 from tokenloom.kernels.models.loader import DTYPES
-
-startup_log = structlog.get_logger("tokenloom.startup", logger_name="tokenloom.startup")
+from tokenloom.startup_log import startup_log
 
 
 def pick_device(name: str) -> torch.device:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from tokenloom.arith import cdiv
 from tokenloom.kernels.attention import decode_mask
 from tokenloom.kernels.forward_context import AttentionMetadata, PrefillSegment
 
@@ -110,7 +111,7 @@ def build_batch_inputs(batch: ExecuteBatch, block_size: int, device: torch.devic
         decode_max_context=max_ctx,
         prefills=segments,
         # Built once per step, shared by every layer.
-        decode_mask=(decode_mask(decode_lens, -(-max_ctx // block_size) * block_size)
+        decode_mask=(decode_mask(decode_lens, cdiv(max_ctx, block_size) * block_size)
                      if nd and with_decode_mask else None),
     )
     return BatchInputs(

@@ -26,6 +26,7 @@ from tokenloom.actors.messages import (ERROR_INTERNAL, ERROR_OVERLOADED, AbortRe
                                        RouterStats, RoutingStats, Shutdown, WorkerDown,
                                        WorkerKVEvents, WorkerReport, WorkerUp)
 from tokenloom.actors.front.routing import RouteDecision, RoutingCore
+from tokenloom.arith import cdiv
 
 
 class AdmissionGate:
@@ -151,8 +152,8 @@ class WorkerRouterActor(Actor):
     def _add(self, msg: AddRequest) -> None:
         now = self.clock()
         hashes = self.hashes(msg)
-        need = -(-(len(msg.prompt_token_ids) + msg.sampling_params.max_tokens)
-                 // self.block_size)
+        need = cdiv(len(msg.prompt_token_ids) + msg.sampling_params.max_tokens,
+                    self.block_size)
         meta = msg.meta
         leader = self._requests.get(meta.group_id) if meta.group_id else None
         key = meta.affinity or meta.tenant

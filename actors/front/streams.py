@@ -6,29 +6,32 @@ HTTP handler) consumes them. Outputs for a stream nobody holds any more are drop
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-from typing import Callable
+from typing import Callable, Protocol
 
 from tokenloom.actors.messages import ERROR_INTERNAL, RequestOutput
 
 
+class OutputQueue(Protocol):
+    """Where a stream's outputs go: an asyncio.Queue of its owner's (put from the loop)."""
+
+    def put_nowait(self, item: RequestOutput) -> None: ...
+
+
 class StreamRegistry:
-    def open(self, request_id: str,
-             queue: asyncio.Queue[RequestOutput] | None = None) -> asyncio.Queue[RequestOutput]:
-        """Deliver request_id's outputs to `queue` (a new one if None; several requests may
-        share one, e.g. the n choices of one HTTP request)."""
+    def open(self, request_id: str, queue: OutputQueue) -> OutputQueue:
+        """Deliver request_id's outputs to `queue` (several requests may share one, e.g. the
+        n choices of one HTTP request)."""
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already streaming")
-        q: asyncio.Queue[RequestOutput] = asyncio.Queue() if queue is None else queue
-        self._queues[request_id] = q
-        return q
+        self._queues[request_id] = queue
+        return queue
 
     def close(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
 
     def __init__(self) -> None:
-        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._queues: dict[str, OutputQueue] = {}
         # Called with the request id when delivering to its stream failed (the engine
         # aborts it); None: nobody to tell.
         self.on_delivery_failure: Callable[[str], None] | None = None
@@ -56,7 +59,7 @@ class StreamRegistry:
             self._queues.pop(out.request_id, None)
 
     @staticmethod
-    def _deliver(queue: asyncio.Queue[RequestOutput], out: RequestOutput) -> None:
+    def _deliver(queue: OutputQueue, out: RequestOutput) -> None:
         queue.put_nowait(out)
 
     def fail(self, request_id: str, error: str, error_kind: str,

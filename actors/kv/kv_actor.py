@@ -13,6 +13,7 @@ from tokenloom.actors.kv.events import EventCollector
 from tokenloom.actors.kv.kv_manager import KVCacheManager
 from tokenloom.actors.messages import (CheckIntegrity, FlushPrefixCache, GetKVStats, KVGrant, KVStats,
                                        KVUpdate, Shutdown, SubscribeKVEvents)
+from tokenloom.arith import cdiv
 
 
 class KVManagerActor(Actor):
@@ -58,9 +59,9 @@ class KVManagerActor(Actor):
             # Each admission may use its reserved blocks plus whatever nobody reserved:
             # reclaiming cached hit blocks that sit free costs free blocks too.
             bs = m.block_size
-            slack = m.num_free_blocks - sum(-(-a.planned_tokens // bs) for a in update.admissions)
+            slack = m.num_free_blocks - sum(cdiv(a.planned_tokens, bs) for a in update.admissions)
             for a in update.admissions:
-                reserved = -(-a.planned_tokens // bs)
+                reserved = cdiv(a.planned_tokens, bs)
                 before = m.num_free_blocks
                 admitted[a.request_id] = m.admit(a.request_id, a.planned_tokens, a.query,
                                                  budget=reserved + max(0, slack))

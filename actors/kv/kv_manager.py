@@ -36,6 +36,7 @@ from tokenloom.actors.kv.block_pool import BlockPool
 from tokenloom.actors.kv.events import KVEventPublisher
 from tokenloom.actors.kv.prefix_cache import (FlushResult, PrefixCache, PrefixCacheStats,
                                            PrefixQuery, PrefixRecord, empty_stats)
+from tokenloom.arith import cdiv
 
 
 class KVSnapshot(msgspec.Struct, frozen=True, gc=False):
@@ -134,7 +135,7 @@ class KVCacheManager:
         """Extra blocks ``request_id`` needs to hold ``num_total_tokens`` tokens (>= 0)."""
         if num_total_tokens < 0:
             raise ValueError(f"num_total_tokens must be >= 0, got {num_total_tokens}")
-        blocks_for_tokens = -(-num_total_tokens // self._block_size)
+        blocks_for_tokens = cdiv(num_total_tokens, self._block_size)
         return max(0, blocks_for_tokens - self.num_held(request_id))
 
     def snapshot(self) -> KVSnapshot:
@@ -272,14 +273,14 @@ class KVCacheManager:
         admission the scheduler planned is never refused.
         """
         bs = self._block_size
-        reserved = -(-planned_tokens // bs)
+        reserved = cdiv(planned_tokens, bs)
         if budget is not None:
             reserved = max(reserved, budget)
         hits = self._match(query)
         length = len(query.token_ids)
         h = len(hits)
         while h > 0:
-            fresh = -(-min(planned_tokens, length - h * bs) // bs)
+            fresh = cdiv(min(planned_tokens, length - h * bs), bs)
             if fresh + sum(self._pool.is_free(b) for b in hits[:h]) <= reserved:
                 break
             h -= 1

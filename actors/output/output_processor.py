@@ -1,4 +1,6 @@
-"""Output processing inside the engine: sampled tokens in, RequestOutputs with text out.
+"""Output processing inside the engine: sampled tokens in, RequestOutputs with text out
+(vLLM's meaning: the scheduler decides what happened to a request; this builds what its
+stream is sent).
 
 One stage between the scheduler and the streams. It owns, per request, the incremental
 detokenizer (with the prompt's last tokens as context) and the stop strings, so a request
@@ -10,12 +12,12 @@ Pure apart from the tokenizer: no asyncio, no torch.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Sequence
 
-import msgspec
-
+from tokenloom.actors.messages import RequestOutput, RequestTimings, TokenLogprob
 from tokenloom.actors.output.detokenizer import IncrementalDetokenizer
-from tokenloom.actors.scheduling.request import Request
+from tokenloom.actors.scheduling.request import FinishReason, Request
 
 
 class OutputProcessor:
@@ -49,3 +51,37 @@ class OutputProcessor:
         if d is None or d.stopped is not None:
             return ""
         return d.finish()
+
+    # -- the outputs a request's stream is sent ------------------------------------------
+    @staticmethod
+    def token_output(req: Request, token_id: int, text: str,
+                     logprobs: list[TokenLogprob] | None) -> RequestOutput:
+        """A streamed token (the request goes on)."""
+        return RequestOutput(request_id=req.request_id, new_token_ids=[token_id], text=text,
+                             new_logprobs=logprobs, num_prompt_tokens=req.num_prompt_tokens)
+
+    def final_output(self, req: Request, reason: FinishReason, *, text: str = "",
+                     new_tokens: list[int] | None = None,
+                     new_logprobs: list[TokenLogprob] | None = None,
+                     error: str | None = None, error_kind: str | None = None) -> RequestOutput:
+        """The last output of a finished request: its last token(s) and text (what was held
+        back flushed when it ended normally), the finish reason or error, and its timings
+        with the trace."""
+        if reason in (FinishReason.STOP, FinishReason.LENGTH):
+            text += self.final_text(req)
+        return RequestOutput(
+            request_id=req.request_id, new_token_ids=new_tokens or [], text=text,
+            new_logprobs=new_logprobs, num_prompt_tokens=req.num_prompt_tokens,
+            finished=True, finish_reason=reason.as_openai(), error=error,
+            error_kind=error_kind, timings=request_timings(req))
+
+
+def request_timings(req: Request) -> RequestTimings:
+    return RequestTimings(arrival=req.arrival_time, first_scheduled=req.first_scheduled_time,
+                          first_token=req.first_token_time, finished=time.monotonic(),
+                          token_times=list(req.token_times),
+                          num_preemptions=req.num_preemptions,
+                          num_cached_tokens=req.num_cached_tokens,
+                          prefix_hit_blocks=req.prefix_hit_blocks,
+                          prefix_miss_reason=req.prefix_miss_reason,
+                          trace=req.trace.as_dict() if req.trace is not None else None)

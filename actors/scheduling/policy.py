@@ -34,6 +34,7 @@ from typing import Callable, Mapping, Sequence
 
 from tokenloom.actors.scheduling.fairness import victim_key
 from tokenloom.actors.scheduling.request import Request
+from tokenloom.arith import cdiv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,10 +81,6 @@ class Decision:
         return not self.decodes and not self.prefills
 
 
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
-
-
 def remaining_output(req: Request) -> int:
     """Tokens the request may still generate (max_tokens, bounded by the context window)."""
     left = req.sampling_params.max_tokens - req.num_output_tokens
@@ -116,137 +113,171 @@ def schedule(running: Sequence[Request], waiting: deque[Request] | Sequence[Requ
     decode verifies this step (it computes 1 + that many, fewer when the token budget must
     leave one token for every later decode); `spec_lookahead`: extra slots granted to
     decodes of speculating requests, where a draft model writes its proposals' KV."""
-    freeable = freeable_blocks or held_blocks
-    d = Decision()
-    budget = limits.max_num_batched_tokens
-    free = num_free_blocks
-    bs = limits.block_size
-    order = {r.request_id: i for i, r in enumerate(running)}
-    victims: set[str] = set()
-    scheduled: set[str] = set()
-    table_tokens: dict[str, int] = {}   # tokens each scheduled table covers after grants
+    return StepPlanner(running, num_free_blocks, held_blocks, limits,
+                       freeable_blocks or held_blocks, preempt_mode).schedule(
+        waiting, prefill_budget, admission, drafts or {}, spec_lookahead)
 
-    def need(req: Request, total_tokens: int) -> int:
-        return max(0, blocks_for(total_tokens, bs) - held_blocks(req.request_id))
 
-    def evict(victim: Request) -> None:
-        nonlocal free
+class StepPlanner:
+    """One iteration's plan, built in three passes over one pool view: `schedule()` reads
+    decodes -> running prefills -> admissions. `free` is the pool's free blocks as the plan
+    spends them (and preemption returns them); `budget` the token budget left."""
+
+    def __init__(self, running: Sequence[Request], num_free_blocks: int,
+                 held_blocks: Callable[[str], int], limits: PolicyLimits,
+                 freeable_blocks: Callable[[str], int],
+                 preempt_mode: Callable[[Request], str] | None):
+        self.running = running
+        self.free = num_free_blocks
+        self.held = held_blocks
+        self.freeable = freeable_blocks
+        self.limits = limits
+        self.preempt_mode = preempt_mode
+        self.budget = limits.max_num_batched_tokens
+        self.d = Decision()
+        self.order = {r.request_id: i for i, r in enumerate(running)}
+        self.victims: set[str] = set()
+        self.scheduled: set[str] = set()
+        self.table_tokens: dict[str, int] = {}   # tokens each scheduled table covers
+
+    def schedule(self, waiting, prefill_budget: int | None, admission: AdmissionParams,
+                 drafts: Mapping[str, int], spec_lookahead: int) -> Decision:
+        self.decodes(drafts, spec_lookahead)
+        if prefill_budget is not None:
+            self.budget = min(self.budget, prefill_budget)
+        self.prefills()
+        self.admit(waiting, admission)
+        return self.d
+
+    # -- KV: what a table needs, and preemption to find it ---------------------------------
+    def need(self, req: Request, total_tokens: int) -> int:
+        return max(0, cdiv(total_tokens, self.limits.block_size)
+                   - self.held(req.request_id))
+
+    def evict(self, victim: Request) -> None:
         rid = victim.request_id
-        victims.add(rid)
-        d.preempted.append(victim)
-        if preempt_mode is not None and preempt_mode(victim) == "swap":
-            d.swapped.add(rid)
-        free += freeable(rid)
+        self.victims.add(rid)
+        self.d.preempted.append(victim)
+        if self.preempt_mode is not None and self.preempt_mode(victim) == "swap":
+            self.d.swapped.add(rid)
+        self.free += self.freeable(rid)
 
-    def preempt_one(exclude: Request) -> bool:
-        eligible = [r for r in running if r.request_id not in victims
-                    and r.request_id not in scheduled and r is not exclude
+    def preempt_one(self, exclude: Request) -> bool:
+        eligible = [r for r in self.running if r.request_id not in self.victims
+                    and r.request_id not in self.scheduled and r is not exclude
                     and not r.is_awaiting_output]
         if not eligible:
             return False
-        evict(min(eligible, key=lambda r: victim_key(r, order[r.request_id])))
+        self.evict(min(eligible, key=lambda r: victim_key(r, self.order[r.request_id])))
         return True
 
-    def place(req: Request, num_tokens: int, extra: int = 0) -> bool:
+    def place(self, req: Request, num_tokens: int, extra: int = 0) -> bool:
         """Reserve blocks for req's next num_tokens (+ `extra` slots), preempting others
         if needed."""
-        nonlocal free
         total = req.num_computed_tokens + num_tokens + extra
-        while need(req, total) > free:
-            if not preempt_one(exclude=req):
+        while self.need(req, total) > self.free:
+            if not self.preempt_one(exclude=req):
                 return False
-        free -= need(req, total)
-        d.grants.append((req.request_id, total))
-        scheduled.add(req.request_id)
-        table_tokens[req.request_id] = total
+        self.free -= self.need(req, total)
+        self.d.grants.append((req.request_id, total))
+        self.scheduled.add(req.request_id)
+        self.table_tokens[req.request_id] = total
         return True
 
-    by_class = lambda r: (r.priority, order[r.request_id])  # noqa: E731
-    # 1. Decodes, most important first. They always fit the token budget (max_num_seqs <=
-    # max_num_batched_tokens); only KV exhaustion can stop one, and then it is preempted.
-    decodes = sorted((r for r in running if r.is_decode), key=by_class)
-    # Requests whose last token is already being sampled (overlapped steps) have nothing
-    # left to schedule; they hold their blocks until that token comes back.
-    prefilling = sorted((r for r in running if not r.is_decode and not r.is_awaiting_output),
-                        key=by_class)
-    drafts = drafts or {}
-    for i, req in enumerate(decodes):
-        if req.request_id in victims:
-            continue
-        later = len(decodes) - i - 1
-        n = 1 + max(0, min(drafts.get(req.request_id, 0), budget - 1 - later))
-        # (never past what it may still produce: a lone request must always fit the pool)
-        extra = min(spec_lookahead, max(0, remaining_output(req) - n)) \
-            if req.spec is not None and spec_lookahead else 0
-        if budget < 1 or not place(req, n, extra):
-            if req.request_id not in victims:
-                evict(req)
-            continue
-        budget -= n
-        d.decodes.append(ScheduledWork(req, n, resumed=False))
+    def _by_class(self, r: Request):
+        return (r.priority, self.order[r.request_id])
 
-    if prefill_budget is not None:
-        budget = min(budget, prefill_budget)
-    # 2. Running prefills continue their prompt with the next chunk.
-    for req in prefilling:
-        if req.request_id in victims or budget <= 0:
-            continue
-        n = min(req.num_remaining_tokens, budget)
-        if not place(req, n):
-            if req.request_id not in victims:
-                evict(req)
-            continue
-        budget -= n
-        d.prefills.append(ScheduledWork(req, n, resumed=False))
+    # -- 1. decodes ------------------------------------------------------------------------
+    def decodes(self, drafts: Mapping[str, int], spec_lookahead: int) -> None:
+        """Most important first. They always fit the token budget (max_num_seqs <=
+        max_num_batched_tokens); only KV exhaustion can stop one, and then it is preempted."""
+        decodes = sorted((r for r in self.running if r.is_decode), key=self._by_class)
+        for i, req in enumerate(decodes):
+            if req.request_id in self.victims:
+                continue
+            later = len(decodes) - i - 1
+            n = 1 + max(0, min(drafts.get(req.request_id, 0), self.budget - 1 - later))
+            # (never past what it may still produce: a lone request must always fit the pool)
+            extra = min(spec_lookahead, max(0, remaining_output(req) - n)) \
+                if req.spec is not None and spec_lookahead else 0
+            if self.budget < 1 or not self.place(req, n, extra):
+                if req.request_id not in self.victims:
+                    self.evict(req)
+                continue
+            self.budget -= n
+            self.d.decodes.append(ScheduledWork(req, n, resumed=False))
 
-    # 3. Admit waiting requests in the given order while budget, sequence slots and the KV
-    # plan allow. Never preempt running work to admit new work.
-    live = [r for r in running if r.request_id not in victims]
-    num_running = len(live)
-    la = admission.lookahead_tokens
+    # -- 2. running prefills ---------------------------------------------------------------
+    def prefills(self) -> None:
+        """Running prefills continue their prompt with the next chunk. Requests whose last
+        token is already being sampled (overlapped steps) have nothing left to schedule;
+        they hold their blocks until that token comes back."""
+        prefilling = sorted((r for r in self.running
+                             if not r.is_decode and not r.is_awaiting_output),
+                            key=self._by_class)
+        for req in prefilling:
+            if req.request_id in self.victims or self.budget <= 0:
+                continue
+            n = min(req.num_remaining_tokens, self.budget)
+            if not self.place(req, n):
+                if req.request_id not in self.victims:
+                    self.evict(req)
+                continue
+            self.budget -= n
+            self.d.prefills.append(ScheduledWork(req, n, resumed=False))
 
-    def future_need(req: Request) -> int:
-        have = max(held_blocks(req.request_id),
-                   blocks_for(table_tokens.get(req.request_id, 0), bs))
-        return max(0, blocks_for(projected_tokens(req, la), bs) - have)
+    # -- 3. admissions ---------------------------------------------------------------------
+    def admit(self, waiting, admission: AdmissionParams) -> None:
+        """Waiting requests in the given order while budget, sequence slots and the KV plan
+        allow. Never preempts running work to admit new work."""
+        d, limits, bs = self.d, self.limits, self.limits.block_size
+        live = [r for r in self.running if r.request_id not in self.victims]
+        num_running = len(live)
+        la = admission.lookahead_tokens
 
-    reserved = sum(future_need(r) for r in live)
-    for req in waiting:
-        if num_running >= limits.max_num_seqs:
-            d.blocked = (req, "seqs", {})
-            break
-        if budget <= 0:
-            d.blocked = (req, "budget", {})
-            break
-        prompt_blocks = blocks_for(req.num_tokens, bs)
-        if prompt_blocks > limits.num_blocks:
-            d.rejected.append((req, f"the prompt needs {prompt_blocks} KV blocks of {bs} tokens "
-                                    f"({req.num_tokens} tokens) but the KV pool has only "
-                                    f"{limits.num_blocks} blocks ({limits.num_blocks * bs} "
-                                    f"tokens)"))
-            continue
-        n = min(req.num_remaining_tokens, budget)
-        total = req.num_computed_tokens + n
-        chunk_blocks = need(req, total)
-        growth = blocks_for(projected_tokens(req, la), bs) - max(held_blocks(req.request_id),
-                                                                blocks_for(total, bs))
-        plan = {"prompt_blocks": prompt_blocks, "chunk_blocks": chunk_blocks,
-                "projected_growth_blocks": max(0, growth), "running_reserved_blocks": reserved,
-                "free_blocks": free, "watermark_blocks": admission.min_free_blocks}
-        if num_running == 0:
-            fits = chunk_blocks <= free  # alone: only the chunk must fit (liveness)
-        else:
-            fits = free - chunk_blocks - max(0, growth) - reserved >= admission.min_free_blocks
-        if not fits:
-            d.blocked = (req, "kv", plan)
-            break
-        free -= chunk_blocks
-        reserved += max(0, growth)
-        d.grants.append((req.request_id, total))
-        table_tokens[req.request_id] = total
-        budget -= n
-        num_running += 1
-        d.admitted.append(req)
-        d.plans[req.request_id] = plan
-        d.prefills.append(ScheduledWork(req, n, resumed=True))
-    return d
+        def future_need(req: Request) -> int:
+            have = max(self.held(req.request_id),
+                       cdiv(self.table_tokens.get(req.request_id, 0), bs))
+            return max(0, cdiv(projected_tokens(req, la), bs) - have)
+
+        reserved = sum(future_need(r) for r in live)
+        for req in waiting:
+            if num_running >= limits.max_num_seqs:
+                d.blocked = (req, "seqs", {})
+                break
+            if self.budget <= 0:
+                d.blocked = (req, "budget", {})
+                break
+            prompt_blocks = cdiv(req.num_tokens, bs)
+            if prompt_blocks > limits.num_blocks:
+                d.rejected.append((req, f"the prompt needs {prompt_blocks} KV blocks of {bs} "
+                                        f"tokens ({req.num_tokens} tokens) but the KV pool has "
+                                        f"only {limits.num_blocks} blocks "
+                                        f"({limits.num_blocks * bs} tokens)"))
+                continue
+            n = min(req.num_remaining_tokens, self.budget)
+            total = req.num_computed_tokens + n
+            chunk_blocks = self.need(req, total)
+            growth = cdiv(projected_tokens(req, la), bs) - max(self.held(req.request_id),
+                                                                    cdiv(total, bs))
+            plan = {"prompt_blocks": prompt_blocks, "chunk_blocks": chunk_blocks,
+                    "projected_growth_blocks": max(0, growth),
+                    "running_reserved_blocks": reserved, "free_blocks": self.free,
+                    "watermark_blocks": admission.min_free_blocks}
+            if num_running == 0:
+                fits = chunk_blocks <= self.free  # alone: only the chunk must fit (liveness)
+            else:
+                fits = (self.free - chunk_blocks - max(0, growth) - reserved
+                        >= admission.min_free_blocks)
+            if not fits:
+                d.blocked = (req, "kv", plan)
+                break
+            self.free -= chunk_blocks
+            reserved += max(0, growth)
+            d.grants.append((req.request_id, total))
+            self.table_tokens[req.request_id] = total
+            self.budget -= n
+            num_running += 1
+            d.admitted.append(req)
+            d.plans[req.request_id] = plan
+            d.prefills.append(ScheduledWork(req, n, resumed=True))

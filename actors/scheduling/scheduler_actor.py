@@ -1,9 +1,9 @@
 """The scheduler actor: the engine loop. schedule() -> launch -> process().
 
-Owns every Request (waiting and running). Each iteration it plans the next step (the
-policy, under the fair-share order, the SLO chunk budget and the KV plan), gets exactly
-the blocks it needs from the KV manager in one atomic round trip, and hands the batch to
-the runner. With `scheduler.overlap` (the default) it does that while the previous step
+Owns every Request (waiting and running). Each iteration `_schedule` plans the next step
+(`_plan`: the policy, under the fair-share order, the SLO chunk budget and the KV plan),
+gets exactly the blocks it needs from the KV manager in one atomic round trip (`_grant`),
+and builds the runner's batch (`_build`). With `scheduler.overlap` (the default) it does that while the previous step
 runs, then processes the previous step's outputs — one step ahead, as SGLang's overlap
 scheduler and vLLM's async scheduling do:
 
@@ -15,10 +15,11 @@ scheduler and vLLM's async scheduling do:
   order, so nothing reuses them before N+1 is done); max_tokens and the context window are
   known ahead, so such requests are not scheduled past their last token.
 
-With overlap off the same code runs serially: launch, wait for the output, process it.
+With overlap off the same code runs serially: launch, wait for the output, process it
+(`process_oldest_now` is the rule).
 
-Speculative decoding (actors/speculation/controller.py decides, the runner proposes and verifies): a
-speculating decode is scheduled as its last token plus k drafts; when its output comes,
+Speculative decoding (actors/speculation/controller.py decides, the runner proposes and
+verifies): a speculating decode is scheduled as its last token plus k drafts; when its output comes,
 the positions of rejected drafts are rolled back (num_computed_tokens) and prefix blocks
 are committed only with verified tokens. A step that verifies or asks for proposals is
 processed before the next step is planned, since how many tokens it yields is unknown.
@@ -26,14 +27,14 @@ processed before the next step is planned, since how many tokens it yields is un
 Concerns live in their own modules: policy.py (what runs), chunk_sizing.py (SLO prefill
 budget), preemption.py (victims: swap or recompute), siblings.py (n > 1 forks),
 step_observer.py (cost model, fair-share charges, skips, goodput, step times),
-output_processor.py (detokenization and stop strings), kv_view.py (the pool as the KV
-manager last reported it).
+step_batch.py (decision + grant -> batch), kv_view.py (the pool as the KV manager last
+reported it), and actors/output/output_processor.py (detokenization, stop strings and the
+RequestOutputs streams are sent).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from collections import deque
 from typing import Callable
@@ -46,7 +47,7 @@ from tokenloom.actors.scheduling.fairness import FairShare
 from tokenloom.actors.scheduling.kv_view import KVView
 from tokenloom.actors.messages import (ERROR_INTERNAL, ERROR_INVALID, AbortRequest, AddRequest,
                                        ExecuteBatch, ForgetRequests, GetSchedulerStats, GetTrace,
-                                       IsIdle, KVAdmission, KVCommit, KVGrant, KVUpdate,
+                                       IsIdle, KVCommit, KVGrant,
                                        RequestOutput,
                                        SampledToken, SchedulerStats, Shutdown, StepOutput)
 from tokenloom.actors.output.output_processor import OutputProcessor
@@ -54,8 +55,9 @@ from tokenloom.actors.scheduling.policy import AdmissionParams, Decision, Policy
 from tokenloom.actors.scheduling.preemption import Preemptor
 from tokenloom.actors.scheduling.prefix_tracker import PrefixTracker
 from tokenloom.actors.scheduling.request import FinishReason, Request, RequestStatus
-from tokenloom.actors.scheduling.step_batch import (apply_prefix_hits, build_batch, note_plans,
-                                         request_timings, start_works)
+from tokenloom.actors.scheduling.step_batch import (InFlightStep, apply_prefix_hits,
+                                                    build_batch, kv_update, note_plans,
+                                                    process_oldest_now, start_works)
 from tokenloom.actors.speculation.controller import SpecController
 from tokenloom.actors.scheduling.step_observer import StepObserver
 from tokenloom.actors.scheduling.swap import SwapSpace
@@ -63,22 +65,6 @@ from tokenloom.actors.scheduling.trace import RequestTrace, TraceHistory
 from tokenloom.config.schema import SchedulerConfig
 
 S = RequestStatus
-
-
-@dataclasses.dataclass
-class LaunchedStep:
-    """A step handed to the runner, until its output has been processed."""
-    decision: Decision
-    batch: ExecuteBatch
-    works: list                       # the decision's works in batch order
-    starts: list[int]                 # each work's first position
-    epochs: list[int]                 # each work's request's num_preemptions at launch
-    host_seconds: float               # planning + KV round trip
-    kv_seconds: float
-    continues: bool                   # planned while the runner had work (not after idling)
-    # It verifies drafts or asks for proposals: the next step is planned only after its
-    # output (how many tokens each request gained, and the proposals) is known.
-    serial: bool = False
 
 
 class SchedulerActor(Actor):
@@ -117,7 +103,7 @@ class SchedulerActor(Actor):
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.in_flight: deque[LaunchedStep] = deque()
+        self.in_flight: deque[InFlightStep] = deque()
         self._step_outputs: dict[int, StepOutput] = {}
         self._pending_commits: list[KVCommit] = []
         self._pending_copies: list[tuple[int, int]] = []   # fork copy-on-write, this batch
@@ -132,6 +118,7 @@ class SchedulerActor(Actor):
         self._resume_watermark = int(cfg.kv_resume_watermark * limits.num_blocks)
         self.num_forks = 0
         self.num_steps = 0
+        self.num_kv_plan_waits = 0
         self.last_step_time = time.monotonic()
 
     # -- inbox ---------------------------------------------------------------------------
@@ -224,42 +211,20 @@ class SchedulerActor(Actor):
         if launched is not None:
             self.runner_actor.send(launched.batch)
             self.in_flight.append(launched)
-        if self.in_flight and (len(self.in_flight) > 1 or launched is None or not self.overlap):
+        if process_oldest_now(len(self.in_flight), launched is not None, self.overlap):
             await self._process(self.in_flight.popleft())
 
     # -- planning ------------------------------------------------------------------------
-    async def _schedule(self) -> LaunchedStep | None:
+    async def _schedule(self) -> InFlightStep | None:
+        """plan -> grant -> build: the policy's decision from the scheduler's view of the
+        pool, the KV manager's one atomic answer, then the runner's batch."""
         t0 = time.perf_counter()
         continues = self._busy or bool(self.in_flight)
         await self._fork_siblings()
-        waiting = self.fair.order(siblings.admissible(self.waiting, self.requests,
-                                                      self.prefix.enabled), time.monotonic())
-        drafts = self.spec.plan_step(self.running) if self.spec is not None else None
-        d = schedule(self.running, waiting, self.view.num_free_blocks, self.view.held,
-                     self.limits, self.view.freeable,
-                     prefill_budget=self.chunks.prefill_budget(self.running, waiting, drafts),
-                     admission=self._admission_params(),
-                     preempt_mode=self.preemptor.mode_fn(self.view),
-                     drafts=drafts, spec_lookahead=self.spec_lookahead)
-        swap_outs = self.preemptor.apply(d, self.view, self.running, self.waiting)
-        if d.preempted:
-            self._admission_paused = True
-        for req, why in d.rejected:
-            self._finish(req, S.FINISHED, FinishReason.ERROR, error=why, error_kind=ERROR_INVALID)
-        swap_ins = self.preemptor.swap_ins(d)   # (their slots are released here)
-        self._admit(d)
+        d, swap_outs, swap_ins = self._plan()
         t_kv = time.perf_counter()
-        grant = await self._kv_update(d, swap_outs=swap_outs, swap_ins=swap_ins)
-        for rid, why in grant.failed.items():  # allocation failed for these alone
-            if (req := self.requests.get(rid)) is not None:
-                self._finish(req, S.FINISHED, FinishReason.ERROR, error=why,
-                             error_kind=ERROR_INTERNAL)
+        grant = await self._grant(d, swap_outs, swap_ins)
         kv_seconds = time.perf_counter() - t_kv
-        apply_prefix_hits(d, grant, self.limits.block_size)
-        note_plans(d, time.monotonic())
-        # Aborts handled during the round trip end requests of this decision: drop them.
-        d.decodes = [w for w in d.decodes if not w.request.is_finished]
-        d.prefills = [w for w in d.prefills if not w.request.is_finished]
         if d.empty:
             if not (grant.swap_out or grant.swap_in or self._pending_copies):
                 if (not self.running and self.waiting and not grant.freed
@@ -271,7 +236,51 @@ class SchedulerActor(Actor):
             # sequences carries them. (Carried over to a later batch, they were once applied
             # after that batch's own copies, and a fork's copy landed in a block a swap-in
             # had just refilled.)
-        else:
+        return self._build(d, grant, kv_seconds, continues, t0)
+
+    def _plan(self) -> tuple[Decision, list, list]:
+        """The policy's decision, applied to the queues: preemption victims out (their swap
+        copies resolved), rejections ended, swap-ins and admissions in."""
+        waiting = self.fair.order(siblings.admissible(self.waiting, self.requests,
+                                                      self.prefix.enabled), time.monotonic())
+        drafts = self.spec.plan_step(self.running) if self.spec is not None else None
+        d = schedule(self.running, waiting, self.view.num_free_blocks, self.view.held,
+                     self.limits, self.view.freeable,
+                     prefill_budget=self.chunks.prefill_budget(self.running, waiting, drafts),
+                     admission=self._admission_params(),
+                     preempt_mode=self.preemptor.mode_fn(self.view),
+                     drafts=drafts, spec_lookahead=self.spec_lookahead)
+        swap_outs = self.preemptor.apply(d, self.view, self.running, self.waiting)
+        if d.blocked is not None and d.blocked[1] == "kv":
+            self.num_kv_plan_waits += 1
+        if d.preempted:
+            self._admission_paused = True
+        for req, why in d.rejected:
+            self._finish(req, S.FINISHED, FinishReason.ERROR, error=why, error_kind=ERROR_INVALID)
+        swap_ins = self.preemptor.swap_ins(d)   # (their slots are released here)
+        self._admit(d)
+        return d, swap_outs, swap_ins
+
+    async def _grant(self, d: Decision, swap_outs, swap_ins) -> KVGrant:
+        """The decision's blocks in one round trip; admitted requests start after their
+        cached prefix. Requests ended meanwhile (aborts handled during the round trip, or
+        an allocation that failed for them alone) leave the decision."""
+        grant = await self._kv_update(d, swap_outs=swap_outs, swap_ins=swap_ins)
+        for rid, why in grant.failed.items():
+            if (req := self.requests.get(rid)) is not None:
+                self._finish(req, S.FINISHED, FinishReason.ERROR, error=why,
+                             error_kind=ERROR_INTERNAL)
+        apply_prefix_hits(d, grant, self.limits.block_size)
+        note_plans(d, time.monotonic())
+        d.decodes = [w for w in d.decodes if not w.request.is_finished]
+        d.prefills = [w for w in d.prefills if not w.request.is_finished]
+        return grant
+
+    def _build(self, d: Decision, grant: KVGrant, kv_seconds: float, continues: bool,
+               t0: float) -> InFlightStep:
+        """The runner's batch: the works with their block tables, the copies to apply
+        first, and the requests whose runner state can go (`t0`: when planning began)."""
+        if not d.empty:
             start_works(d, time.monotonic())
             self.observer.count_skips(d, self.running)
         self._step += 1
@@ -281,7 +290,7 @@ class SchedulerActor(Actor):
             step=self._step, sequences=[], num_decodes=len(d.decodes), finished_ids=finished,
             block_copies=copies, swap_out=grant.swap_out, swap_in=grant.swap_in), self.spec)
         serial = any(s.num_draft or s.propose for s in batch.sequences)
-        return LaunchedStep(d, batch, works, starts, epochs, time.perf_counter() - t0,
+        return InFlightStep(d, batch, works, starts, epochs, time.perf_counter() - t0,
                             kv_seconds, continues, serial)
 
     async def _fork_siblings(self) -> None:
@@ -320,28 +329,15 @@ class SchedulerActor(Actor):
                          swap_ins=()) -> KVGrant:
         """One round trip to the KV manager: queued commits and frees, the decision's
         grants and admissions (or forks); the answer becomes the scheduler's view."""
-        grants, admissions, tables_for = [], [], []
-        if d is not None:
-            # New admissions may start from a cached prefix; a request swapped back in
-            # resumes from its own KV instead (a plain grant plus the swap-in copies).
-            swapped_in = {rid for rid, _ in swap_ins}
-            admitted = {r.request_id for r in d.admitted} - swapped_in
-            grants = [g for g in d.grants if g[0] not in admitted]
-            admissions = [KVAdmission(request_id=w.request.request_id, planned_tokens=w.num_tokens,
-                                      query=self.prefix.query(w.request))
-                          for w in d.prefills if w.request.request_id in admitted]
-            tables_for = [w.request.request_id for w in d.decodes + d.prefills]
-        self.kv_inbox.put_nowait(KVUpdate(
-            frees=self.view.take_frees(), grants=grants, commits=self._pending_commits,
-            admissions=admissions, report=[r.request_id for r in self.running],
-            tables_for=tables_for, forks=list(forks), swap_outs=list(swap_outs),
-            swap_ins=list(swap_ins)))
+        update = kv_update(d, self.view.take_frees(), self._pending_commits, self.running,
+                           self.prefix.query, forks, swap_outs, swap_ins)
+        self.kv_inbox.put_nowait(update)
         self._pending_commits = []
         grant = await self._reply(KVGrant)
         if grant.new_blocks is None:
             # Cannot happen while the view is a lower bound of what is free: fail loudly.
             raise AssertionError(f"KV manager refused a decision made from its own report: "
-                                 f"{grants} {admissions}")
+                                 f"{update.grants} {update.admissions}")
         self.view.update(grant)
         return grant
 
@@ -354,7 +350,7 @@ class SchedulerActor(Actor):
             self._handle(msg)
 
     # -- processing a step's outputs -------------------------------------------------------
-    async def _process(self, launched: LaunchedStep) -> None:
+    async def _process(self, launched: InFlightStep) -> None:
         out = self._step_outputs.pop(launched.batch.step, None)
         if out is None:
             out = await self._reply_step(launched.batch.step)
@@ -458,8 +454,7 @@ class SchedulerActor(Actor):
             return
         if req.status == S.PREFILLING:
             req.transition(S.WAITING_DECODE)
-        self.emit(RequestOutput(request_id=req.request_id, new_token_ids=[s.token_id], text=text,
-                                new_logprobs=lps, num_prompt_tokens=req.num_prompt_tokens))
+        self.emit(self.outputs.token_output(req, s.token_id, text, lps))
 
     # -- finishing -----------------------------------------------------------------------
     def _finish(self, req: Request, status: RequestStatus, reason: FinishReason,
@@ -490,19 +485,15 @@ class SchedulerActor(Actor):
             if trace is not None and self.view.held(rid):
                 trace.mark("kv_blocks_released")
             self.view.release(rid)
-        if reason in (FinishReason.STOP, FinishReason.LENGTH):
-            text += self.outputs.final_text(req)
         if req.on_runner:
             self._runner_finished.append(rid)
             req.on_runner = False
-        timings = request_timings(req)
-        self.emit(RequestOutput(
-            request_id=rid, new_token_ids=new_tokens or [], text=text,
-            new_logprobs=new_logprobs, num_prompt_tokens=req.num_prompt_tokens, finished=True,
-            finish_reason=reason.as_openai(), error=error, error_kind=error_kind,
-            timings=timings))
-        if timings.trace is not None:
-            self.log.info("trace", request_id=rid, trace=timings.trace)
+        out = self.outputs.final_output(req, reason, text=text, new_tokens=new_tokens,
+                                        new_logprobs=new_logprobs, error=error,
+                                        error_kind=error_kind)
+        self.emit(out)
+        if out.timings.trace is not None:
+            self.log.info("trace", request_id=rid, trace=out.timings.trace)
 
     # -- observation ---------------------------------------------------------------------
     def stats(self) -> SchedulerStats:
@@ -517,7 +508,8 @@ class SchedulerActor(Actor):
             cost_model=None if self.cost.coef is None else [float(c) for c in self.cost.coef],
             swap_free_slots=None if p.swap is None else p.swap.num_free,
             num_slo_evaluated=o.num_slo_evaluated, num_slo_good=o.num_slo_good,
-            timings=o.timings(), spec=self.spec.stats() if self.spec is not None else None)
+            num_kv_plan_waits=self.num_kv_plan_waits, timings=o.timings(),
+            spec=self.spec.stats() if self.spec is not None else None)
 
     def stalled_seconds(self, now: float | None = None) -> float:
         """Seconds the loop has gone without completing a step while it has work; 0 when
@@ -527,3 +519,4 @@ class SchedulerActor(Actor):
             return 0.0
         now = time.monotonic() if now is None else now
         return max(0.0, now - self.last_step_time)
+

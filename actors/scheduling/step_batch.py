@@ -1,24 +1,72 @@
-"""From a policy decision and the KV manager's answer to the runner's batch. Pure (no
-asyncio, no torch): the scheduler's bookkeeping around one step.
+"""From a policy decision to the KV manager's request and from its answer to the runner's
+batch. Pure (no asyncio, no torch): the scheduler's bookkeeping around one step.
+
+- `kv_update`: the one KV request of an iteration (frees, grants, admissions, commits...);
+- `InFlightStep`, `process_oldest_now`: a launched step, and the overlap rule;
 
 - `apply_prefix_hits`: admitted requests start after their cached prefix;
 - `note_plans`, `start_works`: the trace's admission events and the status transitions;
 - `build_batch`: the ScheduledSequences, each request's computed tokens advanced to the end
-  of its work and a placeholder counted for each token it will sample (see actors/scheduling/scheduler_actor.py);
-- `request_timings`: the timings a finished request's last output carries.
+  of its work and a placeholder counted for each token it will sample (see
+  scheduler_actor.py).
 """
 
 from __future__ import annotations
 
-import time
+import dataclasses
 from typing import Mapping
 
-from tokenloom.actors.messages import (PLACEHOLDER, ExecuteBatch, KVGrant, NewSequence,
-                                       RequestTimings, ScheduledSequence)
+from tokenloom.actors.messages import (PLACEHOLDER, ExecuteBatch, KVAdmission, KVCommit,
+                                       KVGrant, KVUpdate, NewSequence, ScheduledSequence)
 from tokenloom.actors.scheduling.policy import Decision
 from tokenloom.actors.scheduling.request import Request, RequestStatus
 
 S = RequestStatus
+
+
+@dataclasses.dataclass
+class InFlightStep:
+    """A step handed to the runner, until its output has been processed."""
+    decision: Decision
+    batch: ExecuteBatch
+    works: list                       # the decision's works in batch order
+    starts: list[int]                 # each work's first position
+    epochs: list[int]                 # each work's request's num_preemptions at launch
+    host_seconds: float               # planning + KV round trip
+    kv_seconds: float
+    continues: bool                   # planned while the runner had work (not after idling)
+    # It verifies drafts or asks for proposals: the next step is planned only after its
+    # output (how many tokens each request gained, and the proposals) is known.
+    serial: bool = False
+
+
+def process_oldest_now(num_in_flight: int, launched: bool, overlap: bool) -> bool:
+    """The overlap rule: after launching (or not) a step, process the oldest step in flight
+    now unless it is the only one and the runner has a new one to run meanwhile. With
+    overlap on, at most one step waits in flight while the next is planned; off, every
+    step is processed as soon as it is launched (the serial loop)."""
+    if not num_in_flight:
+        return False
+    return num_in_flight > 1 or not launched or not overlap
+
+
+def kv_update(d: Decision | None, frees: list[str], commits: list[KVCommit],
+              running: list[Request], query, forks=(), swap_outs=(), swap_ins=()) -> KVUpdate:
+    """The iteration's one KV request. New admissions may start from a cached prefix
+    (`query(request)`: its PrefixQuery); a request swapped back in resumes from its own KV
+    instead (a plain grant plus the swap-in copies). The reply reports every running table."""
+    grants, admissions, tables_for = [], [], []
+    if d is not None:
+        swapped_in = {rid for rid, _ in swap_ins}
+        admitted = {r.request_id for r in d.admitted} - swapped_in
+        grants = [g for g in d.grants if g[0] not in admitted]
+        admissions = [KVAdmission(request_id=w.request.request_id, planned_tokens=w.num_tokens,
+                                  query=query(w.request))
+                      for w in d.prefills if w.request.request_id in admitted]
+        tables_for = [w.request.request_id for w in d.decodes + d.prefills]
+    return KVUpdate(frees=frees, grants=grants, commits=commits, admissions=admissions,
+                    report=[r.request_id for r in running], tables_for=tables_for,
+                    forks=list(forks), swap_outs=list(swap_outs), swap_ins=list(swap_ins))
 
 
 def apply_prefix_hits(d: Decision, grant: KVGrant, block_size: int) -> None:
@@ -116,14 +164,3 @@ def build_batch(d: Decision, tables: Mapping[str, list[int]], batch: ExecuteBatc
         req.num_computed_tokens = end
         req.num_placeholders += sample
     return batch, works, starts, epochs
-
-
-def request_timings(req: Request) -> RequestTimings:
-    return RequestTimings(arrival=req.arrival_time, first_scheduled=req.first_scheduled_time,
-                          first_token=req.first_token_time, finished=time.monotonic(),
-                          token_times=list(req.token_times),
-                          num_preemptions=req.num_preemptions,
-                          num_cached_tokens=req.num_cached_tokens,
-                          prefix_hit_blocks=req.prefix_hit_blocks,
-                          prefix_miss_reason=req.prefix_miss_reason,
-                          trace=req.trace.as_dict() if req.trace is not None else None)

@@ -24,6 +24,7 @@ import torch
 
 from tokenloom.actors.execution.batch_inputs import BatchInputs, build_batch_inputs
 from tokenloom.actors.messages import ExecuteBatch, ScheduledSequence
+from tokenloom.arith import cdiv
 from tokenloom.kernels.kv_store import HostKVPool, KVCache
 from tokenloom.kernels.sampling import argmax_rows
 
@@ -60,7 +61,7 @@ class DraftModelProposer:
         kv = KVCache.allocate(spec.num_layers, info.num_blocks, info.block_size,
                               spec.num_kv_heads, spec.head_dim, dtype, device)
         from tokenloom.graphs.setup import precompile_decode   # no-op unless the Triton split
-        width = -(-info.max_model_len // info.block_size) * info.block_size
+        width = cdiv(info.max_model_len, info.block_size) * info.block_size
         precompile_decode(model, kv, max_num_seqs=max_num_seqs, width=width, graph_sizes=())
         return cls(model, kv, device)
 

@@ -24,6 +24,7 @@ import msgspec
 from tokenloom.actors.messages import RequestMeta
 from tokenloom.actors.sampling_params import MAX_LOGPROBS, GuidedDecoding, SamplingParams
 from tokenloom.daemon.errors import APIError
+from tokenloom.daemon.openai.guided_fields import guided_decoding, unsupported_keyword
 from tokenloom.daemon.openai.tools import ToolSpec, parse_tools
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -59,6 +60,9 @@ class _Sampling(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     min_tokens: int = 0
     cache_salt: str | None = None
+    # OpenAI's `metadata`: up to 16 string pairs the client labels the request with (kept in
+    # its trace: RequestMeta.labels).
+    metadata: dict[str, str] | None = None
     priority: int | str | None = None   # a number (lower runs first) or a class name
     return_metrics: bool = False
     speculative: str | None = None      # "auto" | "on" | "off" (speculative decoding)
@@ -266,8 +270,17 @@ def request_meta(req: _Sampling, headers, priority_classes: dict[str, int]) -> R
     priority (body, else X-Priority), the fair-share tenant (X-Tenant, else `user`) and the
     routing affinity key (`prompt_cache_key`, else X-Session-Id, else the tenant)."""
     tenant = resolve_tenant(req.user, headers.get("X-Tenant"))
+    labels = req.metadata
+    if labels is not None:
+        if len(labels) > 16:
+            raise APIError(400, f"metadata has {len(labels)} keys; at most 16 are allowed",
+                           param="metadata")
+        for key, value in labels.items():
+            if len(key) > 64 or len(value) > 512:
+                raise APIError(400, f"metadata key {key[:64]!r}: keys are at most 64 "
+                                    f"characters and values at most 512", param="metadata")
     return RequestMeta(
-        cache_salt=req.cache_salt,
+        cache_salt=req.cache_salt, labels=labels or None,
         priority=resolve_priority(req.priority, headers.get("X-Priority"), priority_classes),
         tenant=tenant,
         affinity=resolve_affinity(req.prompt_cache_key, headers.get("X-Session-Id"), tenant))
@@ -342,7 +355,7 @@ def parse_chat(body: bytes, limits: Limits, headers=None,
     req = decode(body, ChatCompletionRequest)
     _check_model(req, limits)
     messages = chat_messages(req.messages)
-    tools = parse_tools(req.tools, req.tool_choice, _unsupported_keyword,
+    tools = parse_tools(req.tools, req.tool_choice, unsupported_keyword,
                         req.parallel_tool_calls)
     max_tokens, field = req.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None:
@@ -367,101 +380,6 @@ def parse_chat(body: bytes, limits: Limits, headers=None,
                          logprobs=logprobs, model=req.model, max_tokens_field=field,
                          meta=request_meta(req, headers or {}, priority_classes or {}),
                          tools=tools)
-
-
-# JSON-schema keywords the grammar engine cannot enforce: refused (400) rather than ignored,
-# so an output that "matches the schema" never silently breaks one of them.
-UNSUPPORTED_SCHEMA_KEYWORDS = ("patternProperties", "propertyNames", "dependentSchemas",
-                               "dependentRequired", "dependencies", "if", "then", "else",
-                               "not", "contains", "minContains", "maxContains",
-                               "unevaluatedProperties", "unevaluatedItems", "uniqueItems",
-                               "multipleOf")
-
-
-def _unsupported_keyword(schema, path: str) -> tuple[str, str] | None:
-    """The first (keyword, path) of `schema` outside what the engine enforces."""
-    if isinstance(schema, list):
-        for i, sub in enumerate(schema):
-            found = _unsupported_keyword(sub, f"{path}[{i}]")
-            if found:
-                return found
-        return None
-    if not isinstance(schema, dict):
-        return None
-    for key, value in schema.items():
-        if key in ("properties", "$defs", "definitions") and isinstance(value, dict):
-            # Property names are data, not keywords.
-            for name, sub in value.items():
-                found = _unsupported_keyword(sub, f"{path}.{key}.{name}")
-                if found:
-                    return found
-            continue
-        if key in ("enum", "const", "default", "examples", "required", "description",
-                   "title"):
-            continue
-        if key in UNSUPPORTED_SCHEMA_KEYWORDS:
-            return key, path
-        found = _unsupported_keyword(value, f"{path}.{key}")
-        if found:
-            return found
-    return None
-
-
-def _json_schema_spec(rf: dict) -> str:
-    param = "response_format.json_schema"
-    js = rf.get("json_schema")
-    if not isinstance(js, dict):
-        raise APIError(400, f"{param} must be an object with a `schema`", param=param)
-    schema = js.get("schema")
-    if not isinstance(schema, (dict, bool)):
-        raise APIError(400, f"{param}.schema must be a JSON schema object, got "
-                            f"{type(schema).__name__}", param=f"{param}.schema")
-    if isinstance(schema, dict) and "type" in schema and not isinstance(
-            schema["type"], (str, list)):
-        raise APIError(400, f"{param}.schema.type must be a string or a list",
-                       param=f"{param}.schema")
-    found = _unsupported_keyword(schema, f"{param}.schema")
-    if found:
-        keyword, where = found
-        raise APIError(400, f"{where} uses `{keyword}`, which structured output does not "
-                            f"support", param=f"{param}.schema")
-    return msgspec.json.encode(schema).decode()
-
-
-def guided_decoding(req: _Sampling) -> GuidedDecoding | None:
-    """The request's output constraint from `response_format` or a guided_* field (at
-    most one). The grammar itself is compiled, and so fully checked, by the tokenizer actor
-    off the event loop; a failure there is a 400 naming the same field."""
-    given = []
-    rf = req.response_format
-    if rf is not None:
-        kind = rf.get("type", "text")
-        if kind == "json_object":
-            given.append(("response_format", GuidedDecoding("json_object")))
-        elif kind == "json_schema":
-            given.append(("response_format", GuidedDecoding("json_schema",
-                                                            _json_schema_spec(rf))))
-        elif kind != "text":
-            raise APIError(400, "response_format.type must be text, json_object or "
-                                f"json_schema, got {kind!r}", param="response_format.type")
-    if req.guided_regex is not None:
-        if not req.guided_regex:
-            raise APIError(400, "guided_regex must be non-empty", param="guided_regex")
-        given.append(("guided_regex", GuidedDecoding("regex", req.guided_regex)))
-    if req.guided_choice is not None:
-        if not req.guided_choice or not all(req.guided_choice):
-            raise APIError(400, "guided_choice must be a non-empty list of non-empty strings",
-                           param="guided_choice")
-        given.append(("guided_choice", GuidedDecoding(
-            "choice", msgspec.json.encode(req.guided_choice).decode())))
-    if req.guided_grammar is not None:
-        if not req.guided_grammar.strip():
-            raise APIError(400, "guided_grammar must be non-empty", param="guided_grammar")
-        given.append(("guided_grammar", GuidedDecoding("grammar", req.guided_grammar)))
-    if len(given) > 1:
-        raise APIError(400, f"{given[1][0]} cannot be combined with {given[0][0]}: give one "
-                            "output constraint", param=given[1][0])
-    return given[0][1] if given else None
 
 
 def resolve_priority(body_value: int | str | None, header: str | None,

@@ -19,12 +19,12 @@ import dataclasses
 import statistics
 import time
 
-import structlog
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-log = structlog.get_logger("tokenloom.startup", logger_name="tokenloom.startup")
+from tokenloom.arith import cdiv
+from tokenloom.startup_log import startup_log as log
 
 ROWS_HINT = 16   # the batch size oneDNN picks the packed layout for (any size works)
 
@@ -67,7 +67,7 @@ def onednn_rows(rows: int) -> int:
     if rows <= ONEDNN_EXACT_ROWS:
         return rows
     step = 1 << ((rows - 1).bit_length() - 4)
-    return -(-rows // step) * step
+    return cdiv(rows, step) * step
 
 
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor,
@@ -112,7 +112,6 @@ def choose(linears: list[nn.Linear], rows: tuple[int, ...] = (1, 16, 128)) -> bo
              f"oneDNN vs {mkl:.2f} ms MKL for one layer at {', '.join(map(str, rows))} rows)",
              onednn_ms=round(onednn, 3), mkl_ms=round(mkl, 3))
     return use
-
 
 
 # -- per-batch-size kernels, chosen by measuring -------------------------------------------

@@ -23,11 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from tokenloom.arith import cdiv
+
 PROGRAMS_PER_SM = 2
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _pow2_at_least(n: int) -> int:
@@ -77,24 +75,24 @@ class SplitRule:
         So each row gets at least min(per_row, context // block_n, max_parts // 2 + 1)
         partitions with work."""
         target = PROGRAMS_PER_SM * self.sm_count
-        per_row = _ceil_div(target, rows * self.kv_heads)
+        per_row = cdiv(target, rows * self.kv_heads)
         if per_row == 1:    # the rows alone fill the GPU: one partition, no reduce
             part = max(self.block_n, _pow2_at_least(context))
         else:
             part = max(self.block_n, _pow2_at_most(context // per_row))
         limit = self.max_parts(rows)
-        while _ceil_div(cover, part) > limit:
+        while cdiv(cover, part) > limit:
             part *= 2
         return part
 
     def eager(self, rows: int, max_context: int) -> Variant:
         part = self.partition(rows, max_context, max_context)
-        return Variant(part, _ceil_div(max_context, part) == 1)
+        return Variant(part, cdiv(max_context, part) == 1)
 
     def graph(self, rows: int, width: int) -> Variant:
         """A graph bucket of `rows` captured at block-table width `width` (tokens)."""
         part = self.partition(rows, min(width, self.reference_context), width)
-        return Variant(part, _ceil_div(width, part) == 1)
+        return Variant(part, cdiv(width, part) == 1)
 
     def eager_variants(self, max_rows: int, max_context: int) -> set[Variant]:
         """Every variant `eager(rows, context)` returns for 1 <= rows <= max_rows and
@@ -105,7 +103,7 @@ class SplitRule:
         seen = set()
         target = PROGRAMS_PER_SM * self.sm_count
         for rows in range(1, max_rows + 1):
-            key = (_ceil_div(target, rows * self.kv_heads), self.max_parts(rows))
+            key = (cdiv(target, rows * self.kv_heads), self.max_parts(rows))
             if key in seen:      # same per-row target and bound: same variants
                 continue
             seen.add(key)

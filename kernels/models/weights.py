@@ -16,14 +16,13 @@ import os
 import random
 from pathlib import Path
 
-import structlog
 import torch
 
 from tokenloom.config.schema import ConfigError, ModelConfig
 from tokenloom.kernels.models import quality_gate
 from tokenloom.kernels.cpu.features import detect
+from tokenloom.startup_log import startup_log
 
-startup_log = structlog.get_logger("tokenloom.startup", logger_name="tokenloom.startup")
 GATE_TOKENS = 256
 
 

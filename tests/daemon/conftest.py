@@ -20,7 +20,7 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
     """A server on 127.0.0.1 (free port) shared by the tests of one module."""
-    from httpserver import ServerThread, tiny_config
+    from servers import ServerThread, tiny_config
 
     s = ServerThread(tiny_config(tiny_model_dir, tmp_path_factory.mktemp("cache")))
     yield s

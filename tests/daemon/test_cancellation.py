@@ -14,15 +14,7 @@ import aiohttp
 
 from tokenloom.actors.messages import CheckIntegrity
 
-from sse import read_events
-
-
-async def _metric(url: str, name: str) -> float:
-    async with aiohttp.ClientSession() as s:
-        async with s.get(url + "/metrics") as r:
-            text = await r.text()
-    return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
+from client import ametric, read_events
 
 
 async def test_storm_of_streams_with_cancellations(server, model_name):
@@ -32,7 +24,7 @@ async def test_storm_of_streams_with_cancellations(server, model_name):
     4. afterwards nothing is running or waiting, no stream is open, every block is free."""
     idle = server.wait_idle()
     assert idle["used"] == 0
-    aborted_before = await _metric(server.url, "tokenloom:requests_aborted_total")
+    aborted_before = await ametric(server, "tokenloom:requests_aborted_total")
 
     async def one(s: aiohttp.ClientSession, i: int):
         cancel = i % 10 == 0
@@ -76,7 +68,7 @@ async def test_storm_of_streams_with_cancellations(server, model_name):
     assert server.stats().router.in_flight == 0
     assert server.ask("kv_manager", CheckIntegrity()) is None
     # The hung-up streams were aborted by the server, not left to run out their 200 tokens.
-    assert await _metric(server.url, "tokenloom:requests_aborted_total") - aborted_before == 10
+    assert await ametric(server, "tokenloom:requests_aborted_total") - aborted_before == 10
 
 
 async def test_non_streaming_client_that_goes_away_is_aborted(server, model_name):
@@ -95,7 +87,7 @@ async def test_non_streaming_client_that_goes_away_is_aborted(server, model_name
     idle = server.wait_idle(timeout=5)
     assert idle["used"] == 0 and idle["running"] == 0 and idle["streams"] == 0
     assert time.monotonic() - t0 < 2
-    assert await _metric(server.url, "tokenloom:requests_aborted_total") >= 1
+    assert await ametric(server, "tokenloom:requests_aborted_total") >= 1
 
 
 async def test_storm_with_shared_prefixes_preemption_and_cancellations(tiny_model_dir, model_name,
@@ -106,7 +98,7 @@ async def test_storm_with_shared_prefixes_preemption_and_cancellations(tiny_mode
     2. survivors get exactly their tokens;
     3. preemptions happened, prefix blocks were shared, and afterwards every block is
        free, no block is owned twice, nothing runs, waits or streams."""
-    from httpserver import ServerThread, tiny_config
+    from servers import ServerThread, tiny_config
 
     # Static admission (no KV plan: no lookahead, no watermark) so that victims are certain.
     server = ServerThread(tiny_config(tiny_model_dir, tmp_path, **{

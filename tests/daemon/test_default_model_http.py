@@ -14,7 +14,7 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from servers import ServerProcess  # noqa: E402
-from sse import read_events  # noqa: E402
+from client import read_events  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

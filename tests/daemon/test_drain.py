@@ -15,7 +15,7 @@ import pytest
 
 from notify_listener import NotifyListener
 from servers import ServerProcess, wait_for
-from sse import read_events
+from client import read_events
 from tokenloom.daemon.admin import cli as admin_cli
 from tokenloom.daemon.admin import protocol as P
 

@@ -23,7 +23,7 @@ import pytest
 os.environ["TOKENLOOM_FAULT_INJECTION"] = "1"   # this module is allowed to import the hook
 import faults  # noqa: E402
 
-from sse import read_events  # noqa: E402
+from client import read_events  # noqa: E402
 from tokenloom.actors.messages import CheckIntegrity  # noqa: E402
 
 MAX_TOKENS = 48
@@ -39,7 +39,7 @@ def injector():
 
 @pytest.fixture(scope="module")
 def serial_server(tiny_model_dir, tmp_path_factory):
-    from httpserver import ServerThread, tiny_config
+    from servers import ServerThread, tiny_config
 
     s = ServerThread(tiny_config(tiny_model_dir, tmp_path_factory.mktemp("cache"),
                                  **{"scheduler.max_num_seqs": 1}))
@@ -133,7 +133,7 @@ async def test_a_dead_actor_fails_every_stream_and_health(tiny_model_dir, tmp_pa
     dies; 3. both streams end with an error event and [DONE]; 4. /health is 503 (the engine
     cannot make progress: the systemd watchdog pings stop, see test_supervisor.py); new
     requests get 503."""
-    from httpserver import ServerThread, tiny_config
+    from servers import ServerThread, tiny_config
 
     from tokenloom.daemon.app import engine_problem
     from tokenloom.daemon.state import STATE

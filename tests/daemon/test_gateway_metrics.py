@@ -7,17 +7,13 @@ from __future__ import annotations
 
 import re
 import time
-import urllib.request
 
-
-def scrape(server) -> str:
-    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
-        return r.read().decode()
+from client import metrics, post
 
 
 def test_endpoint_picker_metrics(server, model_name):
     before = time.time()
-    text = scrape(server)
+    text = metrics(server)
     m = f'model_name="{model_name}"'
     for name in ("vllm:num_requests_waiting", "vllm:num_requests_running",
                  "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
@@ -36,15 +32,12 @@ def test_endpoint_picker_metrics(server, model_name):
 def test_graph_dispatch_counters_are_exported(server, model_name):
     """Graph/eager per step with the reason (on CPU, with compiled programs off as in tests, every step is eager),
     without waiting for the runner (its snapshot)."""
-    import json
-    body = json.dumps({"model": model_name, "prompt": "w5 w6 w7",
-                       "max_tokens": 4}).encode()
-    req = urllib.request.Request(server.url + "/v1/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
-    urllib.request.urlopen(req, timeout=60).read()
+    status, reply = post(server, "/v1/completions",
+                         {"model": model_name, "prompt": "w5 w6 w7", "max_tokens": 4})
+    assert status == 200, reply
     deadline = time.monotonic() + 10
     while True:     # the runner refreshes its snapshot at most every 0.25 s
-        text = scrape(server)
+        text = metrics(server)
         found = re.search(r'^tokenloom:eager_steps_total\{.*reason="graphs.cpu_compile is off"\} ([0-9.e+]+)$',
                           text, re.M)
         if found and float(found.group(1)) > 0:

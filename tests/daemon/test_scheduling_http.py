@@ -11,21 +11,7 @@ import time
 import aiohttp
 import pytest
 
-
-
-async def post(server, path: str, body: dict, **kw) -> tuple[int, dict | bytes, dict]:
-    async with aiohttp.ClientSession() as s:
-        async with s.post(server.url + path, json=body, **kw) as r:
-            raw = await r.read()
-            ctype = r.headers.get("Content-Type", "")
-            data = json.loads(raw) if ctype.startswith("application/json") else raw
-            return r.status, data, r.headers.copy()
-
-
-async def get(server, path: str) -> tuple[int, bytes, dict]:
-    async with aiohttp.ClientSession() as s:
-        async with s.get(server.url + path) as r:
-            return r.status, await r.read(), r.headers.copy()
+from client import aget, apost
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
@@ -35,10 +21,13 @@ EVENT_ORDER = ["request_received", "tokenized", "routed", "prefix_cache_lookup_d
 
 
 async def test_trace_in_metrics_and_by_id(server, model_name):
-    status, body, _ = await post(server, "/v1/completions", dict(
-        model=model_name, prompt="w5 w6 w7", max_tokens=6, return_metrics=True, **GREEDY))
+    status, body, _ = await apost(server, "/v1/completions", dict(
+        model=model_name, prompt="w5 w6 w7", max_tokens=6, return_metrics=True,
+        metadata={"cohort": "b"}, **GREEDY))
     assert status == 200, body
     (trace,) = body["metrics"]["trace"]
+    # the request's metadata, whole as parsed (the client's labels included)
+    assert trace["meta"]["labels"] == {"cohort": "b"} and trace["meta"]["priority"] == 0
     assert [e["event"] for e in trace["events"]] == EVENT_ORDER
     times = [e["t"] for e in trace["events"]]
     assert times == sorted(times) and times[0] == 0.0
@@ -46,20 +35,20 @@ async def test_trace_in_metrics_and_by_id(server, model_name):
     assert trace["prefill_chunks"] == 1 and trace["finish_reason"] == "length"
     assert trace["kv_plan"]["decision"] == "admit" and trace["preemptions"] == []
     # The same trace by the id the client saw.
-    status, raw, _ = await get(server, f"/v1/requests/{body['id']}/trace")
+    status, raw, _ = await aget(server, f"/v1/requests/{body['id']}/trace")
     assert status == 200
     assert json.loads(raw)["events"] == trace["events"]
 
 
 async def test_trace_of_several_choices_and_unknown_id(server, model_name):
-    status, body, _ = await post(server, "/v1/completions", dict(
+    status, body, _ = await apost(server, "/v1/completions", dict(
         model=model_name, prompt="w5 w6", max_tokens=3, n=2, temperature=0.8, seed=1))
     assert status == 200, body
-    status, raw, _ = await get(server, f"/v1/requests/{body['id']}/trace")
+    status, raw, _ = await aget(server, f"/v1/requests/{body['id']}/trace")
     got = json.loads(raw)
     assert status == 200 and got["request_id"] == body["id"]
     assert [c["request_id"] for c in got["choices"]] == [f"{body['id']}-0", f"{body['id']}-1"]
-    status, raw, _ = await get(server, "/v1/requests/cmpl-nope/trace")
+    status, raw, _ = await aget(server, "/v1/requests/cmpl-nope/trace")
     err = json.loads(raw)["error"]
     assert status == 404 and err["param"] == "request_id" and "cmpl-nope" in err["message"]
 
@@ -71,7 +60,7 @@ async def test_priority_from_body_or_header(server, model_name, body_priority, h
                                             expected):
     extra = {} if body_priority is None else {"priority": body_priority}
     headers = {} if header is None else {"X-Priority": header}
-    status, body, _ = await post(server, "/v1/completions", dict(
+    status, body, _ = await apost(server, "/v1/completions", dict(
         model=model_name, prompt="w5", max_tokens=1, return_metrics=True, **GREEDY, **extra),
         headers=headers)
     assert status == 200, body
@@ -79,11 +68,11 @@ async def test_priority_from_body_or_header(server, model_name, body_priority, h
 
 
 async def test_tenant_from_user_or_header(server, model_name):
-    status, body, _ = await post(server, "/v1/completions", dict(
+    status, body, _ = await apost(server, "/v1/completions", dict(
         model=model_name, prompt="w5", max_tokens=1, user="alice", return_metrics=True,
         **GREEDY))
     assert body["metrics"]["trace"][0]["tenant"] == "alice"
-    status, body, _ = await post(server, "/v1/completions", dict(
+    status, body, _ = await apost(server, "/v1/completions", dict(
         model=model_name, prompt="w5", max_tokens=1, user="alice", return_metrics=True,
         **GREEDY), headers={"X-Tenant": "team-b"})
     assert body["metrics"]["trace"][0]["tenant"] == "team-b"
@@ -94,7 +83,7 @@ async def test_tenant_from_user_or_header(server, model_name):
     ({}, {"X-Priority": "vip"}, "X-Priority")])
 async def test_bad_priority_is_a_400_naming_the_field(server, model_name, extra, headers,
                                                       param):
-    status, body, _ = await post(server, "/v1/completions", dict(
+    status, body, _ = await apost(server, "/v1/completions", dict(
         model=model_name, prompt="w5", max_tokens=1, **extra), headers=headers)
     assert status == 400 and body["error"]["param"] == param
     if param != "priority" or isinstance(extra.get("priority"), str):
@@ -102,9 +91,9 @@ async def test_bad_priority_is_a_400_naming_the_field(server, model_name, extra,
 
 
 async def test_scheduling_metrics_are_exported(server, model_name):
-    await post(server, "/v1/completions", dict(model=model_name, prompt="w5", max_tokens=2,
+    await apost(server, "/v1/completions", dict(model=model_name, prompt="w5", max_tokens=2,
                                                **GREEDY))
-    status, raw, _ = await get(server, "/metrics")
+    status, raw, _ = await aget(server, "/metrics")
     text = raw.decode()
     for name in ("tokenloom:max_decode_skip", "tokenloom:goodput_requests_total",
                  "tokenloom:slo_evaluated_requests_total", "tokenloom:goodput_ratio",
@@ -116,7 +105,7 @@ async def test_scheduling_metrics_are_exported(server, model_name):
 
 
 def _serve(tiny_model_dir, tmp_path, **overrides):
-    from httpserver import ServerThread, tiny_config
+    from servers import ServerThread, tiny_config
 
     return ServerThread(tiny_config(tiny_model_dir, tmp_path, **overrides))
 
@@ -238,7 +227,7 @@ async def test_a_prompt_that_can_never_fit_the_pool_is_a_400_naming_the_limit(
         tiny_model_dir, tmp_path, model_name):
     s = _serve(tiny_model_dir, tmp_path, **{"cache.num_blocks": 8})   # 64 tokens of KV
     try:
-        status, body, _ = await post(s, "/v1/completions", dict(
+        status, body, _ = await apost(s, "/v1/completions", dict(
             model=model_name, prompt=list(range(5, 105)), max_tokens=1))
     finally:
         s.close()

@@ -23,7 +23,7 @@ from servers import wait_for
 
 @pytest.fixture(scope="module")
 def slow_server(tiny_model_dir, tmp_path_factory):
-    from httpserver import ServerThread, tiny_config
+    from servers import ServerThread, tiny_config
 
     s = ServerThread(tiny_config(tiny_model_dir, tmp_path_factory.mktemp("cache"), **{
         "server.header_timeout_seconds": 0.5, "server.body_timeout_seconds": 0.5,
@@ -35,7 +35,7 @@ def slow_server(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def capped_server(tiny_model_dir, tmp_path_factory):
-    from httpserver import ServerThread, tiny_config
+    from servers import ServerThread, tiny_config
 
     s = ServerThread(tiny_config(tiny_model_dir, tmp_path_factory.mktemp("cache"), **{
         "server.max_connections": 3, "server.header_timeout_seconds": 60.0,

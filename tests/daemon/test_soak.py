@@ -20,6 +20,8 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
 
 
 def _soak_module():
+    if str(SCRIPT.parent) not in sys.path:     # what `python benchmarks/soak.py` would see
+        sys.path.insert(0, str(SCRIPT.parent))
     spec = importlib.util.spec_from_file_location("tokenloom_soak", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module          # (its dataclasses look their module up)

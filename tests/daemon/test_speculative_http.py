@@ -6,18 +6,17 @@ whatever the model samples occurs in the prompt, so every step has drafts to ver
 
 from __future__ import annotations
 
-import json
 import re
-import urllib.request
 
 import pytest
 
+from client import get, metric, metrics, post
 from tinymodel import VOCAB
 
 
 @pytest.fixture(scope="module")
 def spec_server(tiny_model_dir, tmp_path_factory):
-    from httpserver import ServerThread, tiny_config
+    from servers import ServerThread, tiny_config
     s = ServerThread(tiny_config(tiny_model_dir, tmp_path_factory.mktemp("cache"), **{
         "speculative.method": "ngram", "speculative.ngram_min": 1,
         "speculative.ngram_max": 2, "speculative.num_speculative_tokens": 3}))
@@ -25,45 +24,22 @@ def spec_server(tiny_model_dir, tmp_path_factory):
     s.close()
 
 
-def post(url: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
-def get(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=60) as r:
-        return r.read().decode()
-
-
-def metric(text: str, name: str, **labels) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 PROMPT = " ".join(f"w{i}" for i in range(3, VOCAB)) * 2
 
 
 def test_speculative_field_metrics_and_trace(spec_server, model_name):
     url = spec_server.url
-    before = get(url + "/metrics")
-    status, on = post(url + "/v1/completions", dict(
+    before = metrics(url)
+    status, on = post(url, "/v1/completions", dict(
         model=model_name, prompt=PROMPT, max_tokens=24, temperature=0, ignore_eos=True,
         speculative="on"))
     assert status == 200, on
-    status, off = post(url + "/v1/completions", dict(
+    status, off = post(url, "/v1/completions", dict(
         model=model_name, prompt=PROMPT, max_tokens=24, temperature=0, ignore_eos=True,
         speculative="off"))
     assert status == 200
     assert on["choices"][0]["text"] == off["choices"][0]["text"]     # exact greedy
-    after = get(url + "/metrics")
+    after = metrics(url)
     drafts = (metric(after, "vllm:spec_decode_num_drafts_total")
               - metric(before, "vllm:spec_decode_num_drafts_total"))
     tokens = metric(after, "vllm:spec_decode_num_draft_tokens_total")
@@ -74,16 +50,16 @@ def test_speculative_field_metrics_and_trace(spec_server, model_name):
     assert sum(per_pos) == accepted
     assert re.search(r'^vllm:spec_decode_num_accepted_tokens_per_pos_total\{.*position="2"',
                      after, re.M)
-    trace = json.loads(get(url + f"/v1/requests/{on['id']}/trace"))
+    trace = get(url, f"/v1/requests/{on['id']}/trace")[1]
     spec = trace["speculation"]
     assert spec["method"] == "ngram" and spec["mode"] == "on" and spec["drafted"] > 0
     assert len(spec["drafted_per_position"]) == 3
-    trace_off = json.loads(get(url + f"/v1/requests/{off['id']}/trace"))
+    trace_off = get(url, f"/v1/requests/{off['id']}/trace")[1]
     assert trace_off["speculation"] is None
 
 
 def test_bad_speculative_value_is_a_400_naming_the_field(spec_server, model_name):
-    status, body = post(spec_server.url + "/v1/completions", dict(
+    status, body = post(spec_server, "/v1/completions", dict(
         model=model_name, prompt="w5 w6", max_tokens=2, speculative="always"))
     assert status == 400
     assert body["error"]["param"] == "speculative"

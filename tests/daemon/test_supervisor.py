@@ -19,35 +19,20 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
-import urllib.error
-import urllib.request
-
 import pytest
 
+from client import get, post
 from notify_listener import NotifyListener
-from servers import wait_for
+from servers import ServerProcess, wait_for
 
 TESTS = Path(__file__).resolve().parents[1]
 BOOT = ("import sys, faults; faults.install_from_env(); "
         "from tokenloom.daemon.__main__ import main; sys.exit(main(sys.argv[1:]))")
 WATCHDOG_SECONDS = 2.0
-
-
-def http(url: str, body: dict | None = None) -> tuple[int, dict | None]:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            raw = r.read()
-            return r.status, json.loads(raw) if raw else None
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 class Supervisor:
@@ -59,23 +44,14 @@ class Supervisor:
 
     def start(self) -> None:
         self.listener.clear()
-        self.lines: list[str] = []
-        self.port: int | None = None
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", BOOT, "serve", "--host", "127.0.0.1", "--port", "0",
-             *self.args], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+        self.server = ServerProcess(
+            *self.args, command=(sys.executable, "-c", BOOT), timeout=120,
             env={**self.env, "NOTIFY_SOCKET": self.listener.address,
                  "WATCHDOG_USEC": str(int(WATCHDOG_SECONDS * 1e6))})
-        threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
-        assert wait_for(lambda: self.listener.count("READY=1") == 1 and self.port, 120), \
-            "no READY=1:\n" + "\n".join(self.lines[-20:])
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def _read(self, proc) -> None:
-        for line in proc.stderr:
-            self.lines.append(line)
-            if '"listening"' in line:
-                self.port = json.loads(line)["port"]
+        self.proc = self.server.proc
+        assert wait_for(lambda: self.listener.count("READY=1") == 1, 120), \
+            "no READY=1:\n" + "\n".join(self.server.lines[-20:])
+        self.url = self.server.url
 
     def watch(self, timeout: float) -> bool:
         """Watch the pings like systemd; True once the watchdog fired and a restart began."""
@@ -95,17 +71,13 @@ class Supervisor:
         return False
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        self.server.stop()
 
 
 def test_watchdog_restarts_a_daemon_whose_engine_died(tiny_model_dir, tmp_path, model_name):
     listener = NotifyListener(str(tmp_path / "notify.sock"))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS),
+    pythonpath = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath,
            "TOKENLOOM_FAULT_INJECTION": "1",
            "TOKENLOOM_FAULTS": json.dumps([{"point": "kv_actor", "tenant": "victim"}])}
     args = ["--model", str(tiny_model_dir), "--set", "model.device=\"cpu\"",
@@ -116,19 +88,19 @@ def test_watchdog_restarts_a_daemon_whose_engine_died(tiny_model_dir, tmp_path, 
         # 1. healthy: pings flow, requests are served
         assert wait_for(lambda: listener.count("WATCHDOG=1") >= 2, 30)
         body = dict(model=model_name, prompt="w5 w6", max_tokens=4)
-        assert http(sup.url + "/v1/completions", body)[0] == 200
+        assert post(sup, "/v1/completions", body)[0] == 200
         assert not sup.watch(timeout=2 * WATCHDOG_SECONDS)   # no restart while healthy
         # 2. the victim kills the KV manager actor
-        status, reply = http(sup.url + "/v1/completions", {**body, "user": "victim"})
+        status, reply = post(sup, "/v1/completions", {**body, "user": "victim"})
         assert status in (500, 503) and "error" in reply
-        status, reply = http(sup.url + "/health")
+        status, reply = get(sup, "/health")
         assert status == 503 and "stopped" in reply["error"]["message"]
         # 3. the watchdog fires and the daemon is restarted
         assert sup.watch(timeout=60), "the pings never stopped"
         assert sup.exit_codes == [-signal.SIGABRT]
         # 4. the new process serves
-        assert http(sup.url + "/health")[0] == 200
-        assert http(sup.url + "/v1/completions", body)[0] == 200
+        assert get(sup, "/health")[0] == 200
+        assert post(sup, "/v1/completions", body)[0] == 200
         assert wait_for(lambda: listener.count("WATCHDOG=1") >= 1, 30)
     finally:
         sup.stop()

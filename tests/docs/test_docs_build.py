@@ -28,9 +28,6 @@ DOCS = ROOT / "docs"
 LINKED = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted(DOCS.glob("*.md"))]
 TOP_LEVEL = ("actors", "daemon", "graphs", "kernels", "config", "systemd", "deploy",
              "benchmarks", "tests", "docs")
-# Named by docs/architecture.md's "Interfaces being unified" before the refactor on main
-# creates them; delete an entry once its file exists.
-PLANNED = {"actors/engine_client.py"}
 # Written by the benchmarks, not checked in (.gitignore).
 GENERATED = ("benchmarks/results",)
 
@@ -149,7 +146,7 @@ def test_source_paths_named_in_the_docs_exist():
         for n, line in prose_lines(path):
             for span in CODE_SPAN.findall(line):
                 span = span.strip()
-                if not pattern.match(span) or span in PLANNED or span.startswith(GENERATED):
+                if not pattern.match(span) or span.startswith(GENERATED):
                     continue
                 if not _path_exists(span.rstrip("/")):
                     missing.append(f"{path.relative_to(ROOT)}:{n}: `{span}`")

@@ -20,6 +20,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tokenloom.arith import cdiv
+
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(),
@@ -40,7 +42,7 @@ def _setup(shape: str, dtype: torch.dtype, sizes, max_context: int = 256, seed: 
     model = random_model(spec, dtype, "cuda", max_positions=max_context + BS, seed=seed)
     model.set_decode_kernel(make_decode_kernel(spec))   # split sized per step by the SMs
     model.set_kv_store_kernel(store_kv_triton)
-    blocks_per_seq = -(-max_context // BS)
+    blocks_per_seq = cdiv(max_context, BS)
     num_blocks = max(sizes) * blocks_per_seq + 1
     kv = KVCache.allocate(spec.num_layers, num_blocks, BS, spec.num_kv_heads, spec.head_dim,
                           dtype, "cuda")
@@ -206,7 +208,7 @@ def test_piecewise_replay_matches_the_plain_forward(shape, dtype, tol):
         for i in range(nd + rng.randrange(1, 4)):
             start = rng.randrange(0, 120)   # at most 10 blocks a row: 9 rows fit the pool
             n = 1 if i < nd else rng.randrange(1, 40)
-            table_ = [next(blocks) for _ in range(-(-(start + n) // BS))]
+            table_ = [next(blocks) for _ in range(cdiv(start + n, BS))]
             seqs.append(SimpleNamespace(request_id=f"r{i}", sample=True, start_pos=start,
                                         token_ids=[rng.randrange(spec.vocab_size)
                                                    for _ in range(n)], block_table=table_))

@@ -20,6 +20,7 @@ from structlog.testing import capture_logs
 from tokenloom.actors.messages import ExecuteBatch, NewSequence, ScheduledSequence
 from tokenloom.actors.execution.model_runner import ModelRunner
 from tokenloom.actors.sampling_params import SamplingParams
+from tokenloom.arith import cdiv
 from tokenloom.config.load import load_config
 from tokenloom.config.schema import ConfigError, GraphsConfig
 from tokenloom.graphs import cpu_compile
@@ -61,7 +62,7 @@ def _kv(spec) -> KVCache:
 def _drive(runner: ModelRunner, prompts, tables, steps: int, decode_sets):
     """Prefill every prompt (eager), then decode the listed sequences each step."""
     seqs = [ScheduledSequence(request_id=f"r{i}", token_ids=p, start_pos=0,
-                              block_table=tables[i][: -(-len(p) // BS)], sample=True,
+                              block_table=tables[i][: cdiv(len(p), BS)], sample=True,
                               new=NewSequence(prompt_token_ids=p, output_token_ids=[],
                                               sampling_params=GREEDY))
             for i, p in enumerate(prompts)]

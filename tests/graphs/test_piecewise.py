@@ -18,6 +18,7 @@ from structlog.testing import capture_logs
 from tokenloom.actors.messages import ExecuteBatch, NewSequence, ScheduledSequence
 from tokenloom.actors.execution.model_runner import ModelRunner
 from tokenloom.actors.sampling_params import SamplingParams
+from tokenloom.arith import cdiv
 from tokenloom.config.schema import ConfigError, GraphsConfig
 from tokenloom.graphs import setup as graph_setup
 from tokenloom.graphs.buckets import PaddedSizeTable, default_token_sizes
@@ -85,7 +86,7 @@ def _drive(runner: ModelRunner, prompts, tables, chunks: list[int], steps: int):
                 end = done[i] + n
                 prefills.append(ScheduledSequence(
                     request_id=rid, token_ids=p[done[i]:end], start_pos=done[i],
-                    block_table=tables[i][: -(-end // BS)], sample=end == len(p),
+                    block_table=tables[i][: cdiv(end, BS)], sample=end == len(p),
                     new=NewSequence(prompt_token_ids=p, output_token_ids=[],
                                     sampling_params=GREEDY) if done[i] == 0 else None))
                 done[i] = end

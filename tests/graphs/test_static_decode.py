@@ -20,6 +20,7 @@ from structlog.testing import capture_logs
 from tokenloom.actors.messages import ExecuteBatch, NewSequence, ScheduledSequence
 from tokenloom.actors.execution.model_runner import ModelRunner
 from tokenloom.actors.sampling_params import SamplingParams
+from tokenloom.arith import cdiv
 from tokenloom.config.schema import GraphsConfig
 from tokenloom.graphs import setup as graph_setup
 from tokenloom.graphs.buckets import PaddedSizeTable
@@ -95,7 +96,7 @@ def _drive(runner: ModelRunner, prompts: list[list[int]], tables: list[list[int]
     """Prefill every prompt in one (eager) batch, then decode the sequences listed for each
     step; returns (tokens per sequence, logits of every decode step)."""
     seqs = [ScheduledSequence(request_id=f"r{i}", token_ids=p, start_pos=0,
-                              block_table=tables[i][: -(-len(p) // BS)], sample=True,
+                              block_table=tables[i][: cdiv(len(p), BS)], sample=True,
                               new=NewSequence(prompt_token_ids=p, output_token_ids=[],
                                               sampling_params=GREEDY))
             for i, p in enumerate(prompts)]

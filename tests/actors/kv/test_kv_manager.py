@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from tokenloom.actors.kv.kv_manager import KVCacheManager, KVSnapshot
+from tokenloom.arith import cdiv
 
 
 def test_num_blocks_needed_is_ceil_minus_held():
@@ -180,7 +181,7 @@ class KVManagerMachine(RuleBasedStateMachine):
     )
     def allocate(self, grants):
         needed = {
-            rid: max(0, -(-tokens // self.block_size) - len(self.held.get(rid, [])))
+            rid: max(0, cdiv(tokens, self.block_size) - len(self.held.get(rid, [])))
             for rid, tokens in grants
         }
         for rid, tokens in grants:

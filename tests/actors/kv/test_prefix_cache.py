@@ -14,6 +14,7 @@ from tokenloom.actors.kv.events import (AllBlocksCleared, BlockRemoved, BlockSto
                                         EventBatch, EventCollector, KVEventPublisher)
 from tokenloom.actors.kv.kv_manager import KVCacheManager, PrefixLookup
 from tokenloom.actors.kv.prefix_cache import FlushResult, MissReason, PrefixQuery
+from tokenloom.arith import cdiv
 
 BS = 4
 FP = "model-fp"
@@ -490,7 +491,7 @@ class PrefixCachingMachine(RuleBasedStateMachine):
         needed = 0
         for rid, total in grants:
             have = len(self.reqs[rid].table) if rid in self.reqs else lookups[rid][0].num_hit_blocks
-            needed += max(0, -(-total // BS) - have)
+            needed += max(0, cdiv(total, BS) - have)
         for rid, (look, tokens, salt) in lookups.items():
             hits = self.kv._cache.match(prefixes[rid].block_hashes[: (len(tokens) - 1) // BS])
             assert len(hits) == look.num_hit_blocks
@@ -523,7 +524,7 @@ class PrefixCachingMachine(RuleBasedStateMachine):
             for i in range(look.num_hit_blocks):
                 # The cache served blocks that hold exactly this request's KV.
                 assert self.kv_content[r.table[i]] == r.hashes[i]
-            assert len(r.table) == max(look.num_hit_blocks, -(-total // BS))
+            assert len(r.table) == max(look.num_hit_blocks, cdiv(total, BS))
             self.reqs[rid] = r
 
     @precondition(lambda self: len(self.reqs) < len(RIDS))
@@ -551,7 +552,7 @@ class PrefixCachingMachine(RuleBasedStateMachine):
         r = self.reqs[rid]
         new = min(r.computed + data.draw(st.integers(1, 16)), len(r.table) * BS, len(r.tokens))
         holders = [b for q in self.reqs.values() for b in q.table]
-        for i in range(r.computed // BS, -(-new // BS)):
+        for i in range(r.computed // BS, cdiv(new, BS)):
             block = r.table[i]
             # The runner writes here: it must be this request's alone and not cached.
             assert holders.count(block) == 1, f"write to shared block {block}"

@@ -63,12 +63,13 @@ from tokenloom.actors.messages import (PLACEHOLDER, AbortRequest, AddRequest, Ch
                                        KVGrant, KVStats, RequestMeta, RequestOutput, SampledToken,
                                        Shutdown,
                                        SpecResult, StepOutput)
-from tokenloom.actors.scheduling.policy import PolicyLimits, blocks_for
+from tokenloom.actors.scheduling.policy import PolicyLimits
 from tokenloom.actors.speculation.controller import SpecController
 from tokenloom.actors.scheduling.prefix_tracker import PrefixTracker
 from tokenloom.actors.sampling_params import SamplingParams
 from tokenloom.actors.scheduling.scheduler_actor import SchedulerActor
 from tokenloom.actors.scheduling.swap import SwapSpace
+from tokenloom.arith import cdiv
 from tokenloom.config.schema import SchedulerConfig
 
 VOCAB = 1000
@@ -179,7 +180,7 @@ def kv_tokens(a: Arrival) -> int:
 def smallest_pool(arrivals: list[Arrival], block_size: int) -> int:
     """Blocks for the biggest request alone, with room for prompt + max_tokens in the
     context window (max_model_len is the pool's capacity, as in the engine)."""
-    return max(blocks_for(len(a.prompt) + a.max_tokens, block_size) for a in arrivals)
+    return max(cdiv(len(a.prompt) + a.max_tokens, block_size) for a in arrivals)
 
 
 def liveness_bound(arrivals: list[Arrival]) -> int:
@@ -385,11 +386,11 @@ class FakeRunner:
         table = s.block_table
         # Exactly the blocks for [0, end): grants are exact, nothing is held in advance
         # (with speculation, blocks of rolled-back drafts may stay in the table).
-        need = blocks_for(end + len(drafts), bs)
+        need = cdiv(end + len(drafts), bs)
         _check((len(table) >= need if self.h.setup.spec_k else len(table) == need)
                and len(set(table)) == len(table),
                f"{where}: table {table} for positions [0, {end + len(drafts)})")
-        for b in range(-(-start // bs)):  # the context: every block it reads
+        for b in range(cdiv(start, bs)):  # the context: every block it reads
             lo, hi = b * bs, min((b + 1) * bs, start)
             got = self.kv.get(table[b], ())[:hi - lo]
             _check(list(got) == truth[lo:hi],

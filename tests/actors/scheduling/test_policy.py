@@ -11,9 +11,10 @@ from collections import deque
 
 from tokenloom.actors.kv.kv_manager import KVCacheManager
 from tokenloom.actors.messages import RequestMeta
-from tokenloom.actors.scheduling.policy import AdmissionParams, PolicyLimits, blocks_for, schedule
+from tokenloom.actors.scheduling.policy import AdmissionParams, PolicyLimits, schedule
 from tokenloom.actors.scheduling.request import Request, RequestStatus
 from tokenloom.actors.sampling_params import SamplingParams
+from tokenloom.arith import cdiv
 
 S = RequestStatus
 SAMPLED = 7  # the fake token every "forward pass" samples; never EOS (there is none)
@@ -111,7 +112,7 @@ def test_chunked_prefill_splits_a_long_prompt_across_iterations():
         if req.num_computed_tokens == req.num_tokens:
             req.append_token(SAMPLED, now=0.0)
         # The table grows chunk by chunk: just enough blocks for the computed tokens.
-        assert kv.num_held("long") == blocks_for(req.num_computed_tokens, 4)
+        assert kv.num_held("long") == cdiv(req.num_computed_tokens, 4)
     assert chunks == [32, 32, 32, 4]
     assert req.is_decode
 

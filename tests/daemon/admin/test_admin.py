@@ -22,7 +22,7 @@ from structlog.testing import capture_logs
 
 from notify_listener import NotifyListener
 from servers import TOKENLOOM, wait_for
-from sse import read_events
+from client import read_events
 from tokenloom.config.schema import AdminConfig
 from tokenloom.daemon import logs
 from tokenloom.daemon.admin import cli as admin_cli
@@ -71,7 +71,7 @@ class Gate:
 
 @pytest.fixture(scope="module")
 def admin_server(tiny_model_dir, tmp_path_factory):
-    from httpserver import ServerThread, tiny_config
+    from servers import ServerThread, tiny_config
 
     tmp = tmp_path_factory.mktemp("admin")
     cfg = tiny_config(tiny_model_dir, tmp_path_factory.mktemp("cache"),

@@ -13,24 +13,9 @@ import time
 import aiohttp
 import pytest
 
-from sse import parse_sse, read_events
+from client import aget, apost, parse_sse, read_events
 
 GREEDY = dict(temperature=0, ignore_eos=True)
-
-
-async def post(server, path: str, body: dict, **kw) -> tuple[int, dict | bytes, dict]:
-    async with aiohttp.ClientSession() as s:
-        async with s.post(server.url + path, json=body, **kw) as r:
-            raw = await r.read()
-            ctype = r.headers.get("Content-Type", "")
-            data = json.loads(raw) if ctype.startswith("application/json") else raw
-            return r.status, data, r.headers.copy()
-
-
-async def get(server, path: str) -> tuple[int, bytes, dict]:
-    async with aiohttp.ClientSession() as s:
-        async with s.get(server.url + path) as r:
-            return r.status, await r.read(), r.headers.copy()
 
 
 def _usage_ok(usage: dict, prompt: int, completion: int) -> None:
@@ -41,7 +26,7 @@ def _usage_ok(usage: dict, prompt: int, completion: int) -> None:
 
 # -- completions ----------------------------------------------------------------------------
 async def test_completion_response_shape(server, model_name):
-    status, body, headers = await post(server, "/v1/completions", dict(
+    status, body, headers = await apost(server, "/v1/completions", dict(
         model=model_name, prompt="w5 w6 w7", max_tokens=5, **GREEDY))
     assert status == 200, body
     assert set(body) == {"id", "object", "created", "model", "system_fingerprint", "choices",
@@ -58,7 +43,7 @@ async def test_completion_response_shape(server, model_name):
 @pytest.mark.parametrize("prompt, num_prompts", [
     ("w5 w6 w7", 1), (["w5 w6", "w7"], 2), ([5, 6, 7], 1), ([[5, 6], [7, 8, 9]], 2)])
 async def test_completion_prompt_forms(server, model_name, prompt, num_prompts):
-    status, body, _ = await post(server, "/v1/completions", dict(
+    status, body, _ = await apost(server, "/v1/completions", dict(
         model=model_name, prompt=prompt, max_tokens=3, n=2, **GREEDY))
     assert status == 200, body
     assert [c["index"] for c in body["choices"]] == list(range(2 * num_prompts))
@@ -68,7 +53,7 @@ async def test_completion_prompt_forms(server, model_name, prompt, num_prompts):
 async def test_string_and_token_prompts_agree(server, model_name):
     texts = []
     for prompt in ("w5 w6 w7", [5, 6, 7]):
-        _, body, _ = await post(server, "/v1/completions", dict(
+        _, body, _ = await apost(server, "/v1/completions", dict(
             model=model_name, prompt=prompt, max_tokens=6, **GREEDY))
         texts.append(body["choices"][0]["text"])
     assert texts[0] == texts[1]
@@ -76,8 +61,8 @@ async def test_string_and_token_prompts_agree(server, model_name):
 
 async def test_streamed_text_equals_non_streamed(server, model_name):
     req = dict(model=model_name, prompt="w9 w10 w11", max_tokens=8, **GREEDY)
-    _, full, _ = await post(server, "/v1/completions", req)
-    status, raw, headers = await post(server, "/v1/completions",
+    _, full, _ = await apost(server, "/v1/completions", req)
+    status, raw, headers = await apost(server, "/v1/completions",
                                       dict(req, stream=True,
                                            stream_options={"include_usage": True}))
     assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
@@ -92,14 +77,14 @@ async def test_streamed_text_equals_non_streamed(server, model_name):
 
 
 async def test_stream_without_usage_has_no_usage_field(server, model_name):
-    _, raw, _ = await post(server, "/v1/completions", dict(
+    _, raw, _ = await apost(server, "/v1/completions", dict(
         model=model_name, prompt="w9", max_tokens=3, stream=True, **GREEDY))
     events = parse_sse(raw)[:-1]
     assert len(events) == 3 and all("usage" not in e for e in events)
 
 
 async def test_n_streams_interleave_with_distinct_indices(server, model_name):
-    _, raw, _ = await post(server, "/v1/completions", dict(
+    _, raw, _ = await apost(server, "/v1/completions", dict(
         model=model_name, prompt="w9 w10", max_tokens=4, n=3, seed=5, temperature=1.0,
         ignore_eos=True, stream=True, stream_options={"include_usage": True}))
     events = parse_sse(raw)[:-1]
@@ -115,14 +100,14 @@ async def test_n_streams_interleave_with_distinct_indices(server, model_name):
 
 async def test_stop_string_cuts_text_and_never_leaks(server, model_name):
     req = dict(model=model_name, prompt="w20 w21", max_tokens=10, **GREEDY)
-    _, full, _ = await post(server, "/v1/completions", req)
+    _, full, _ = await apost(server, "/v1/completions", req)
     words = full["choices"][0]["text"].split()
     stop = words[3]
     expected = full["choices"][0]["text"][: full["choices"][0]["text"].index(stop)]
-    _, body, _ = await post(server, "/v1/completions", dict(req, stop=[stop, "nothing"]))
+    _, body, _ = await apost(server, "/v1/completions", dict(req, stop=[stop, "nothing"]))
     assert body["choices"][0]["text"] == expected
     assert body["choices"][0]["finish_reason"] == "stop"
-    _, raw, _ = await post(server, "/v1/completions", dict(req, stop=stop, stream=True))
+    _, raw, _ = await apost(server, "/v1/completions", dict(req, stop=stop, stream=True))
     chunks = parse_sse(raw)[:-1]
     assert "".join(c["choices"][0]["text"] for c in chunks) == expected
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
@@ -130,7 +115,7 @@ async def test_stop_string_cuts_text_and_never_leaks(server, model_name):
 
 
 async def test_completion_logprobs_shape(server, model_name):
-    _, body, _ = await post(server, "/v1/completions", dict(
+    _, body, _ = await apost(server, "/v1/completions", dict(
         model=model_name, prompt="w5 w6", max_tokens=4, logprobs=3, **GREEDY))
     lp = body["choices"][0]["logprobs"]
     assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
@@ -146,7 +131,7 @@ async def test_completion_logprobs_shape(server, model_name):
 
 # -- chat -----------------------------------------------------------------------------------
 async def test_chat_response_shape_and_logprobs(server, model_name):
-    status, body, _ = await post(server, "/v1/chat/completions", dict(
+    status, body, _ = await apost(server, "/v1/chat/completions", dict(
         model=model_name, messages=[{"role": "system", "content": "w4"},
                                     {"role": "user", "content": "w9 w10"}],
         max_completion_tokens=4, logprobs=True, top_logprobs=2, **GREEDY))
@@ -169,8 +154,8 @@ async def test_chat_response_shape_and_logprobs(server, model_name):
 async def test_chat_stream_matches_non_stream(server, model_name):
     req = dict(model=model_name, messages=[{"role": "user", "content": "w30 w31"}],
                max_tokens=6, **GREEDY)
-    _, full, _ = await post(server, "/v1/chat/completions", req)
-    _, raw, _ = await post(server, "/v1/chat/completions",
+    _, full, _ = await apost(server, "/v1/chat/completions", req)
+    _, raw, _ = await apost(server, "/v1/chat/completions",
                            dict(req, stream=True, stream_options={"include_usage": True},
                                 return_metrics=True))
     events = parse_sse(raw)[:-1]
@@ -186,7 +171,7 @@ async def test_chat_stream_matches_non_stream(server, model_name):
 
 async def test_chat_without_max_tokens_fills_the_context(server, model_name):
     """max_tokens unset: generation may use whatever the context window (2,048) leaves."""
-    _, body, _ = await post(server, "/v1/chat/completions", dict(
+    _, body, _ = await apost(server, "/v1/chat/completions", dict(
         model=model_name, messages=[{"role": "user", "content": "w5 " * 2040}], **GREEDY))
     assert body["choices"][0]["finish_reason"] == "length"
     assert body["usage"]["prompt_tokens"] == 2041  # 2,040 words + the generation prompt
@@ -200,18 +185,18 @@ async def test_cached_tokens_are_exact_and_salts_isolate(server, model_name):
     prompt = " ".join(f"w{i % 50}" for i in range(61))
     req = dict(model=model_name, prompt=prompt, max_tokens=2, return_metrics=True,
                cache_salt="tenant-1", **GREEDY)
-    _, first, _ = await post(server, "/v1/completions", req)
+    _, first, _ = await apost(server, "/v1/completions", req)
     n = first["usage"]["prompt_tokens"]
     assert n > 32  # several full blocks
-    _, second, _ = await post(server, "/v1/completions", req)
-    bs = 8  # the test server's cache.block_size (tests/httpserver.py)
+    _, second, _ = await apost(server, "/v1/completions", req)
+    bs = 8  # the test server's cache.block_size (tests/servers.py tiny_config)
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == ((n - 1) // bs) * bs
     assert second["metrics"]["cached_tokens"] == ((n - 1) // bs) * bs
     assert second["choices"][0]["text"] == first["choices"][0]["text"]
-    _, other, _ = await post(server, "/v1/completions", dict(req, cache_salt="tenant-2"))
+    _, other, _ = await apost(server, "/v1/completions", dict(req, cache_salt="tenant-2"))
     assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert other["metrics"]["prefix_cache"][0]["first_miss_reason"] == "isolation"
-    _, raw, _ = await get(server, "/metrics")
+    _, raw, _ = await aget(server, "/metrics")
     text = raw.decode()
 
     def value(name: str) -> float:
@@ -228,48 +213,48 @@ async def test_cached_tokens_are_exact_and_salts_isolate(server, model_name):
 # -- metrics object, models, health, tokenize ------------------------------------------------
 async def test_metrics_object_is_opt_in(server, model_name):
     req = dict(model=model_name, prompt="w5", max_tokens=3, **GREEDY)
-    _, plain, _ = await post(server, "/v1/completions", req)
+    _, plain, _ = await apost(server, "/v1/completions", req)
     assert "metrics" not in plain
-    _, body, _ = await post(server, "/v1/completions", dict(req, return_metrics=True))
+    _, body, _ = await apost(server, "/v1/completions", dict(req, return_metrics=True))
     m = body["metrics"]
     assert set(m) == {"queue_time", "time_to_first_token", "decode_time", "e2e_time",
                       "cached_tokens", "num_preemptions", "prefix_cache", "trace"}
     assert 0 <= m["queue_time"] <= m["time_to_first_token"] <= m["e2e_time"]
     assert m["decode_time"] >= 0 and m["cached_tokens"] == 0 and m["num_preemptions"] == 0
-    _, raw, _ = await post(server, "/v1/completions", dict(req, return_metrics=True,
+    _, raw, _ = await apost(server, "/v1/completions", dict(req, return_metrics=True,
                                                            stream=True))
     *chunks, _ = parse_sse(raw)
     assert "metrics" in chunks[-1] and all("metrics" not in c for c in chunks[:-1])
 
 
 async def test_models_health_ready(server, model_name):
-    status, raw, _ = await get(server, "/v1/models")
+    status, raw, _ = await aget(server, "/v1/models")
     body = json.loads(raw)
     assert status == 200 and body["object"] == "list"
     assert [m["id"] for m in body["data"]] == [model_name]
     assert body["data"][0]["object"] == "model" and body["data"][0]["max_model_len"] == 2048
-    assert (await get(server, "/health"))[0] == 200
-    status, raw, _ = await get(server, "/ready")
+    assert (await aget(server, "/health"))[0] == 200
+    status, raw, _ = await aget(server, "/ready")
     assert status == 200 and json.loads(raw) == {"status": "ready"}
 
 
 async def test_tokenize_detokenize_round_trip(server, model_name):
-    status, body, _ = await post(server, "/tokenize", {"model": model_name, "prompt": "w5 w6"})
+    status, body, _ = await apost(server, "/tokenize", {"model": model_name, "prompt": "w5 w6"})
     assert status == 200 and body["tokens"] == [5, 6] and body["count"] == 2
     assert body["max_model_len"] == 2048
-    _, chat, _ = await post(server, "/tokenize",
+    _, chat, _ = await apost(server, "/tokenize",
                             {"messages": [{"role": "user", "content": "w7"}]})
     assert chat["tokens"] == [7, 3]  # the template adds the generation prompt w3
-    status, body, _ = await post(server, "/detokenize", {"tokens": [5, 6]})
+    status, body, _ = await apost(server, "/detokenize", {"tokens": [5, 6]})
     assert status == 200 and body == {"prompt": "w5 w6"}
-    status, body, _ = await post(server, "/detokenize", {"tokens": [5, 999]})
+    status, body, _ = await apost(server, "/detokenize", {"tokens": [5, 999]})
     assert status == 400 and body["error"]["param"] == "tokens"
 
 
 async def test_prometheus_metrics_use_vllm_names(server, model_name):
-    await post(server, "/v1/completions", dict(model=model_name, prompt="w5", max_tokens=3,
+    await apost(server, "/v1/completions", dict(model=model_name, prompt="w5", max_tokens=3,
                                                **GREEDY))
-    status, raw, headers = await get(server, "/metrics")
+    status, raw, headers = await aget(server, "/metrics")
     assert status == 200 and headers["Content-Type"].startswith("text/plain")
     text = raw.decode()
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
@@ -298,7 +283,7 @@ async def test_greedy_over_http_equals_offline_generate(server, model_name, tiny
                                                        ignore_eos=True))
     finally:
         llm.close()
-    _, body, _ = await post(server, "/v1/completions", dict(
+    _, body, _ = await apost(server, "/v1/completions", dict(
         model=model_name, prompt=prompts, max_tokens=12, **GREEDY))
     assert [c["text"] for c in body["choices"]] == [o.text for o in offline]
 
@@ -308,7 +293,7 @@ async def test_full_waiting_queue_gets_429_with_retry_after(tiny_model_dir, tmp_
                                                             model_name):
     """1. max_num_seqs=1, max_waiting=1: one request runs, one waits; 2. a third gets 429 with
     Retry-After and an OpenAI error body; 3. once they are gone, requests are served again."""
-    from httpserver import ServerThread, tiny_config
+    from servers import ServerThread, tiny_config
 
     server = ServerThread(tiny_config(tiny_model_dir, tmp_path, **{
         "scheduler.max_num_seqs": 1, "scheduler.max_num_batched_tokens": 16,
@@ -327,7 +312,7 @@ async def test_full_waiting_queue_gets_429_with_retry_after(tiny_model_dir, tmp_
             first.close()
             second.close()
         assert server.wait_idle()["used"] == 0
-        status, body, _ = await post(server, "/v1/completions", dict(
+        status, body, _ = await apost(server, "/v1/completions", dict(
             model=model_name, prompt="w5", max_tokens=2, **GREEDY))
         assert status == 200
     finally:
@@ -339,7 +324,7 @@ async def test_health_answers_while_a_long_prompt_prefills(tiny_model_dir, tmp_p
     """By ordering: 1. a 1,500-token prompt starts streaming (chunked into ~94 iterations);
     2. once it is running, GET /health; 3. the health response arrives before the prompt's
     first token."""
-    from httpserver import ServerThread, tiny_config
+    from servers import ServerThread, tiny_config
 
     server = ServerThread(tiny_config(tiny_model_dir, tmp_path, **{
         "scheduler.max_num_batched_tokens": 16, "scheduler.max_num_seqs": 4}))
@@ -371,7 +356,7 @@ async def test_engine_crash_ends_open_streams_and_fails_health(tiny_model_dir, t
                                                                model_name):
     """1. a long stream is running; 2. the engine's task dies; 3. the stream ends with an
     error event and [DONE] instead of hanging; 4. /health and new requests get 503."""
-    from httpserver import ServerThread, tiny_config
+    from servers import ServerThread, tiny_config
 
     server = ServerThread(tiny_config(tiny_model_dir, tmp_path))
     try:
@@ -399,7 +384,7 @@ async def test_shutdown_while_streaming_is_prompt(tiny_model_dir, tmp_path, mode
     runner that already stopped); 4. the client sees its stream end."""
     import time
 
-    from httpserver import ServerThread, tiny_config
+    from servers import ServerThread, tiny_config
 
     server = ServerThread(tiny_config(tiny_model_dir, tmp_path))
     async with aiohttp.ClientSession() as s:

@@ -11,7 +11,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from servers import TOKENLOOM, ServerProcess  # noqa: E402
+from servers import TOKENLOOM, ServerProcess, wait_for  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +130,14 @@ def test_log_lines_are_json_with_request_ids(client, served, model_name):
     r = client.completions.create(model=model_name, prompt="w5", max_tokens=2, temperature=0)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=model_name, prompt="w5", max_tokens=5000)
+
+    def logged() -> bool:   # the reply can overtake the log lines on their way to our reader
+        lines = served.json_lines()
+        refused = [line for line in lines if line.get("event") == "request rejected"]
+        return bool(refused) and any(line.get("request_id") == refused[-1]["request_id"]
+                                     and line["event"] == "http" for line in lines)
+
+    wait_for(logged, 10)
     lines = served.json_lines()
     about = [line for line in lines if str(line.get("request_id", "")).startswith(r.id)]
     assert {"request", "choice finished", "http"} <= {line["event"] for line in about}

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -23,6 +24,8 @@ import pytest
 from tokenloom.actors.messages import CheckIntegrity
 from tokenloom.daemon.openai import responses as R
 
+from client import aget
+
 ST = str(Path(sys.executable).with_name("st"))
 CHECKS = "not_a_server_error,status_code_conformance,content_type_conformance," \
          "response_schema_conformance"
@@ -32,7 +35,7 @@ EXAMPLES = 25     # per operation and phase; the suite's budget (the script runs
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_model_dir, tmp_path_factory):
     """Bounded by config so that fuzzed requests stay cheap: n <= 4, max_tokens <= 16."""
-    from httpserver import ServerThread, tiny_config
+    from servers import ServerThread, tiny_config
 
     s = ServerThread(tiny_config(tiny_model_dir, tmp_path_factory.mktemp("cache"),
                                  **{"server.max_n": 4, "server.max_tokens": 16,
@@ -41,18 +44,13 @@ def fuzz_server(tiny_model_dir, tmp_path_factory):
     s.close()
 
 
-async def _get_json(url: str):
-    async with aiohttp.ClientSession() as session:
-        async with session.get(url) as r:
-            assert r.status == 200
-            return await r.json()
-
-
 async def test_the_document_covers_every_route_with_the_configured_bounds(fuzz_server,
                                                                           model_name):
     import schemathesis
 
-    doc = await _get_json(fuzz_server.url + "/openapi.json")
+    status, raw, _ = await aget(fuzz_server, "/openapi.json")
+    assert status == 200
+    doc = json.loads(raw)
     assert doc["openapi"] == "3.1.0"
     schema = schemathesis.openapi.from_dict(doc)
     assert len(list(schema.get_all_operations())) >= 10

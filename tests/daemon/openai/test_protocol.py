@@ -8,6 +8,7 @@ import msgspec
 
 import pytest
 
+from tokenloom.actors.messages import RequestMeta
 from tokenloom.daemon.errors import APIError
 from tokenloom.daemon.openai.protocol import Limits, parse_chat, parse_completion
 
@@ -48,6 +49,17 @@ def test_sampling_fields_reach_sampling_params():
     assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (0.5, -0.5, 1.2)
     assert sp.ignore_eos and sp.min_tokens == 2 and sp.logprobs == 3
     assert p.stream and p.include_usage and p.return_metrics
+    assert (p.meta.cache_salt, p.meta.priority, p.meta.tenant) == ("tenant-a", -1, "u")
+
+
+def test_request_metadata_comes_whole_from_body_and_headers():
+    classes = {"interactive": -1, "batch": 5}
+    p = parse_chat(body(messages=[{"role": "user", "content": "a"}], user="u",
+                        metadata={"team": "search", "exp": "t17"}, prompt_cache_key="k"),
+                   LIMITS, {"X-Priority": "batch", "X-Tenant": "acme"}, classes)
+    assert p.meta == RequestMeta(priority=5, tenant="acme", affinity="k",
+                                 labels={"team": "search", "exp": "t17"})
+    assert parse_completion(body(prompt="x"), LIMITS).meta == RequestMeta()
 
 
 def test_chat_max_completion_tokens_and_logprobs():
@@ -80,6 +92,9 @@ def test_chat_max_completion_tokens_and_logprobs():
     (dict(prompt="x", stop=[""]), 400, "stop"),
     (dict(prompt="x", stop=5), 400, "stop"),
     (dict(prompt="x", cache_salt=""), 400, "cache_salt"),
+    (dict(prompt="x", metadata={f"k{i}": "v" for i in range(17)}), 400, "metadata"),
+    (dict(prompt="x", metadata={"k": "v" * 513}), 400, "metadata"),
+    (dict(prompt="x", metadata={"k": 3}), 400, "metadata[...]"),
     (dict(prompt="x", speculative="maybe"), 400, "speculative"),
     (dict(prompt="x", priority=[1]), 400, "priority"),
     (dict(prompt="x", stream_options={"include_usage": True}), 400, "stream_options"),

@@ -139,7 +139,7 @@ def test_preempted_constrained_requests_resume_with_their_grammar_state(
     each text equals the big-pool server's and still matches the constraint."""
     import concurrent.futures
 
-    from httpserver import ServerThread, tiny_config
+    from servers import ServerThread, tiny_config
 
     prompts = [[10 + (i * 7 + k) % 90 for k in range(40)] for i in range(8)]
     regex = "(w1[0-9]|w2[0-9]){24}"

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from tokenloom.daemon.errors import APIError
-from tokenloom.daemon.openai.protocol import _unsupported_keyword
+from tokenloom.daemon.openai.guided_fields import unsupported_keyword
 from tokenloom.daemon.openai.tools import (CallDeltas, fallback_messages, parse_calls, parse_tools,
                                     scan_calls)
 
@@ -19,7 +19,7 @@ NOW = {"type": "function", "function": {"name": "now"}}
 
 
 def spec(choice=None, parallel=None):
-    return parse_tools([ADD, NOW], choice, _unsupported_keyword, parallel)
+    return parse_tools([ADD, NOW], choice, unsupported_keyword, parallel)
 
 
 @pytest.mark.parametrize("tools, choice, param", [
@@ -40,7 +40,7 @@ def spec(choice=None, parallel=None):
 ])
 def test_bad_tools_name_the_field(tools, choice, param):
     with pytest.raises(APIError) as e:
-        parse_tools(tools, choice, _unsupported_keyword)
+        parse_tools(tools, choice, unsupported_keyword)
     assert e.value.status == 400 and e.value.param == param
 
 

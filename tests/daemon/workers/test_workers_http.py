@@ -10,15 +10,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import time
-import urllib.error
 import urllib.request
 
 import pytest
 
+from client import admin as admin_command
+from client import get, metrics, parse_sse, post
 from servers import ServerProcess, wait_for
-from sse import parse_sse
 
 BLOCK = 8
 MODEL = ""   # the served model name (the model directory's), set by the fixture
@@ -45,35 +44,19 @@ def cluster(tiny_model_dir, tmp_path_factory):
     assert not [l for l in lines if l.get("event") == "worker supervision failed"]
 
 
-def get(server, path):
-    try:
-        with urllib.request.urlopen(server.url + path, timeout=30) as r:
-            return r.status, json.loads(r.read() or b"null")
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
-def post(url, body, timeout=60):
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
+def completion(url, body: dict) -> dict:
+    status, reply = post(url, "/v1/completions", body)
+    assert status == 200, reply
+    return reply
 
 
 def complete(url, prompt, max_tokens=8, **extra):
-    return post(url, {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
-                      "temperature": 0, **extra})
+    return completion(url, {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
+                            "temperature": 0, **extra})
 
 
 def admin(server, cmd: dict) -> dict:
-    with socket.socket(socket.AF_UNIX) as s:
-        s.settimeout(30)
-        s.connect(server.admin)
-        s.sendall(json.dumps(cmd).encode() + b"\n")
-        buf = b""
-        while not buf.endswith(b"\n"):
-            buf += s.recv(65536)
-    return json.loads(buf)
+    return admin_command(server.admin, cmd)
 
 
 def trace(server, rid):
@@ -105,28 +88,28 @@ def test_routing_follows_the_prefix_from_kv_events(cluster):
     """1. a long prompt runs on some worker; its KV events say which blocks it holds
     2. prompts sharing that prefix go to the same worker, expecting the 8 blocks, and hit
     3. the trace records the decision."""
-    first = post(cluster.url, {"model": MODEL, "prompt": PREFIX + " w3", "max_tokens": 2,
-                               "temperature": 0})
+    first = completion(cluster, {"model": MODEL, "prompt": PREFIX + " w3", "max_tokens": 2,
+                                 "temperature": 0})
     home = trace(cluster, first["id"])["routing"]["worker"]
     time.sleep(0.3)   # the KV events of its blocks reach the front
     for i in range(4):
-        out = post(cluster.url, {"model": MODEL, "prompt": f"{PREFIX} w{40 + i} w{50 + i}",
-                                 "max_tokens": 2, "temperature": 0})
+        out = completion(cluster, {"model": MODEL, "prompt": f"{PREFIX} w{40 + i} w{50 + i}",
+                                   "max_tokens": 2, "temperature": 0})
         routing = trace(cluster, out["id"])["routing"]
         assert routing["worker"] == home, routing
         assert routing["reason"] == "prefix" and routing["expected_hit_blocks"] == 8, routing
         assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 8 * BLOCK
-    metrics = urllib.request.urlopen(cluster.url + "/metrics").read().decode()
+    text = metrics(cluster)
     expected = {line.split('worker="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
-                for line in metrics.splitlines()
+                for line in text.splitlines()
                 if line.startswith("tokenloom:worker_expected_hit_blocks_total{")}
     assert expected[str(home)] >= 4 * 8 and set(expected) == {"0", "1"}
-    assert "tokenloom:worker_prefix_cache_hit_rate{" in metrics
+    assert "tokenloom:worker_prefix_cache_hit_rate{" in text
 
 
 def test_siblings_share_a_worker_and_the_trace_has_every_choice(cluster):
-    out = post(cluster.url, {"model": MODEL, "prompt": ["w5 w6 w7", "w8 w9 w10"], "n": 2,
-                             "max_tokens": 4, "temperature": 0})
+    out = completion(cluster, {"model": MODEL, "prompt": ["w5 w6 w7", "w8 w9 w10"], "n": 2,
+                               "max_tokens": 4, "temperature": 0})
     assert len(out["choices"]) == 4
     choices = trace(cluster, out["id"])["choices"]
     assert len(choices) == 4
@@ -142,13 +125,11 @@ def test_affinity_key_breaks_ties(cluster):
                              ({}, {"X-Session-Id": "session-7"})):
         workers = []
         for i in range(4):
-            req = urllib.request.Request(
-                cluster.url + "/v1/completions",
-                data=json.dumps({"model": MODEL, "prompt": f"w{90 + i}", "max_tokens": 2,
-                                 "temperature": 0, **body_key}).encode(),
-                headers={"Content-Type": "application/json", **header})
-            with urllib.request.urlopen(req, timeout=60) as r:
-                routing = trace(cluster, json.loads(r.read())["id"])["routing"]
+            status, reply = post(cluster, "/v1/completions",
+                                 {"model": MODEL, "prompt": f"w{90 + i}", "max_tokens": 2,
+                                  "temperature": 0, **body_key}, headers=header)
+            assert status == 200, reply
+            routing = trace(cluster, reply["id"])["routing"]
             workers.append(routing["worker"])
             if i:
                 assert routing["reason"] == "affinity", routing

@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from tokenloom.arith import cdiv
 from tokenloom.kernels.attention import decode_attention
 from tokenloom.kernels.cpu.attention import cpu_kernel_status, load_cpu_decode_kernel, paged_decode_cpu
 
@@ -33,7 +34,7 @@ def test_matches_reference(heads, kv_heads, head_dim, block_size, dtype):
     # Context lengths straddle block boundaries: 1, a full block, one past it, long ones.
     lens = torch.tensor([1, block_size, block_size + 1, 2 * block_size - 1, 777, 2000])
     batch = len(lens)
-    max_blocks = -(-int(lens.max()) // block_size)
+    max_blocks = cdiv(int(lens.max()), block_size)
     kc = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
     vc = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
     tables = torch.stack([torch.randperm(num_blocks, generator=g)[:max_blocks]

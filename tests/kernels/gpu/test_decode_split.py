@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tokenloom.arith import cdiv
 from tokenloom.kernels.gpu.decode_split import PROGRAMS_PER_SM, SplitRule, Variant
 
 H200 = dict(sm_count=132)
@@ -25,7 +26,7 @@ rules = st.builds(
 
 
 def _parts(context: int, v: Variant) -> int:
-    return -(-context // v.partition)
+    return cdiv(context, v.partition)
 
 
 def _check(rule: SplitRule, rows: int, v: Variant, cover: int) -> None:
@@ -43,7 +44,7 @@ def test_eager_partition_properties(rule, rows, context):
     v = rule.eager(rows, context)
     _check(rule, rows, v, context)
     # Enough programs: the target where the context and the scratch bound allow it.
-    per_row = -(-PROGRAMS_PER_SM * rule.sm_count // (rows * rule.kv_heads))
+    per_row = cdiv(PROGRAMS_PER_SM * rule.sm_count, rows * rule.kv_heads)
     assert _parts(context, v) >= min(per_row, context // rule.block_n,
                                      rule.max_parts(rows) // 2 + 1)
     assert v.direct or per_row > 1     # rows that fill the GPU alone skip the reduce

@@ -17,6 +17,7 @@ import torch
 assert os.environ.get("TRITON_INTERPRET") == "1", "run through test_triton_attention.py"
 
 import tokenloom.kernels.gpu.triton_attention as _tk  # noqa: E402
+from tokenloom.arith import cdiv  # noqa: E402
 from tokenloom.kernels.attention import decode_attention  # noqa: E402
 from tokenloom.kernels.kv_store import store_kv  # noqa: E402
 
@@ -29,7 +30,7 @@ def tk():
 def _case(heads, kv_heads, head_dim, block_size, lens, dtype, seed, num_blocks=None):
     g = torch.Generator().manual_seed(seed)
     lens = torch.tensor(lens, dtype=torch.int64)
-    max_blocks = -(-int(lens.max()) // block_size)
+    max_blocks = cdiv(int(lens.max()), block_size)
     num_blocks = num_blocks or max_blocks * len(lens) + 3
     kc = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
     vc = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)

@@ -25,6 +25,7 @@ import torch
 from tokenloom import LLM, SamplingParams
 from tokenloom.actors.execution.batch_inputs import build_batch_inputs
 from tokenloom.actors.messages import ExecuteBatch, ScheduledSequence
+from tokenloom.arith import cdiv
 from tokenloom.kernels.kv_store import KVCache
 from tokenloom.kernels.models.loader import ModelLoadError, load_model, load_spec, resolve_model_dir
 from tokenloom.kernels.models.model_spec import UnsupportedModelError
@@ -126,7 +127,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 def _tight_pool(m: TinyModel) -> int:
     # Room for the longest request alone (plus one block), far less than all of them together.
     longest = max(len(p) for p in m.prompts) + MAX_TOKENS
-    return -(-longest // BLOCK_SIZE) + 1
+    return cdiv(longest, BLOCK_SIZE) + 1
 
 
 SCHEDULES = {
@@ -178,7 +179,7 @@ def test_outputs_are_not_degenerate(tiny_model):
 
 # -- logits ---------------------------------------------------------------------------------
 def _seq(rid: str, ids: list[int], start: int, table: list[int], sample: bool) -> ScheduledSequence:
-    need = -(-(start + len(ids)) // BLOCK_SIZE)
+    need = cdiv(start + len(ids), BLOCK_SIZE)
     return ScheduledSequence(request_id=rid, token_ids=ids, start_pos=start,
                              block_table=table[:need], sample=sample)
 

@@ -1,0 +1,86 @@
+"""/metrics is table-driven: every field of EngineStats annotated with a Metric
+(actors/metric_fields.py) is exported under its declared name with its value, nested stats
+included, without the collector naming it."""
+
+from __future__ import annotations
+
+import re
+
+from tokenloom.actors.kv.prefix_cache import PrefixCacheStats
+from tokenloom.actors.messages import (EngineStats, GraphStats, KVStats, RouterStats,
+                                       SchedulerStats, SpecStats, StepTimings)
+from tokenloom.actors.metric_fields import exported_fields
+from tokenloom.daemon.metrics import Metrics
+
+
+def _stats() -> EngineStats:
+    sched = SchedulerStats(
+        waiting=2, running=3, in_flight_steps=1, overlap=True, num_steps=41, num_forks=5,
+        num_preemptions=4, num_swap_preemptions=1, num_free_blocks=70, max_decode_skip=2,
+        admission_paused=True, prefill_budget=96, cost_model=None, swap_free_slots=None,
+        num_slo_evaluated=9, num_slo_good=6, num_kv_plan_waits=7,
+        timings=StepTimings(steps=10, forward_ms=12.5, host_ms=1.5, exposed_host_ms=0.25,
+                            kv_round_trip_ms=0.125, batch_size=3.0),
+        spec=SpecStats(method="ngram", num_speculative_tokens=3, num_drafts=8,
+                       num_draft_tokens=24, num_accepted_tokens=11,
+                       accepted_per_position=[6, 3, 2], steps_killed=1))
+    kv = KVStats(num_blocks=100, free=70, used=30, usage=0.3, block_size=16, cached_blocks=12,
+                 prefix_cache=PrefixCacheStats(queried_tokens=640, hit_tokens=320,
+                                               missed_tokens={"cold": 300, "evicted": 20}))
+    graphs = GraphStats(graph_steps=20, eager_steps=2, eager_reasons={"too big": 2},
+                        decode_batch_size_histogram={"4": 19}, replays=20)
+    return EngineStats(scheduler=sched, kv=kv, graphs=graphs,
+                       router=RouterStats(in_flight=5, capacity=64, num_rejected=1))
+
+
+def _value(text: str, name: str, labels: str = "") -> float:
+    """The sample of `name` whose labels are model_name="m" plus `labels` (in any order)."""
+    want = {'model_name="m"', *([labels] if labels else [])}
+    for m in re.finditer(rf'^{re.escape(name)}(?:_total)?\{{(.*)\}} (\S+)$', text, re.M):
+        if set(re.findall(r'\w+="[^"]*"', m.group(1))) == want:
+            return float(m.group(2))
+    raise AssertionError(f"{name}{{{labels}}} not exported")
+
+
+def test_every_annotated_field_is_exported_with_its_value():
+    metrics = Metrics("m")
+    stats = _stats()
+    metrics.engine.stats = stats
+    text = metrics.render().decode()
+
+    def walk(obj):
+        for name, metric in exported_fields(type(obj)):
+            v = getattr(obj, name)
+            if isinstance(v, dict):
+                for k, n in v.items():
+                    assert _value(text, metric.name, f'{metric.label}="{k}"') == n
+            elif isinstance(v, list):
+                for i, n in enumerate(v):
+                    assert _value(text, metric.name, f'{metric.label}="{i}"') == n
+            elif metric.value:
+                assert _value(text, metric.name, f'{metric.label}="{metric.value}"') == v
+            else:
+                assert _value(text, metric.name) == float(v), metric.name
+        for name in obj.__struct_fields__:
+            sub = getattr(obj, name)
+            if hasattr(sub, "__struct_fields__"):
+                walk(sub)
+
+    walk(stats)
+    # a counter added as one annotated field (actors/messages.py) and the line filling it
+    assert _value(text, "tokenloom:kv_plan_waits") == 7
+    # the series derived from several fields
+    assert _value(text, "tokenloom:preemptions", 'mode="recompute"') == 3
+    assert _value(text, "tokenloom:goodput_ratio") == 6 / 9
+    assert _value(text, "tokenloom:prefill_chunk_budget_tokens") == 96
+
+
+def test_a_missing_sub_struct_exports_nothing_of_it():
+    metrics = Metrics("m")
+    stats = _stats()
+    import msgspec
+    metrics.engine.stats = msgspec.structs.replace(
+        stats, scheduler=msgspec.structs.replace(stats.scheduler, spec=None))
+    text = metrics.render().decode()
+    assert "vllm:spec_decode_num_drafts" not in text
+    assert _value(text, "vllm:num_requests_running") == 3
