@@ -69,7 +69,7 @@ def post(url, body):
 
 
 def serve(model_dir, cache, **overrides):
-    from httpserver import ServerThread, tiny_config
+    from servers import ServerThread, tiny_config
     return ServerThread(tiny_config(model_dir, cache, **{"cache.block_size": 16,
                                                          "cache.num_blocks": 2048,
                                                          **overrides}))

@@ -63,7 +63,7 @@ def replay(server, capture, out, errors_allowed=0):
 
 
 def start(tiny_model_dir, tmp_path_factory, **overrides):
-    from httpserver import ServerThread, tiny_config
+    from servers import ServerThread, tiny_config
     return ServerThread(tiny_config(tiny_model_dir, tmp_path_factory.mktemp("cache"),
                                     **overrides))
 
