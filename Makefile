@@ -7,7 +7,7 @@ TORCH   ?= torch==2.13.0
 STAMP   := $(VENV)/.installed
 PIPQ    := $(BIN)/pip install --quiet --disable-pip-version-check
 
-.PHONY: install serve lint test test-fast bench gpu-check gpu-wheels clean
+.PHONY: install serve lint test test-fast browser bench gpu-check gpu-wheels clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,11 +25,16 @@ serve: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
-test-fast: $(STAMP)
+# The diagnosis report's test screenshots it in a real browser (tests/screenshot.py).
+browser:
+	command -v chromium >/dev/null || { apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
+
+test-fast: $(STAMP) browser
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -m "not slow"
 

@@ -98,6 +98,7 @@ class AddRequest(_Msg):
     sampling_params: SamplingParams
     arrival_time: float
     meta: RequestMeta = msgspec.field(default_factory=RequestMeta)
+    tokenized_time: float | None = None   # when the tokenizer finished it (for the trace)
     routed_time: float | None = None   # when the router forwarded it (for the trace)
 
 

@@ -35,6 +35,7 @@ __all__ = [
     "ServerConfig",
     "SpeculativeConfig",
     "KVEventsConfig",
+    "RecordConfig",
     "WorkersConfig",
     "check_field",
     "field_types",
@@ -400,6 +401,28 @@ class AdminConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tru
                                   f"{bad!r}", key=f"admin.{name}")
 
 
+class RecordConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Recording live traffic as a capture for `tokenloom replay` / `tokenloom diagnose`
+    (docs/debugging.md); also started and stopped at run time by `tokenloom admin record`."""
+
+    section: ClassVar[str] = "record"
+
+    # Record from start-up into `path` (off by default; costs nothing while off).
+    enabled: bool = False
+    path: str = ""
+    # What is kept of each prompt: "body" (the request body), "tokens" (its token ids),
+    # "hashes" (per-block chain hashes and the length only: no text leaves the host).
+    content: Literal["body", "tokens", "hashes"] = "body"
+    # The capture stops growing past this size; later requests are counted as dropped.
+    max_bytes: Annotated[int, msgspec.Meta(ge=4096)] = 256 * MiB
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.enabled and not self.path:
+            raise ConfigError("record.path must name the capture file when record.enabled "
+                              "is true", key="record.path")
+
+
 class EngineConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The whole tree; sections default to their own defaults."""
 
@@ -412,6 +435,7 @@ class EngineConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     speculative: SpeculativeConfig = SpeculativeConfig()
     kv_events: KVEventsConfig = KVEventsConfig()
     workers: WorkersConfig = WorkersConfig()
+    record: RecordConfig = RecordConfig()
 
 
 def resolve_cache_dir(

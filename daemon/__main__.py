@@ -3,6 +3,9 @@
     tokenloom generate "prompt" [--chat] [--max-tokens N] [--temperature T] [--set key=value]
     tokenloom serve [--host H] [--port P] [--config PATH] [--model M] [--set key=value]
     tokenloom admin [--socket PATH] [--json] stats|flush-cache|drain|resume|cancel|trace|log-level
+    tokenloom replay CAPTURE --url URL [--speed X] [--out FILE] [--plain]
+    tokenloom diagnose BEFORE AFTER [--json] [--html FILE] [--model M]
+    tokenloom debug prefix-diff A.json B.json
 
 A bad config file, key or value exits with status 2 and a message naming the key; so does
 `serve` on an address it cannot bind (a port in use), before it loads the model.
@@ -70,6 +73,29 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("a", help="request body JSON (completions or chat)")
     pd.add_argument("b", help="request body JSON (completions or chat)")
     _common(pd)
+    r = sub.add_parser("replay", help="send a capture's requests at their recorded offsets "
+                       "(open loop) and write every response's usage, timings and trace")
+    r.add_argument("capture", help="a capture (tokenloom admin record) or replay output")
+    r.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    r.add_argument("--speed", type=float, default=1.0,
+                   help="arrival-rate multiplier (2 = twice as fast)")
+    r.add_argument("--out", help="output JSONL (default: CAPTURE.replay.jsonl)")
+    r.add_argument("--plain", action="store_true", help="any OpenAI-compatible server: send "
+                   "no tokenloom extensions (no traces come back)")
+    r.add_argument("--model", dest="served_model",
+                   help="model name to send (default: the server's first /v1/models entry)")
+    r.add_argument("--vocab", type=int, default=32000,
+                   help="token ids below this for a hashes-only capture's synthetic prompts")
+    r.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    dg = sub.add_parser("diagnose", help="compare two replays (or captures): the before/after "
+                        "table, the ranked mechanisms and the incident sentence")
+    dg.add_argument("before")
+    dg.add_argument("after")
+    dg.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
+    dg.add_argument("--html", metavar="FILE", help="also write an HTML report with plots")
+    dg.add_argument("--model", help="tokenizer for the prefix diff's text ('default' or a "
+                    "model directory); without it the diff shows token ids")
+    dg.add_argument("--cache-dir", default="", help="model cache directory (with --model)")
     return parser
 
 
@@ -146,6 +172,45 @@ def cmd_prefix_diff(args) -> int:
     return 0
 
 
+def cmd_replay(args) -> int:
+    import asyncio
+
+    from tokenloom.daemon.debug import replay
+
+    out = args.out or f"{args.capture}.replay.jsonl"
+    results = asyncio.run(replay.run(args.capture, args.url, out, speed=args.speed,
+                                     plain=args.plain, model=args.served_model,
+                                     vocab=args.vocab, timeout=args.timeout))
+    failed = sum(1 for r in results if r["status"] != 200 or r.get("error"))
+    print(f"replayed {len(results)} requests ({failed} failed) -> {out}")
+    return 0
+
+
+def cmd_diagnose(args) -> int:
+    import json
+
+    from tokenloom.daemon.debug import report
+    from tokenloom.daemon.debug.diagnose import diagnose_files
+
+    diag = diagnose_files(args.before, args.after)
+    tokenizer = None
+    if args.model:
+        from transformers import AutoTokenizer
+
+        from tokenloom.config.schema import ModelConfig, resolve_cache_dir
+        from tokenloom.kernels.models.loader import resolve_model_dir
+        cache = resolve_cache_dir(ModelConfig(model=args.model, cache_dir=args.cache_dir))
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(args.model, cache))
+    if args.html:
+        with open(args.html, "w", encoding="utf-8") as f:
+            f.write(report.html(diag, tokenizer))
+    if args.json:
+        print(json.dumps(report.as_json(diag), indent=1))
+    else:
+        print(report.text(diag, tokenizer))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -158,6 +223,10 @@ def main(argv: list[str] | None = None) -> int:
             return admin_cli.run(args)
         if args.command == "debug" and args.debug_command == "prefix-diff":
             return cmd_prefix_diff(args)
+        if args.command == "replay":
+            return cmd_replay(args)
+        if args.command == "diagnose":
+            return cmd_diagnose(args)
     except (ConfigError, ValueError) as e:
         print(f"tokenloom: {e}", file=sys.stderr)
         return 2

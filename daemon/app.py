@@ -217,9 +217,17 @@ async def engine_ctx(app: web.Application):
     state.ready = True
     log.info("ready", model=state.model_name, max_model_len=engine.info.max_model_len,
              kv_blocks=engine.info.num_blocks)
+    if state.config.record.enabled:
+        from tokenloom.daemon.debug import record
+        rc = state.config.record
+        record.start(state, rc.path, rc.content, rc.max_bytes)
+        log.info("recording traffic", path=rc.path, content=rc.content)
     try:
         yield
     finally:
+        if state.recorder is not None:
+            from tokenloom.daemon.debug import record
+            log.info("recording stopped", **record.stop(state))
         state.ready = False
         state.draining = state.stopping = True
         engine.shutdown()

@@ -18,6 +18,7 @@ from tokenloom.daemon.sdnotify import Notifier
 
 if TYPE_CHECKING:   # (both import this module)
     from tokenloom.daemon.connections import ConnectionStats
+    from tokenloom.daemon.debug.record import Recorder
     from tokenloom.daemon.drain import DrainController
 
 
@@ -38,6 +39,7 @@ class ServerState:
     notifier: Notifier = dataclasses.field(default_factory=Notifier)  # sd_notify (or no-op)
     started: int = dataclasses.field(default_factory=lambda: int(time.time()))
     connections: ConnectionStats | None = None  # once serving
+    recorder: Recorder | None = None        # recording traffic (admin record / record.*)
 
 
 STATE = web.AppKey("tokenloom_state", ServerState)

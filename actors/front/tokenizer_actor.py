@@ -137,7 +137,8 @@ class TokenizerActor(Actor):
                 self.guided.compile(params.guided)   # GuidedError names the field
             return AddRequest(
                 request_id=req.request_id, prompt_token_ids=ids, sampling_params=params,
-                arrival_time=req.arrival_time or time.monotonic(), meta=req.meta)
+                arrival_time=req.arrival_time or time.monotonic(), meta=req.meta,
+                tokenized_time=time.monotonic())
         except Exception as e:
             return RequestOutput(request_id=req.request_id, new_token_ids=[], finished=True,
                                  finish_reason="error", error=str(e), error_kind=ERROR_INVALID,

@@ -173,7 +173,8 @@ class SchedulerActor(Actor):
                       eos_token_ids=self.eos_token_ids, arrival_time=msg.arrival_time,
                       max_model_len=self.max_model_len, meta=msg.meta,
                       arrival_seq=self._arrivals)
-        req.trace = RequestTrace(req.request_id, msg.arrival_time, msg.routed_time, msg.meta)
+        req.trace = RequestTrace(req.request_id, msg.arrival_time, msg.routed_time, msg.meta,
+                                 tokenized=msg.tokenized_time)
         if self.spec is not None:
             req.spec = self.spec.new_state(msg.sampling_params.speculative)
             if req.spec is not None:

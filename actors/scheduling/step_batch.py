@@ -106,6 +106,8 @@ def note_plans(d: Decision, now: float) -> None:
         req, why, plan = d.blocked
         if req.trace is not None:
             req.trace.plan = {**plan, "decision": "wait", "reason": why}
+            if why == "kv":
+                req.trace.kv_refusals += 1
 
 
 def start_works(d: Decision, now: float) -> None:

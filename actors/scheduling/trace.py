@@ -17,7 +17,7 @@ import msgspec
 from tokenloom.actors.messages import RequestMeta
 
 # The events, in the order they normally happen. `preempted` / `resumed` may repeat.
-EVENTS = ("request_received", "routed", "prefix_cache_lookup_done", "admitted",
+EVENTS = ("request_received", "tokenized", "routed", "prefix_cache_lookup_done", "admitted",
           "prefill_started", "prefill_finished", "first_token", "preempted", "resumed",
           "final_token", "kv_blocks_released")
 
@@ -25,12 +25,14 @@ EVENTS = ("request_received", "routed", "prefix_cache_lookup_done", "admitted",
 class RequestTrace:
     __slots__ = ("request_id", "events", "num_decode_iterations", "_last_token", "max_gap",
                  "sum_gaps", "preemptions", "plan", "finish_reason", "meta",
-                 "prefill_chunks", "speculation")
+                 "prefill_chunks", "speculation", "kv_refusals")
 
     def __init__(self, request_id: str, received: float, routed: float | None = None,
-                 meta: RequestMeta = RequestMeta()):
+                 meta: RequestMeta = RequestMeta(), tokenized: float | None = None):
         self.request_id = request_id
         self.events: list[tuple[str, float]] = [("request_received", received)]
+        if tokenized is not None:
+            self.events.append(("tokenized", tokenized))
         if routed is not None:
             self.events.append(("routed", routed))
         self.num_decode_iterations = 0
@@ -40,6 +42,7 @@ class RequestTrace:
         self.sum_gaps = 0.0
         self.preemptions: list[dict] = []   # one record per preemption (see scheduler)
         self.plan: dict | None = None       # the KV plan of the latest admission
+        self.kv_refusals = 0                # steps it waited first in line, KV plan refused
         self.finish_reason: str | None = None
         self.meta = meta
         # (method, SpecState) when the request may speculate (see actors/speculation/controller.py)
@@ -83,6 +86,7 @@ class RequestTrace:
                        "max_gap_s": round(self.max_gap, 6) if n else None},
             "preemptions": list(self.preemptions),
             "kv_plan": self.plan,
+            "kv_refusals": self.kv_refusals,
             "finish_reason": self.finish_reason,
             "speculation": (self.speculation[1].as_dict(self.speculation[0])
                             if self.speculation is not None else None),

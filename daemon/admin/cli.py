@@ -7,6 +7,8 @@
     tokenloom admin cancel ID          # the id the client saw (cmpl-…, chatcmpl-…)
     tokenloom admin trace ID
     tokenloom admin log-level LEVEL
+    tokenloom admin record start --out FILE [--content body|tokens|hashes] [--max-bytes N]
+    tokenloom admin record stop
 Common options: --socket PATH (default: admin.socket_path from --config / the environment /
 the defaults, i.e. /run/tokenloom/admin.sock, or where a daemon run by hand falls back to:
 $XDG_RUNTIME_DIR/tokenloom/admin.sock, else <tmp>/tokenloom-<uid>/admin.sock),
@@ -53,6 +55,17 @@ def add_parser(sub) -> None:
     t.add_argument("request_id")
     ll = cmds.add_parser("log-level", help="change the log level at run time")
     ll.add_argument("level", choices=["debug", "info", "warning", "error"])
+    r = cmds.add_parser("record", help="record live traffic as a capture for `tokenloom "
+                                       "replay` and `tokenloom diagnose`")
+    rsub = r.add_subparsers(dest="record_command", required=True)
+    rs = rsub.add_parser("start", help="start writing the capture (JSONL)")
+    rs.add_argument("--out", required=True, help="capture file (on the daemon's host)")
+    rs.add_argument("--content", choices=["body", "tokens", "hashes"], default="body",
+                    help="keep request bodies, prompt token ids, or only per-block hashes "
+                         "and lengths (no text leaves the host)")
+    rs.add_argument("--max-bytes", type=int, help="stop growing past this size "
+                                                  "(default: record.max_bytes)")
+    rsub.add_parser("stop", help="stop recording; prints what was written")
 
 
 def build_command(args) -> P.Command:
@@ -71,6 +84,12 @@ def build_command(args) -> P.Command:
             return P.Trace(request_id=args.request_id)
         case "log-level":
             return P.SetLogLevel(level=args.level)
+        case "record" if args.record_command == "start":
+            import os
+            return P.RecordStart(path=os.path.abspath(args.out), content=args.content,
+                                 max_bytes=args.max_bytes)
+        case "record":
+            return P.RecordStop()
     raise ValueError(f"unknown admin command {args.admin_command!r}")
 
 
@@ -116,6 +135,11 @@ def render(reply: P.Reply) -> str:
             return msgspec.json.format(msgspec.json.encode(trace), indent=2).decode()
         case P.LogLevelReply(level=level, previous=previous):
             return f"log level: {previous} -> {level}"
+        case P.RecordReply(recording=True, path=path, content=content):
+            return f"recording into {path} (content: {content})"
+        case P.RecordReply(path=path, requests=n, dropped=dropped, bytes=size):
+            return (f"recording stopped: {n} request(s), {size} bytes in {path}"
+                    + (f"; {dropped} dropped past max_bytes" if dropped else ""))
     return str(reply)
 
 

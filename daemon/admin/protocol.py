@@ -7,7 +7,8 @@ per command, as msgspec tagged unions (no torch, no asyncio: the CLI imports thi
     ← {"reply": "error", "ok": false, "code": "refused", "error": "2 request(s) running; ..."}
 
 Commands: stats, flush-cache {force}, drain {timeout, wait}, resume, cancel {request_id},
-trace {request_id}, log-level {level}. Every reply has `ok`; failures are ErrorReply with a
+trace {request_id}, log-level {level}, record-start {path, content, max_bytes},
+record-stop. Every reply has `ok`; failures are ErrorReply with a
 `code` from ERROR_CODES.
 """
 
@@ -62,7 +63,25 @@ class SetLogLevel(_Command, tag="log-level"):
     level: LogLevel
 
 
-Command = Union[Stats, FlushCache, Drain, Resume, Cancel, Trace, SetLogLevel]
+class RecordStart(_Command, tag="record-start"):
+    """Record live traffic into `path` (on the daemon's host; the CLI sends it absolute)."""
+    path: str
+    content: Literal["body", "tokens", "hashes"] = "body"
+    max_bytes: int | None = None        # None: record.max_bytes
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ValueError("path must name the capture file")
+        if self.max_bytes is not None and self.max_bytes < 4096:
+            raise ValueError("max_bytes must be >= 4096")
+
+
+class RecordStop(_Command, tag="record-stop"):
+    pass
+
+
+Command = Union[Stats, FlushCache, Drain, Resume, Cancel, Trace, SetLogLevel, RecordStart,
+                RecordStop]
 COMMANDS: tuple[str, ...] = tuple(c.__struct_config__.tag for c in Command.__args__)
 
 
@@ -153,6 +172,18 @@ class LogLevelReply(_Reply, tag="log-level", kw_only=True):
     previous: str
 
 
+class RecordReply(_Reply, tag="record", kw_only=True):
+    """The capture started or just stopped (record-stop: its final counts)."""
+    recording: bool
+    path: str
+    content: str
+    requests: int = 0                   # lines written
+    dropped: int = 0                    # requests past max_bytes
+    bytes: int = 0
+    max_bytes: int = 0
+    seconds: float = 0.0
+
+
 ERROR_CODES = ("bad_request", "unknown_command", "line_too_long", "timeout", "forbidden",
                "refused", "not_found", "unavailable", "internal")
 
@@ -164,7 +195,7 @@ class ErrorReply(_Reply, tag="error", kw_only=True):
 
 
 Reply = Union[StatsReply, FlushCacheReply, DrainReply, ResumeReply, CancelReply, TraceReply,
-              LogLevelReply, ErrorReply]
+              LogLevelReply, RecordReply, ErrorReply]
 
 
 class ProtocolError(Exception):

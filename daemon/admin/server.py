@@ -28,6 +28,7 @@ from tokenloom.config.schema import DEFAULT_ADMIN_SOCKET, AdminConfig
 from tokenloom.daemon import logs
 from tokenloom.daemon.admin import paths as admin_paths
 from tokenloom.daemon.admin import protocol as P
+from tokenloom.daemon.debug import record
 
 log = structlog.get_logger("tokenloom.admin")
 
@@ -205,6 +206,15 @@ class AdminServer:
                     return await self.trace(rid)
                 case P.SetLogLevel(level=level):
                     return P.LogLevelReply(level=level, previous=logs.set_level(level))
+                case P.RecordStart(path=path, content=content, max_bytes=max_bytes):
+                    self._engine()
+                    try:
+                        rec = record.start(self.state, path, content, max_bytes)
+                    except OSError as e:
+                        raise _Refused("refused", f"cannot write the capture: {e}") from None
+                    return P.RecordReply(recording=True, **rec.stats())
+                case P.RecordStop():
+                    return P.RecordReply(recording=False, **record.stop(self.state))
         except _Refused as e:
             return P.ErrorReply(code=e.code, error=str(e))
         except RuntimeError as e:

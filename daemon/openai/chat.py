@@ -22,6 +22,7 @@ from tokenloom.daemon.state import STATE
 
 class ChatFormatter(Formatter):
     object = "chat.completion"
+    endpoint = "chat"
     chunk_object = "chat.completion.chunk"
 
     def __init__(self, state, request_id: str, parsed: protocol.ParsedRequest):

@@ -15,6 +15,7 @@ from tokenloom.daemon.state import STATE
 
 class CompletionFormatter(Formatter):
     object = "text_completion"
+    endpoint = "completions"
     chunk_object = "text_completion"
 
     def __init__(self, state, request_id: str, parsed: protocol.ParsedRequest):

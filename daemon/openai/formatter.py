@@ -17,6 +17,7 @@ from tokenloom.daemon.openai.generation import Choice, Delta, Generation
 
 class Formatter:
     object = ""          # the whole response's "object"
+    endpoint = ""        # "completions" | "chat" (as captures name it: daemon/debug/capture.py)
     chunk_object = ""    # a stream chunk's "object"
     calls_tools = False  # chat with tools the model may call (chat.py)
 

@@ -17,6 +17,7 @@ import structlog
 from aiohttp import web
 
 from tokenloom.daemon import sse
+from tokenloom.daemon.debug import record
 from tokenloom.daemon.errors import APIError
 from tokenloom.daemon.openai import protocol
 from tokenloom.daemon.openai.formatter import Formatter
@@ -42,6 +43,7 @@ async def serve(request: web.Request, state: ServerState, parsed: protocol.Parse
     log.info("request", endpoint=formatter.object, stream=parsed.stream,
              choices=len(gen.choices), max_tokens=parsed.params.max_tokens)
     finished = False
+    refused: APIError | None = None
     try:
         try:
             await gen.start()  # refusals become the HTTP status (400, 429) here
@@ -51,6 +53,7 @@ async def serve(request: web.Request, state: ServerState, parsed: protocol.Parse
                 e.message = e.message.replace("max_tokens", parsed.max_tokens_field)
             if e.status == 429:
                 e.headers["Retry-After"] = str(state.config.server.retry_after_seconds)
+            refused = e
             raise
         if parsed.stream:
             try:
@@ -66,9 +69,13 @@ async def serve(request: web.Request, state: ServerState, parsed: protocol.Parse
         return resp
     finally:
         state.inflight.remove(request_id)
-        if gen.close() and not finished:
+        aborted = gen.close() and not finished
+        if aborted:
             state.metrics.aborted.inc()
             log.info("request aborted", reason="the client went away")
+        if state.recorder is not None:   # off: this check is all it costs (daemon/debug/record.py)
+            record.note_http(state.recorder, gen, parsed, formatter.endpoint,
+                             await request.read(), refused or ("aborted" if aborted else None))
 
 
 def _dumps(obj) -> str:

@@ -15,8 +15,8 @@ from client import aget, apost
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
-EVENT_ORDER = ["request_received", "routed", "prefix_cache_lookup_done", "admitted",
-               "prefill_started", "prefill_finished", "first_token", "final_token",
+EVENT_ORDER = ["request_received", "tokenized", "routed", "prefix_cache_lookup_done",
+               "admitted", "prefill_started", "prefill_finished", "first_token", "final_token",
                "kv_blocks_released"]
 
 
