@@ -48,7 +48,9 @@ class ServerThread:
         self._thread = threading.Thread(target=self.loop.run_forever, name="test-server",
                                         daemon=True)
         self._thread.start()
-        self.runner, self.port = self.call(self._start())
+        # Start-up warms the engine up (the first engine of a session builds the C++ CPU
+        # kernels, ~30 s): generous, since a loaded machine can take several times that.
+        self.runner, self.port = self.call(self._start(), timeout=300)
         self.url = f"http://127.0.0.1:{self.port}"
 
     async def _start(self):
