@@ -173,8 +173,10 @@ def test_the_installed_command_serves_with_two_workers(venv, tiny_model, tmp_pat
         assert status == 200
         assert reply["usage"]["completion_tokens"] == 6
         assert reply["choices"][0]["text"].strip()
-        up = {e["worker"]: e["pid"] for e in server.json_lines() if e.get("event") == "worker up"}
-        assert sorted(up) == [0, 1]
+        with urllib.request.urlopen(server.url + "/health", timeout=30) as r:
+            workers = json.loads(r.read())["workers"]
+        up = {w["worker"]: w["pid"] for w in workers if w["up"]}
+        assert sorted(up) == [0, 1], workers
         for pid in up.values():     # the workers run the new venv's interpreter too
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             assert argv[0].decode() == str(venv / "bin" / "python"), argv

@@ -312,5 +312,7 @@ def test_plain_replay_sends_no_extensions(baseline, tmp_path):
     assert out.header["plain"] is True and "prompt_token_ids" not in out.records[0]
     for r in out.records:
         assert r["status"] == 200 and r["metrics"] is None and r["usage"]["completion_tokens"] == 4
-        assert r["ttft"] > 0 and len(r["itl"]) == 3
+        # (gaps between streamed text deltas: a delta may carry two tokens when the
+        # detokenizer held the first one back)
+        assert r["ttft"] > 0 and 1 <= len(r["itl"]) <= 3
     assert diagnose(out, out).top is None
