@@ -94,14 +94,14 @@ def throughput(llm, batch: int, rounds: int, max_tokens: int) -> dict:
     con_params = [SamplingParams(temperature=0, max_tokens=max_tokens, guided=guided,
                                  speculative="off")] * len(ps)
     for _ in range(rounds):
-        default = runner.overlap_guided_masks   # (on by default on CUDA only)
+        default = runner.guided.overlap   # (on by default on CUDA only)
         try:
-            runner.overlap_guided_masks = True
+            runner.guided.overlap = True
             con = _run(llm, ps, con_params, batch)
-            runner.overlap_guided_masks = False
+            runner.guided.overlap = False
             late = _run(llm, ps, con_params, batch)
         finally:
-            runner.overlap_guided_masks = default
+            runner.guided.overlap = default
         lengths = [len(o.outputs[0].token_ids) for o in con]
         valid = sum(_is_valid(o.outputs[0].text) for o in con)
         same &= [o.token_ids for o in late] == [o.token_ids for o in con]

@@ -15,18 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from tokenloom.actors.execution.batch_inputs import build_batch_inputs
-from tokenloom.actors.execution.guided import (
-    FIELD_OF_KIND,
-    GuidedMatcher,
-    allocate_bitmask,
-    apply_bitmask,
-    restrict_draft_probs,
-)
+from tokenloom.actors.execution.guided import GuidedMatcher
+from tokenloom.actors.execution.guided_masks import GuidedMasks, no_token_error
 from tokenloom.actors.messages import (
     PLACEHOLDER,
     ExecuteBatch,
@@ -89,9 +83,6 @@ class ModelRunner:
                  dispatcher: Dispatcher | None = None, host_pool: HostKVPool | None = None,
                  proposer=None, guided=None, piecewise: PiecewiseGraphs | None = None):
         self.model = model
-        # Guided decoding's compiler (actors/execution/guided.py; shared with the tokenizer actor,
-        # which compiled each request's constraint before it got here: a cache hit).
-        self.guided = guided
         self.kv = kv
         self.host_pool = host_pool  # swap preemption's host memory (None: swap is off)
         self.device = device
@@ -108,14 +99,8 @@ class ModelRunner:
         # Requests of a step that failed: later batches (already queued when steps overlap)
         # skip them until the scheduler reports them finished.
         self._failed: set[str] = set()
-        # Guided decoding's masks: filled on a worker thread while the forward runs (True),
-        # or on the compute thread after it. On by default on CUDA only: there the compute
-        # thread spends the forward launching kernels and the host has cores to spare. A
-        # CPU forward keeps every core busy (one OpenMP team), so a concurrent fill slows
-        # it: benchmarks/structured.py measured 0.877x unconstrained at batch 16 with the
-        # overlap against 0.925x without it (2 cores).
-        self._guided_worker: ThreadPoolExecutor | None = None
-        self.overlap_guided_masks = device.type == "cuda"
+        # Guided decoding (None: no request can carry a constraint).
+        self.guided = GuidedMasks(guided, self._seqs, overlap=device.type == "cuda")
 
     @property
     def num_tracked(self) -> int:
@@ -129,97 +114,15 @@ class ModelRunner:
             # grammar state (rebuilt only if the output it followed is not this one).
             state.output_token_ids[:] = outputs
             if state.matcher is not None and state.matcher.num_accepted != len(outputs):
-                state.matcher = self._new_matcher(request_id, new.sampling_params, outputs)
+                state.matcher = self.guided.new_matcher(request_id, new.sampling_params,
+                                                          outputs)
             return
         p = new.sampling_params
         gen = None if p.is_greedy else make_generator(p.seed, self.device)
         row = SamplingRow(params=p, generator=gen, prompt_token_ids=list(new.prompt_token_ids),
                           output_token_ids=outputs, eos_token_ids=self.eos_token_ids)
         self._seqs[request_id] = _SeqState(row=row, output_token_ids=outputs,
-                                           matcher=self._new_matcher(request_id, p, outputs))
-
-    def _new_matcher(self, request_id: str, p, outputs: list[int]) -> GuidedMatcher | None:
-        if p.guided is None:
-            return None
-        assert self.guided is not None, f"{request_id}: guided decoding needs a compiler"
-        matcher = GuidedMatcher(self.guided.compile(p.guided))
-        if not matcher.replay(outputs):
-            matcher.error = _no_token_error(p)
-        return matcher
-
-    def _apply_guided(self, logits: torch.Tensor, sample_ids: list[str],
-                      drafts: dict[str, list[int]] | None = None) -> torch.Tensor:
-        """Mask the logits rows of guided requests to their grammar's allowed tokens (see
-        `_fill_guided`, then `_mask_logits`); rows without a constraint are untouched (and
-        cost nothing when no row has one)."""
-        if not any(self._seqs[rid].matcher is not None for rid in sample_ids):
-            return logits
-        bitmask = allocate_bitmask(len(sample_ids), self.guided.vocab_size)
-        fill = self._fill_guided(bitmask, sample_ids, drafts or {})
-        return self._mask_logits(logits, fill)
-
-    def _fill_guided(self, bitmask: torch.Tensor, sample_ids: list[str],
-                     drafts: dict[str, list[int]]):
-        """Fill `bitmask` for a step's sampled rows; returns it with the rows it applies to
-        and the draft-model proposals to restrict to the grammar (`_mask_logits` does that).
-        Reads and writes only the guided requests' grammar state and runs no parallel torch
-        op (the engine keeps one OpenMP team, on the compute thread), so it can run on the
-        guided worker thread while the forward runs. A row whose grammar allows no token is
-        left out (`finish` ends that request).
-
-        `drafts`: the proposals this step verifies (a request's len + 1 rows are
-        consecutive). A guided one's verification row j gets the mask of the state after
-        drafts 0..j-1; its list is cut, in place, before the first draft the grammar
-        refuses (that draft would be rejected for certain; the rows after it are left
-        unmasked and unused)."""
-        masked, restrict, i = [], [], 0
-        while i < len(sample_ids):
-            state = self._seqs[sample_ids[i]]
-            d = drafts.get(sample_ids[i])
-            span = 1 if d is None else len(d) + 1
-            matcher, kept = state.matcher, 0   # (ended or failed: `finish` drops or
-            if matcher is not None and matcher.error is None and not matcher.terminated:
-                kept = matcher.fill_drafts(bitmask, i, d or ())   # reports what comes)
-                if kept is None:
-                    matcher.error = _no_token_error(state.row.params)
-                    kept = 0
-                else:
-                    masked.extend(range(i, i + kept + 1))
-                    if kept and state.draft_probs is not None:
-                        restrict.append((state, i, kept))
-            if matcher is not None and d is not None:
-                del d[kept:]
-            i += span
-        return bitmask, masked, restrict
-
-    @staticmethod
-    def _mask_logits(logits: torch.Tensor, fill) -> torch.Tensor:
-        bitmask, masked, restrict = fill
-        for state, row, kept in restrict:
-            state.draft_probs = restrict_draft_probs(state.draft_probs, bitmask, row, kept)
-        if not masked:
-            return logits
-        if logits.dtype != torch.float32:
-            logits = logits.float()
-        apply_bitmask(logits, bitmask.to(logits.device), masked)
-        return logits
-
-    def _start_guided(self, batch: ExecuteBatch, drafts: dict[str, list[int]]):
-        """Start filling the step's grammar masks on the guided worker thread, to overlap
-        the forward (`overlap_guided_masks`): every guided row's state is known before the
-        step runs (a step with
-        guided rows is never launched ahead of the previous step's tokens, which `finish`
-        has accepted). Returns (the sampled rows' request ids as the forward will return
-        them, the future), or None when no sampled row is guided."""
-        ids = [s.request_id for s in batch.sequences if s.sample
-               for _ in range(s.num_draft + 1)]
-        if self.guided is None or not any(self._seqs[rid].matcher is not None
-                                          for rid in dict.fromkeys(ids)):
-            return None
-        if self._guided_worker is None:
-            self._guided_worker = ThreadPoolExecutor(1, thread_name_prefix="tokenloom-guided")
-        bitmask = allocate_bitmask(len(ids), self.guided.vocab_size)
-        return ids, self._guided_worker.submit(self._fill_guided, bitmask, ids, drafts)
+                                           matcher=self.guided.new_matcher(request_id, p, outputs))
 
     def forget(self, request_ids) -> None:
         """These requests have finished: drop their sampling state."""
@@ -321,16 +224,17 @@ class ModelRunner:
                                                      device=self.device)])
         drafts = {s.request_id: s.token_ids[len(s.token_ids) - s.num_draft:]
                   for s in batch.sequences if s.num_draft}
-        guided = self._start_guided(batch, drafts) if self.overlap_guided_masks else None
+        masks = self.guided
+        guided = masks.start(batch, drafts) if masks.overlap else None
         try:
             logits, sample_ids = self._forward(batch, patch_src)      # [S, vocab]
         finally:   # (a failed step still waits: nothing else may touch a matcher meanwhile)
             fill = guided[1].result() if guided is not None else None
         if fill is not None:
             assert sample_ids == guided[0], "guided masks filled for other rows"
-            logits = self._mask_logits(logits, fill)
-        elif self.guided is not None and sample_ids and not self.overlap_guided_masks:
-            logits = self._apply_guided(logits, sample_ids, drafts)
+            logits = masks.mask(logits, fill)
+        elif masks.compiler is not None and sample_ids and not masks.overlap:
+            logits = masks.apply(logits, sample_ids, drafts)
         if sample_ids and drafts:
             launched.sample_ids = list(dict.fromkeys(sample_ids))     # each request once
             launched.emitted = self._sample_speculative(batch, logits, sample_ids, drafts)
@@ -368,7 +272,7 @@ class ModelRunner:
                     break   # sampled after its EOS, in a step planned before it: not output
                 if matcher is not None and (matcher.error is not None
                                             or not matcher.accept(tok.token_id)):
-                    error = matcher.error or _no_token_error(state.row.params)
+                    error = matcher.error or no_token_error(state.row.params)
                     sampled.append(SampledToken(request_id=rid, token_id=tok.token_id,
                                                 error=error))
                     self._seqs.pop(rid, None)
@@ -508,9 +412,3 @@ class ModelRunner:
             mirror(inputs)
         return logits, inputs.sample_ids
 
-
-def _no_token_error(p) -> str:
-    field = FIELD_OF_KIND[p.guided.kind]
-    why = " (min_tokens forbids ending it)" if p.min_tokens else ""
-    return (f"the output constraint ({field}) allows no further token{why}; the request "
-            f"was ended")

@@ -89,7 +89,7 @@ def test_only_constrained_rows_are_masked(compiler):
                                           sampling_params=SamplingParams(temperature=0)))
     logits = torch.randn(2, VOCAB)
     before = logits.clone()
-    out = runner._apply_guided(logits, ["plain", "g"])
+    out = runner.guided.apply(logits, ["plain", "g"])
     assert torch.equal(out[0], before[0])                      # untouched, bit for bit
     finite = out[1].isfinite().nonzero()[:, 0].tolist()
     assert finite == list(range(10, 20))                       # the regex's next words only
@@ -109,12 +109,12 @@ def test_preempted_request_resumes_with_its_grammar_state(compiler):
     state.output_token_ids.append(11)
     runner._register("r", _new([10, 11]))
     assert runner._seqs["r"].matcher is matcher
-    out = runner._apply_guided(torch.zeros(1, VOCAB), ["r"])
+    out = runner.guided.apply(torch.zeros(1, VOCAB), ["r"])
     assert out[0].isfinite().nonzero()[:, 0].tolist() == list(range(10, 20))
     assert matcher.accept(12)
     state.output_token_ids.append(12)
     runner._register("r", _new([10, 11, 12]))
-    out = runner._apply_guided(torch.zeros(1, VOCAB), ["r"])
+    out = runner.guided.apply(torch.zeros(1, VOCAB), ["r"])
     assert out[0].isfinite().nonzero()[:, 0].tolist() == [EOS]
     runner._register("r", _new([13]))
     rebuilt = runner._seqs["r"].matcher
@@ -125,10 +125,10 @@ def test_forked_sibling_replays_its_output(compiler):
     """A sequence registered with output already produced (an n>1 sibling) starts from it."""
     runner = _runner(compiler)
     runner._register("s1", _new([14, 15]))
-    out = runner._apply_guided(torch.zeros(1, VOCAB), ["s1"])
+    out = runner.guided.apply(torch.zeros(1, VOCAB), ["s1"])
     assert out[0].isfinite().nonzero()[:, 0].tolist() == list(range(10, 20))
     runner._register("s2", _new([14, 15, 16]))
-    out = runner._apply_guided(torch.zeros(1, VOCAB), ["s2"])
+    out = runner.guided.apply(torch.zeros(1, VOCAB), ["s2"])
     assert out[0].isfinite().nonzero()[:, 0].tolist() == [EOS]
 
 
@@ -170,7 +170,7 @@ def test_runner_masks_verification_rows_and_cuts_refused_drafts(compiler):
     logits = torch.randn(5, VOCAB)
     before = logits.clone()
     drafts = {"g": [4, 7, 6]}
-    out = runner._apply_guided(logits, ["plain", "g", "g", "g", "g"], drafts)
+    out = runner.guided.apply(logits, ["plain", "g", "g", "g", "g"], drafts)
     assert drafts == {"g": [4]}
     assert torch.equal(out[0], before[0])
     assert out[1].isfinite().nonzero()[:, 0].tolist() == [4, 5, 6]

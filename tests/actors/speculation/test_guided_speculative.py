@@ -103,10 +103,10 @@ def refs(model_path, prompts, tmp_path_factory):
     runner = llm.engine.runner.model_runner
     try:
         outs = llm.generate(prompts, greedy("off"))
-        assert runner._guided_worker is None and not runner.overlap_guided_masks
-        runner.overlap_guided_masks = True
+        assert runner.guided.worker is None and not runner.guided.overlap
+        runner.guided.overlap = True
         during = llm.generate(prompts, greedy("off"))
-        assert runner._guided_worker is not None    # the masks were filled there
+        assert runner.guided.worker is not None    # the masks were filled there
     finally:
         llm.close()
     assert [o.token_ids for o in during] == [o.token_ids for o in outs]
