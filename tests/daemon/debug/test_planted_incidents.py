@@ -298,8 +298,16 @@ def test_record_live_traffic_then_replay_it(baseline, model_name, tmp_path, cont
             assert replayed[i]["usage"]["prompt_tokens"] == r["usage"]["prompt_tokens"]
             cached = replayed[i]["usage"]["prompt_tokens_details"]["cached_tokens"]
             assert cached == r["usage"]["prompt_tokens_details"]["cached_tokens"]
-    # The capture itself is a cohort too: diagnosing it against its replay finds nothing.
-    assert diagnose(cap, out).top is None
+    # The capture itself is a cohort too: diagnosing it against its replay finds no mechanism
+    # in the traces' counts (caching, batching, preemption, KV plan, routing). Latency alone
+    # is not comparable here: the capture came from a blocking client, one request at a time,
+    # while the replay's asyncio client streams in this same process as the server thread and
+    # competes with it for the GIL, so `compute_slowdown` (the one latency-only mechanism) may
+    # fire on a loaded machine. Two replays under the same conditions are the null case
+    # (test_null_same_capture_twice).
+    d = diagnose(cap, out)
+    assert [f.name for f in d.findings if f.significant and f.name != "compute_slowdown"] == [], \
+        explain(d)
 
 
 def test_plain_replay_sends_no_extensions(baseline, tmp_path):
