@@ -8,7 +8,7 @@ batch. Pure (no asyncio, no torch): the scheduler's bookkeeping around one step.
 - `note_plans`, `start_works`: the trace's admission events and the status transitions;
 - `build_batch`: the ScheduledSequences, each request's computed tokens advanced to the end
   of its work and a placeholder counted for each token it will sample (see
-  scheduler_actor.py).
+  scheduler_actor.py on overlap).
 """
 
 from __future__ import annotations

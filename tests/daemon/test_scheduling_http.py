@@ -188,7 +188,7 @@ async def test_swap_and_auto_preemption_leave_greedy_output_identical(
         small.close()
     assert got == expected
     assert stats["num_preemptions"] > 0 and stats["used"] == 0
-    assert stats["swap_free_slots"] == small.engine.scheduler.preemptor.swap.num_slots
+    assert stats["swap_free_slots"] == small.engine.scheduler.core.preemptor.swap.num_slots
     if mode == "swap":
         assert stats["num_swap_preemptions"] == stats["num_preemptions"]
 

@@ -129,7 +129,7 @@ def test_batched_configurations(name, overlap, default_model_dir, prompt_ids, re
             assert stats.num_swap_preemptions == 0
         if name == "preemption_swap":
             assert stats.num_swap_preemptions > 0, "victims must be swapped, not recomputed"
-            assert stats.swap_free_slots == llm.engine.scheduler.preemptor.swap.num_slots
+            assert stats.swap_free_slots == llm.engine.scheduler.core.preemptor.swap.num_slots
         if name == "slo_chunking":
             assert stats.cost_model is not None, "the step-cost model was never fitted"
         if name == "kv_plan":

@@ -127,7 +127,7 @@ def test_events_on_the_wire_match_later_hits_and_replay_fills_gaps(model_dir, tm
         out = llm.generate([prompt], params)[0]
         hit_blocks = out.outputs[0].timings.num_cached_tokens // BLOCK
         assert hit_blocks == 5
-        query = llm.engine.scheduler.prefix.query(
+        query = llm.engine.scheduler.core.prefix.query(
             Request("probe", prompt, params, max_model_len=1024))
         assert set(query.block_hashes[:hit_blocks]) <= stored
 

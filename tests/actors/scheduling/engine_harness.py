@@ -596,8 +596,8 @@ class EngineHarness:
         """Fail if the scheduler is stuck: blocked on its empty inbox with requests
         waiting, nothing running or in flight, and no message on its way to any actor
         (nothing will ever wake it). Deterministic: the poll only decides when to look."""
-        s = self.scheduler
-        if not s.waiting or s.running or s.in_flight or not s.inbox.empty() \
+        s, core = self.scheduler, self.scheduler.core
+        if not core.waiting or core.running or s.in_flight or not s.inbox.empty() \
                 or not self.kv.inbox.empty() or self.runner.queue or self._outbox \
                 or not s.inbox._getters:   # (it is not blocked on its inbox)
             return
@@ -606,7 +606,7 @@ class EngineHarness:
             where.append(coro.cr_code.co_name)
             coro = coro.cr_await
         known = (where[:2] == ["run", "_receive"] and "idle-arrival-stall" in self.tolerate
-                 or where[:3] == ["run", "step", "_schedule"] and s.view.has_pending_frees
+                 or where[:3] == ["run", "step", "_schedule"] and core.view.has_pending_frees
                  and "abort-stall" in self.tolerate)
         if known:
             self.num_nudges += 1
@@ -673,9 +673,9 @@ class EngineHarness:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     def describe(self) -> str:
-        s = self.scheduler
+        s = self.scheduler.core
         return (f"step {self.runner.executed}; waiting={list(s.waiting)} running={s.running} "
-                f"in_flight={[f.batch.step for f in s.in_flight]} "
+                f"in_flight={[f.batch.step for f in self.scheduler.in_flight]} "
                 f"finished={sorted(self.finished)} "
                 f"not yet added={[request_id(i) for i in self.future]}")
 
@@ -685,11 +685,11 @@ class EngineHarness:
 
     @property
     def num_preemptions(self) -> int:
-        return self.scheduler.preemptor.num_preemptions
+        return self.scheduler.core.preemptor.num_preemptions
 
     @property
     def num_swap_preemptions(self) -> int:
-        return self.scheduler.preemptor.num_swap_preemptions
+        return self.scheduler.core.preemptor.num_swap_preemptions
 
     def check(self) -> None:
         """The end state every scenario must reach (see the module docstring)."""
@@ -712,10 +712,10 @@ class EngineHarness:
                 assert len(tokens) == a.max_tokens, f"{rid}: {len(tokens)} tokens, {a}"
                 # ... exactly those the runner sampled: none lost, none sampled in vain.
                 assert tokens == sampled, f"{rid}: emitted {tokens}, sampled {sampled}"
-        sched = self.scheduler
+        sched = self.scheduler.core
         assert sched.observer.max_decode_skip == 0, sched.observer.max_decode_skip
         assert not sched.requests and not sched.waiting and not sched.running \
-            and not sched.in_flight, self.describe()
+            and not self.scheduler.in_flight, self.describe()
         if sched.preemptor.swap is not None:
             assert sched.preemptor.swap.num_free == self.setup.swap_slots, "swap slots leaked"
         assert self.integrity is None, self.integrity

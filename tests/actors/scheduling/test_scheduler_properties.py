@@ -200,7 +200,7 @@ def test_prefix_hits_and_forks_keep_kv_exact(overlap):
     reqs = [first, dataclasses.replace(first, sibling_of=0),
             Arrival(3, shared + prompt("y", 3), 8), Arrival(20, shared + prompt("z", 9), 8)]
     h = strict(setup(4, 64, 4, 64, overlap=overlap, prefix_caching=True), reqs)
-    assert h.scheduler.num_forks == 1 and h.runner.num_copies == 1
+    assert h.scheduler.core.num_forks == 1 and h.runner.num_copies == 1
     assert h.finished["r2"].timings.num_cached_tokens >= 24
     assert h.finished["r3"].timings.num_cached_tokens >= 24
     # The sibling computed only the last prompt token before its outputs.

@@ -1,0 +1,406 @@
+"""The scheduler's synchronous core: every Request (waiting and running), what the next step
+runs, and what a finished step's outputs do to the requests. No asyncio: the actor shell
+(scheduler_actor.py) owns the inbox, the loop and the round trips to the KV manager and the
+runner, and calls in here between them.
+
+One iteration, as the shell drives it:
+
+    d, outs, ins = core.plan()                # the policy's decision, queues updated
+    update = core.kv_update(d, ...)           # -> KV manager; its KVGrant comes back
+    core.take_grant(update, grant)            # the scheduler's view of the pool
+    core.settle(d, grant)                     # failed allocations end, prefix hits apply
+    step = core.build(d, grant, ...)          # the runner's batch
+    ...
+    core.process(step, out)                   # the step's tokens: stream, stop, commit
+
+Concerns live in their own modules: policy.py (what runs), chunk_sizing.py (SLO prefill
+budget), preemption.py (victims: swap or recompute), siblings.py (n > 1 forks),
+step_observer.py (cost model, fair-share charges, skips, goodput, step times),
+step_batch.py (decision + grant -> batch), kv_view.py (the pool as the KV manager last
+reported it), and actors/output/output_processor.py (detokenization, stop strings and the
+RequestOutputs streams are sent).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Callable
+
+import structlog
+
+from tokenloom.actors.messages import (
+    ERROR_INTERNAL,
+    ERROR_INVALID,
+    AddRequest,
+    ExecuteBatch,
+    KVCommit,
+    KVGrant,
+    KVUpdate,
+    RequestOutput,
+    SampledToken,
+    SchedulerStats,
+    StepOutput,
+)
+from tokenloom.actors.output.output_processor import OutputProcessor
+from tokenloom.actors.scheduling import siblings
+from tokenloom.actors.scheduling.chunk_sizing import ChunkSizer
+from tokenloom.actors.scheduling.cost_model import StepCostModel
+from tokenloom.actors.scheduling.fairness import FairShare
+from tokenloom.actors.scheduling.kv_view import KVView
+from tokenloom.actors.scheduling.policy import AdmissionParams, Decision, PolicyLimits, schedule
+from tokenloom.actors.scheduling.preemption import Preemptor
+from tokenloom.actors.scheduling.prefix_tracker import PrefixTracker
+from tokenloom.actors.scheduling.request import FinishReason, Request, RequestStatus
+from tokenloom.actors.scheduling.step_batch import (
+    InFlightStep,
+    apply_prefix_hits,
+    build_batch,
+    kv_update,
+    note_plans,
+    start_works,
+)
+from tokenloom.actors.scheduling.step_observer import StepObserver
+from tokenloom.actors.scheduling.swap import SwapSpace
+from tokenloom.actors.scheduling.trace import RequestTrace, TraceHistory
+from tokenloom.actors.speculation.controller import SpecController
+from tokenloom.config.schema import SchedulerConfig
+
+S = RequestStatus
+
+
+class Scheduler:
+    def __init__(self, limits: PolicyLimits, eos_token_ids: tuple[int, ...], max_model_len: int,
+                 emit: Callable[[RequestOutput], None], prefix: PrefixTracker | None = None,
+                 config: SchedulerConfig | None = None, swap: SwapSpace | None = None,
+                 block_bytes: int = 0, outputs: OutputProcessor | None = None,
+                 spec: SpecController | None = None, spec_lookahead: int = 0):
+        self.log = structlog.get_logger("tokenloom.scheduler").bind(actor="scheduler")
+        self.prefix = prefix or PrefixTracker("", limits.block_size, enabled=False)
+        self.limits = limits
+        self.config = cfg = config or SchedulerConfig(
+            max_num_seqs=limits.max_num_seqs, max_num_batched_tokens=limits.max_num_batched_tokens)
+        self.fair = FairShare(cfg.tenant_weights, cfg.aging_seconds)
+        self.cost = StepCostModel()
+        self.chunks = ChunkSizer(cfg, limits.max_num_batched_tokens, self.cost)
+        self.preemptor = Preemptor(cfg.preemption_mode, swap, block_bytes, self.cost)
+        self.observer = StepObserver(cfg, self.cost, self.fair)
+        self.outputs = outputs if outputs is not None else OutputProcessor(None)
+        # Speculative decoding (None: off): proposals, the kill switch, acceptance counts.
+        self.spec = spec
+        self.spec_lookahead = spec_lookahead
+        if spec is not None:
+            spec.cost = self.cost
+        self.traces = TraceHistory(cfg.trace_history)
+        self.view = KVView(limits.num_blocks)
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.emit = emit
+        # The one registry of live requests on the engine side, and its two queues.
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.pending_commits: list[KVCommit] = []
+        self.pending_copies: list[tuple[int, int]] = []   # fork copy-on-write, this batch
+        # Finished requests whose runner state can go: carried by the next batch.
+        self.runner_finished: list[str] = []
+        self._arrivals = 0
+        self._step = 0
+        # KV plan hysteresis: after a preemption admission waits for the resume watermark.
+        self._admission_paused = False
+        self._watermark = int(cfg.kv_watermark * limits.num_blocks)
+        self._resume_watermark = int(cfg.kv_resume_watermark * limits.num_blocks)
+        self.num_forks = 0
+        self.num_steps = 0
+        self.num_kv_plan_waits = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- arrivals and aborts ---------------------------------------------------------------
+    def add(self, msg: AddRequest) -> None:
+        if msg.request_id in self.requests:
+            self.emit(RequestOutput(request_id=msg.request_id, new_token_ids=[], finished=True,
+                                    finish_reason="error", error="duplicate request id",
+                                    error_kind=ERROR_INVALID))
+            return
+        self._arrivals += 1
+        req = Request(msg.request_id, msg.prompt_token_ids, msg.sampling_params,
+                      eos_token_ids=self.eos_token_ids, arrival_time=msg.arrival_time,
+                      max_model_len=self.max_model_len, meta=msg.meta,
+                      arrival_seq=self._arrivals)
+        req.trace = RequestTrace(req.request_id, msg.arrival_time, msg.routed_time, msg.meta,
+                                 tokenized=msg.tokenized_time)
+        if self.spec is not None:
+            req.spec = self.spec.new_state(msg.sampling_params.speculative)
+            if req.spec is not None:
+                req.trace.speculation = (self.spec.method, req.spec)
+        self.traces.add(req.trace)
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+        self.outputs.start(req)
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is not None:  # aborts are idempotent
+            self.finish(req, S.CANCELLED, FinishReason.ABORT)
+
+    def cancel_all(self, why: str) -> None:
+        for req in list(self.waiting) + list(self.running):
+            self.finish(req, S.CANCELLED, FinishReason.ABORT, error=why,
+                        error_kind=ERROR_INTERNAL)
+
+    # -- planning --------------------------------------------------------------------------
+    def plan(self) -> tuple[Decision, list, list]:
+        """The policy's decision, applied to the queues: preemption victims out (their swap
+        copies resolved), rejections ended, swap-ins and admissions in."""
+        waiting = self.fair.order(siblings.admissible(self.waiting, self.requests,
+                                                      self.prefix.enabled), time.monotonic())
+        drafts = self.spec.plan_step(self.running) if self.spec is not None else None
+        d = schedule(self.running, waiting, self.view.num_free_blocks, self.view.held,
+                     self.limits, self.view.freeable,
+                     prefill_budget=self.chunks.prefill_budget(self.running, waiting, drafts),
+                     admission=self._admission_params(),
+                     preempt_mode=self.preemptor.mode_fn(self.view),
+                     drafts=drafts, spec_lookahead=self.spec_lookahead)
+        swap_outs = self.preemptor.apply(d, self.view, self.running, self.waiting)
+        if d.blocked is not None and d.blocked[1] == "kv":
+            self.num_kv_plan_waits += 1
+        if d.preempted:
+            self._admission_paused = True
+        for req, why in d.rejected:
+            self.finish(req, S.FINISHED, FinishReason.ERROR, error=why, error_kind=ERROR_INVALID)
+        swap_ins = self.preemptor.swap_ins(d)   # (their slots are released here)
+        self._admit(d)
+        return d, swap_outs, swap_ins
+
+    def _admission_params(self) -> AdmissionParams:
+        """The watermark, raised after a preemption until the pool has recovered."""
+        if self._admission_paused and self.view.num_free_blocks >= self._resume_watermark:
+            self._admission_paused = False
+        floor = self._resume_watermark if self._admission_paused else self._watermark
+        return AdmissionParams(min_free_blocks=floor,
+                               lookahead_tokens=self.config.admission_lookahead_tokens)
+
+    def _admit(self, d: Decision) -> None:
+        now = time.monotonic()
+        for req in d.admitted:
+            self.waiting.remove(req)
+            self.running.append(req)
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+
+    def kv_update(self, d: Decision | None, forks=(), swap_outs=(), swap_ins=()) -> KVUpdate:
+        """The next round trip's message to the KV manager: queued commits and frees, the
+        decision's grants and admissions (or forks)."""
+        update = kv_update(d, self.view.take_frees(), self.pending_commits, self.running,
+                           self.prefix.query, forks, swap_outs, swap_ins)
+        self.pending_commits = []
+        return update
+
+    def take_grant(self, update: KVUpdate, grant: KVGrant) -> None:
+        """The KV manager's answer becomes the scheduler's view of the pool."""
+        if grant.new_blocks is None:
+            # Cannot happen while the view is a lower bound of what is free: fail loudly.
+            raise AssertionError(f"KV manager refused a decision made from its own report: "
+                                 f"{update.grants} {update.admissions}")
+        self.view.update(grant)
+
+    def settle(self, d: Decision, grant: KVGrant) -> None:
+        """After the grant: admitted requests start after their cached prefix; requests
+        ended meanwhile (aborts handled during the round trip, or an allocation that failed
+        for them alone) leave the decision."""
+        for rid, why in grant.failed.items():
+            if (req := self.requests.get(rid)) is not None:
+                self.finish(req, S.FINISHED, FinishReason.ERROR, error=why,
+                            error_kind=ERROR_INTERNAL)
+        apply_prefix_hits(d, grant, self.limits.block_size)
+        note_plans(d, time.monotonic())
+        d.decodes = [w for w in d.decodes if not w.request.is_finished]
+        d.prefills = [w for w in d.prefills if not w.request.is_finished]
+
+    def build(self, d: Decision, grant: KVGrant, kv_seconds: float, continues: bool,
+              t0: float) -> InFlightStep:
+        """The runner's batch: the works with their block tables, the copies to apply
+        first, and the requests whose runner state can go (`t0`: when planning began)."""
+        if not d.empty:
+            start_works(d, time.monotonic())
+            self.observer.count_skips(d, self.running)
+        self._step += 1
+        finished, self.runner_finished = self.runner_finished, []
+        copies, self.pending_copies = self.pending_copies, []
+        batch, works, starts, epochs = build_batch(d, grant.tables, ExecuteBatch(
+            step=self._step, sequences=[], num_decodes=len(d.decodes), finished_ids=finished,
+            block_copies=copies, swap_out=grant.swap_out, swap_in=grant.swap_in), self.spec)
+        serial = any(s.num_draft or s.propose for s in batch.sequences)
+        return InFlightStep(d, batch, works, starts, epochs, time.perf_counter() - t0,
+                            kv_seconds, continues, serial)
+
+    def fork_candidates(self):
+        """n > 1: siblings whose sibling 0 has computed the prompt, to start from its
+        blocks (an extra KV round trip, only in the step after such a prompt completes)."""
+        return siblings.fork_candidates(self.waiting, self.requests, self.view,
+                                        self.limits.max_num_seqs - len(self.running),
+                                        self.prefix.enabled)
+
+    def take_forks(self, grant: KVGrant) -> None:
+        made, orphans = siblings.apply_forks(grant.forked, self.requests, self.waiting,
+                                             self.running, self.limits.block_size)
+        self.num_forks += made
+        for child_id in orphans:   # aborted during the round trip: free its new table
+            self.view.release(child_id)
+        self.pending_copies.extend(grant.copies)
+
+    # -- processing a step's outputs -------------------------------------------------------
+    def process(self, launched: InFlightStep, out: StepOutput, now: float) -> None:
+        """The step's outputs: drafts rolled back, prefill progress traced, tokens
+        appended and streamed (or requests ended), computed blocks committed."""
+        t0 = time.perf_counter()
+        self.num_steps += 1
+        d = launched.decision
+        works = launched.works
+        if out.error is not None:
+            for w in works:
+                if not w.request.is_finished:
+                    self.finish(w.request, S.FINISHED, FinishReason.ERROR, error=out.error,
+                                error_kind=ERROR_INTERNAL)
+            return
+        predicted = self.observer.observe_step(d, launched.batch, out.compute_seconds)
+        if self.spec is not None and not d.prefills:
+            self.spec.calibrate(len(d.decodes), any(s.num_draft for s in launched.batch.sequences),
+                                predicted, out.compute_seconds)
+        self.preemptor.observe_swap(len(launched.batch.swap_out) + len(launched.batch.swap_in),
+                                    out.swap_seconds)
+        spec = {r.request_id: r for r in out.spec}
+        computed = []
+        for w, start, epoch in zip(works, launched.starts, launched.epochs):
+            req = w.request
+            if req.is_finished or req.num_preemptions != epoch:
+                continue  # ended or preempted since: its KV is gone or elsewhere
+            upto = start + w.num_tokens
+            result = spec.get(req.request_id)
+            if result is not None and result.num_draft:
+                # Rejected drafts' KV is not the request's: roll their positions back (the
+                # blocks stay in its table and are overwritten by the tokens to come).
+                rejected = result.num_draft - result.num_accepted
+                req.num_computed_tokens -= rejected
+                upto -= rejected
+                self.spec.observe(req.spec, result.num_draft, result.num_accepted)
+            computed.append((req, upto))
+            self._trace_prefill(req, upto, now)
+        for s in out.sampled:
+            req = self.requests.get(s.request_id)
+            if req is not None:
+                self._sampled(req, s, now)
+        # After the tokens are appended: an accepted draft's block is hashed with it. A
+        # request that finished just now still commits (the KV manager applies commits
+        # before frees).
+        for req, upto in computed:
+            # (tokens after a stop that ended it mid-verification are not its tokens)
+            commit = self.prefix.commit(req, min(upto, len(req.token_ids)))
+            if commit is not None:
+                self.pending_commits.append(commit)
+        if self.spec is not None:
+            if out.draft_seconds:
+                self.spec.observe_draft_time(out.draft_seconds)
+            for result in out.spec:
+                req = self.requests.get(result.request_id)
+                if req is not None and req.spec is not None:
+                    req.draft_token_ids = result.proposals
+        host = launched.host_seconds + time.perf_counter() - t0
+        exposed = out.idle_seconds if launched.continues else 0.0
+        self.observer.observe_times(out.compute_seconds, host, exposed, launched.kv_seconds,
+                                    len(works))
+
+    def _trace_prefill(self, req: Request, upto: int, now: float) -> None:
+        """A completed step computed req's tokens before `upto`: trace prefill progress."""
+        trace = req.trace
+        if trace is not None and req.status == S.PREFILLING:
+            trace.prefill_chunks += 1
+            if upto >= req.num_prompt_tokens and not trace.has("prefill_finished"):
+                trace.mark("prefill_finished", now)
+
+    def _sampled(self, req: Request, s: SampledToken, now: float) -> None:
+        """A sampled token came back: append it, detokenize it, finish on a stop condition
+        (a stop string included) or stream it."""
+        if s.error is not None:   # e.g. a guided request whose grammar allows no token
+            self.finish(req, S.FINISHED, FinishReason.ERROR, error=s.error,
+                        error_kind=ERROR_INVALID)
+            return
+        req.append_token(s.token_id, now)
+        if req.spec is not None and req.spec.shadow is not None:
+            self.spec.score_shadow(req.spec, s.token_id)
+        if req.trace is not None:
+            req.trace.token(now)
+        lps = [s.logprob] if s.logprob is not None else None
+        try:
+            text, stopped = self.outputs.text(req, (s.token_id,))
+        except Exception as e:  # noqa: BLE001 - a detokenizer failure ends only its request
+            self.log.error("detokenization failed", request_id=req.request_id, error=repr(e))
+            self.finish(req, S.FINISHED, FinishReason.ERROR, new_tokens=[s.token_id],
+                        error=f"detokenization failed: {e!r}", error_kind=ERROR_INTERNAL)
+            return
+        reason = FinishReason.STOP if stopped else req.check_stop()
+        if reason is not None:
+            self.finish(req, S.FINISHED, reason, new_tokens=[s.token_id], new_logprobs=lps,
+                        text=text)
+            return
+        if req.status == S.PREFILLING:
+            req.transition(S.WAITING_DECODE)
+        self.emit(self.outputs.token_output(req, s.token_id, text, lps))
+
+    # -- finishing -----------------------------------------------------------------------
+    def finish(self, req: Request, status: RequestStatus, reason: FinishReason,
+               error: str | None = None, new_tokens: list[int] | None = None,
+               new_logprobs=None, error_kind: str | None = None, text: str = "") -> None:
+        """End req: out of the queues, blocks queued to be freed with the next KV update,
+        runner state dropped with the next batch, final output emitted."""
+        rid = req.request_id
+        if req in self.running:  # (admitted this iteration, it may still say WAITING_PREFILL)
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        req.transition(status)
+        req.finish_reason = reason
+        req.error = error
+        self.requests.pop(rid, None)
+        self.observer.observe_finished(req, reason)
+        trace = req.trace
+        if trace is not None:
+            trace.finish_reason = reason.as_openai()
+            if req.first_token_time is not None and reason in (FinishReason.STOP,
+                                                                FinishReason.LENGTH):
+                trace.mark("final_token", req.token_times[-1] if req.token_times else None)
+        if req.swapped_slots is not None:
+            self.preemptor.swap.release(req.swapped_slots)
+            req.swapped_slots = None
+        if req.first_scheduled_time is not None:  # it may hold blocks
+            if trace is not None and self.view.held(rid):
+                trace.mark("kv_blocks_released")
+            self.view.release(rid)
+        if req.on_runner:
+            self.runner_finished.append(rid)
+            req.on_runner = False
+        out = self.outputs.final_output(req, reason, text=text, new_tokens=new_tokens,
+                                        new_logprobs=new_logprobs, error=error,
+                                        error_kind=error_kind)
+        self.emit(out)
+        if out.timings.trace is not None:
+            self.log.info("trace", request_id=rid, trace=out.timings.trace)
+
+    # -- observation ---------------------------------------------------------------------
+    def stats(self, in_flight_steps: int, overlap: bool) -> SchedulerStats:
+        p, o = self.preemptor, self.observer
+        return SchedulerStats(
+            waiting=len(self.waiting), running=len(self.running),
+            in_flight_steps=in_flight_steps, overlap=overlap,
+            num_steps=self.num_steps, num_forks=self.num_forks,
+            num_preemptions=p.num_preemptions, num_swap_preemptions=p.num_swap_preemptions,
+            num_free_blocks=self.view.num_free_blocks, max_decode_skip=o.max_decode_skip,
+            admission_paused=self._admission_paused, prefill_budget=self.chunks.last_budget,
+            cost_model=None if self.cost.coef is None else [float(c) for c in self.cost.coef],
+            swap_free_slots=None if p.swap is None else p.swap.num_free,
+            num_slo_evaluated=o.num_slo_evaluated, num_slo_good=o.num_slo_good,
+            num_kv_plan_waits=self.num_kv_plan_waits, timings=o.timings(),
+            spec=self.spec.stats() if self.spec is not None else None)
