@@ -155,6 +155,21 @@ def test_router_imbalance():
     assert d.top.name == "router_imbalance" and "90% of the requests to worker 0" in d.sentence
 
 
+def test_compute_slowdown_needs_both_prefill_and_decode_slower():
+    """The same work (same prompts, hits, batching) 3x slower per prefill token and per
+    decode gap is `compute_slowdown`; 2x (under its 2.5x threshold), or only the decode
+    gaps slower, is not significant."""
+    d = diagnose(cohort(prefill=0.010, ttft=0.02), cohort(prefill=0.030, ttft=0.04, gap=0.015))
+    assert d.top is not None and d.top.name == "compute_slowdown", report.text(d)
+    assert "the same work ran slower" in d.sentence and d.top.symptom == "tpot"
+    pb, pa = d.top.figures["prefill_s_per_token_p50"]
+    assert pa / pb == pytest.approx(3.0)
+    for slower in (cohort(prefill=0.020, ttft=0.03, gap=0.010),      # 2x: below threshold
+                   cohort(prefill=0.010, ttft=0.02, gap=0.015)):     # decode only
+        d = diagnose(cohort(prefill=0.010, ttft=0.02), slower)
+        assert d.top is None, report.text(d)
+
+
 def test_html_report_has_the_plots(tmp_path):
     d = diagnose(cohort(cached=144), cohort(cached=0, reason="no_prefix", ttft=0.06))
     page = report.html(d)
