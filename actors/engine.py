@@ -82,18 +82,25 @@ def size_kv_pool(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype,
     return num_blocks, per_token
 
 
-def build_kv_event_publisher(config: EngineConfig):
+def build_kv_event_publisher(config: EngineConfig, model_dir: str):
     """The ZMQ publisher of KV cache events when `[kv_events]` enables it, else None."""
     cfg = config.kv_events
     if not cfg.enable_kv_cache_events:
         return None
-    from tokenloom.actors.kv.events_zmq import ZmqKVEventPublisher
+    from tokenloom.actors.kv.events_zmq import ZmqKVEventPublisher, default_topic
+    topic = cfg.topic
+    if topic == "auto":
+        topic = default_topic(config.server.host, config.server.port,
+                              config.server.served_model_name, model_dir)
     publisher = ZmqKVEventPublisher(cfg.endpoint, cfg.replay_endpoint or None,
                                     buffer_steps=cfg.buffer_steps, hwm=cfg.hwm,
-                                    max_queue_size=cfg.max_queue_size, topic=cfg.topic)
+                                    max_queue_size=cfg.max_queue_size, topic=topic,
+                                    encoding=cfg.encoding)
     startup_log.info(f"KV events: publishing on {cfg.endpoint}"
-                     + (f", replay on {cfg.replay_endpoint}" if cfg.replay_endpoint else ""),
-                     endpoint=cfg.endpoint, replay_endpoint=cfg.replay_endpoint or None)
+                     + (f", replay on {cfg.replay_endpoint}" if cfg.replay_endpoint else "")
+                     + f", topic {topic!r}, {cfg.encoding} encoding",
+                     endpoint=cfg.endpoint, replay_endpoint=cfg.replay_endpoint or None,
+                     topic=topic, encoding=cfg.encoding)
     return publisher
 
 
@@ -168,9 +175,10 @@ class Engine(EngineFront):
                                         config=sc, swap=swap, block_bytes=block_bytes,
                                         outputs=OutputProcessor(tokenizer), spec=spec_ctl,
                                         spec_lookahead=lookahead)
+        publisher = build_kv_event_publisher(config, info.model_dir)
         self.kv_manager = KVManagerActor(KVCacheManager(info.num_blocks, info.block_size,
                                                         enable_prefix_caching=caching),
-                                         publisher=build_kv_event_publisher(config))
+                                         publisher=publisher)
         from tokenloom.graphs.setup import build_decode_graphs, build_piecewise_graphs
         dispatcher, graphs = build_decode_graphs(
             config.graphs, model, kv, max_num_seqs=sc.max_num_seqs,

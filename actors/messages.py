@@ -165,6 +165,9 @@ class KVCommit(_Msg):
     block_hashes: list[bytes]
     token_ids: list[int]
     content_hashes: list[bytes] | None = None
+    # Announced with the chain's first block (KV events' extra_keys, as vLLM does), so an
+    # external index keys salted blocks apart.
+    cache_salt: str | None = None
 
 
 class KVAdmission(_Msg):

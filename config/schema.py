@@ -318,7 +318,7 @@ class SpeculativeConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_on
 
 class KVEventsConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """KV cache events on a ZMQ PUB socket in vLLM's wire format (vLLM's kv_events_config
-    names), for KV-aware routers: see actors/kv/events_zmq.py."""
+    names), for KV-aware routers: see actors/kv/events_zmq.py and events_wire.py."""
 
     section: ClassVar[str] = "kv_events"
 
@@ -330,7 +330,12 @@ class KVEventsConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=
     buffer_steps: Annotated[int, msgspec.Meta(ge=1, le=10_000_000)] = 10_000
     hwm: Annotated[int, msgspec.Meta(ge=1, le=10_000_000)] = 100_000
     max_queue_size: Annotated[int, msgspec.Meta(ge=1, le=10_000_000)] = 100_000
-    topic: str = ""
+    # First frame of every message; "auto" = kv@<server.host>:<server.port>@<served model
+    # name> (llm-d's kv@<pod>@<model>; a wildcard host is replaced by the host name).
+    topic: str = "auto"
+    # Events as vLLM now encodes them ("map": tagged maps) or as positional arrays ("array":
+    # vLLM's earlier form, for older consumers). The batch is positional either way.
+    encoding: Literal["map", "array"] = "map"
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -1,13 +1,17 @@
-"""KV cache events, shaped like vLLM's (``vllm/distributed/kv_events.py``), and an in-process
-publisher. Pure: no asyncio, no torch.
+"""KV cache events inside tokenloom, and an in-process publisher. Pure: no asyncio, no torch.
 
 The prefix cache emits one event per change to the set of cached block hashes, synchronously
 and in order: ``BlockStored`` when full blocks become reusable, ``BlockRemoved`` when cached
 blocks are evicted or flushed, ``AllBlocksCleared`` when a flush leaves the cache empty. A
 subscriber that replays the events therefore knows exactly which hashes this worker holds
-(the contract a KV-aware router needs). Same field names, order and msgspec options
-(``array_like``, ``tag``, ``omit_defaults``) as vLLM, so a later ZMQ publisher can put
-``EventBatch`` on the wire for routers that consume vLLM's events.
+(the contract a KV-aware router needs). A stored run's parent is always cached (so already
+announced, and not removed since) when the run is announced.
+
+These events carry the full 32-byte chain digests (``block_hash.py``): in-process subscribers
+(the worker router, ``LLM.subscribe_kv_events``) compare them with hashes they compute
+themselves. Field names follow vLLM's (``vllm/distributed/kv_events.py``); what goes on the
+ZMQ wire for external routers — vLLM's current encoding, 64-bit hashes — is
+``events_wire.py``'s job.
 
 Subscriber callbacks run inside KV-manager mutations: they must be quick and must not call
 back into the manager. An exception in one is counted (``num_callback_errors``), logged and
@@ -35,13 +39,19 @@ class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 class BlockStored(KVCacheEvent):
     """Consecutive blocks of one hash chain became cached. ``parent_block_hash`` is the hash
     of the block before ``block_hashes[0]`` (``None`` for the first block of a sequence);
-    ``token_ids`` are the tokens of all listed blocks, concatenated."""
+    ``token_ids`` are the tokens of all listed blocks, concatenated. ``extra_keys`` has one
+    entry per block: what besides the tokens went into its hash that an external indexer
+    must fold into its own keys (vLLM's rule: the request's ``cache_salt`` in the first
+    block of a sequence, ``None`` for a block with none). ``lora_name`` names the adapter
+    (``None`` until LoRA serving exists)."""
     block_hashes: list[bytes]
     parent_block_hash: bytes | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None = None
     medium: str | None = MEDIUM_GPU
+    lora_name: str | None = None
+    extra_keys: list[tuple[str, ...] | None] | None = None
 
 
 class BlockRemoved(KVCacheEvent):

@@ -1,10 +1,13 @@
 """KV cache events on the wire, as vLLM publishes them: a ZMQ PUB socket and a replay socket.
 
-Each engine iteration's events (``kv_events.EventBatch``: ``BlockStored`` /
-``BlockRemoved`` / ``AllBlocksCleared``, msgpack, array-like structs with the type tag
-first, vLLM's field order) go out as one three-frame message:
+Each engine iteration's events (``events.EventBatch``: ``BlockStored`` / ``BlockRemoved``
+/ ``AllBlocksCleared``, encoded by ``events_wire.py``: vLLM's tagged maps or positional
+arrays, 64-bit hashes, an integer data-parallel rank) go out as one three-frame message:
 
     [topic (utf-8), sequence number (8 bytes, big-endian), msgpack payload]
+
+The topic defaults to ``kv@<host:port>@<served model name>``, the form llm-d's subscriber
+splits into a pod identity and a model name (``default_topic``).
 
 Sequence numbers start at 0 and increase by one per batch, so a subscriber sees a gap when
 it misses one. The last ``buffer_steps`` batches are kept for replay: a client sends, to
@@ -24,15 +27,17 @@ and replay can no longer fill it, as with a slow PUB subscriber under its high-w
 from __future__ import annotations
 
 import queue
+import socket
 import threading
 from collections import deque
 from itertools import count
+from pathlib import Path
 
-import msgspec
 import structlog
 import zmq
 
 from tokenloom.actors.kv.events import AllBlocksCleared, EventBatch
+from tokenloom.actors.kv.events_wire import WireEncoder
 
 log = structlog.get_logger("tokenloom.kv_events")
 
@@ -42,8 +47,10 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 class ZmqKVEventPublisher:
     def __init__(self, endpoint: str, replay_endpoint: str | None = None,
                  buffer_steps: int = 10_000, hwm: int = 100_000,
-                 max_queue_size: int = 100_000, topic: str = ""):
+                 max_queue_size: int = 100_000, topic: str = "", encoding: str = "map",
+                 data_parallel_rank: int = 0):
         self.endpoint = endpoint
+        self._wire = WireEncoder(encoding, data_parallel_rank)
         self.replay_endpoint = replay_endpoint or None
         self._topic = topic.encode("utf-8")
         self._queue: queue.Queue[EventBatch | None] = queue.Queue(maxsize=max_queue_size)
@@ -88,7 +95,7 @@ class ZmqKVEventPublisher:
 
     # -- the sender thread -----------------------------------------------------------------
     def _run(self) -> None:
-        encode = msgspec.msgpack.Encoder().encode
+        encode = self._wire.encode
         while True:
             if self._replay is not None:
                 while self._replay.poll(0):
@@ -119,6 +126,17 @@ class ZmqKVEventPublisher:
             if seq >= first:
                 self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
         self._replay.send_multipart((client, b"", END_SEQ, b""))
+
+
+def default_topic(host: str, port: int, served_model_name: str, model_dir: str) -> str:
+    """``kv@<host:port>@<model>``: the pod identity and model name llm-d reads from a topic
+    (``kv@<pod>@<model>``). A wildcard host says nothing about which pod this is, so the
+    host name (a pod's name in Kubernetes) stands in for it; the model is the name clients
+    send (``server.served_model_name``, else the model directory's name, as the HTTP API
+    derives it)."""
+    if host in ("0.0.0.0", "::", "*", ""):
+        host = socket.gethostname()
+    return f"kv@{host}:{port}@{served_model_name or Path(model_dir).name}"
 
 
 def _binds(endpoint: str) -> bool:

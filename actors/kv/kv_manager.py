@@ -307,7 +307,8 @@ class KVCacheManager:
 
     def commit_full_blocks(self, request_id: str, num_computed_tokens: int,
                            block_hashes: Sequence[BlockHash], token_ids: Sequence[int],
-                           content_hashes: Sequence[BlockHash] | None = None) -> int:
+                           content_hashes: Sequence[BlockHash] | None = None, *,
+                           cache_salt: str | None = None) -> int:
         """Offer the request's blocks that are full and computed (the first
         ``num_computed_tokens // block_size``) to the cache; return how many became cached.
 
@@ -315,6 +316,15 @@ class KVCacheManager:
         cover those blocks; ``token_ids`` all its tokens). Blocks offered before are
         skipped, so calling it every step costs only the new blocks. A request that holds
         no table (freed meanwhile) commits nothing. A no-op when caching is off.
+        ``cache_salt`` (the request's) is announced with a chain's first block.
+
+        A new run's parent must be cached when the run is announced, or a KV event
+        subscriber could not place it (llm-d and Dynamo drop a store whose parent they do
+        not know). It can be gone: a block offered before stays uncached when its hash is
+        cached on another block (two requests computed it at once), and that other block
+        may have been evicted since. Then the request's own copies of the missing parents
+        (full, computed, held by it) are cached first, back to a cached ancestor or the
+        chain's start.
         """
         if self._cache is None or request_id not in self._tables:
             return 0
@@ -329,11 +339,15 @@ class KVCacheManager:
         done = self._committed.get(request_id, 0)
         if num_full <= done:
             return 0
+        start = done
+        while start > 0 and not self._cache.has_hash(block_hashes[start - 1]):
+            start -= 1
         stored = self._cache.cache_blocks(
-            table[done:num_full], block_hashes[done:num_full],
-            block_hashes[done - 1] if done > 0 else None,
-            [token_ids[i * bs:(i + 1) * bs] for i in range(done, num_full)],
-            content_hashes[done:num_full] if content_hashes is not None else None)
+            table[start:num_full], block_hashes[start:num_full],
+            block_hashes[start - 1] if start > 0 else None,
+            [token_ids[i * bs:(i + 1) * bs] for i in range(start, num_full)],
+            content_hashes[start:num_full] if content_hashes is not None else None,
+            cache_salt=cache_salt)
         self._committed[request_id] = num_full
         return stored
 

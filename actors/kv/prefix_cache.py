@@ -173,6 +173,9 @@ class PrefixCache:
     def cached_hashes(self) -> set[BlockHash]:
         return set(self._block_of)
 
+    def has_hash(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._block_of
+
     def match(self, block_hashes: Sequence[BlockHash]) -> list[int]:
         """Block ids of the longest leading run of ``block_hashes`` that is cached.
         Read-only: the blocks must be ``touch``ed before anything else allocates."""
@@ -237,12 +240,14 @@ class PrefixCache:
     def cache_blocks(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash],
                      parent_hash: BlockHash | None,
                      token_ids_per_block: Sequence[Sequence[int]],
-                     content_hashes: Sequence[BlockHash] | None = None) -> int:
+                     content_hashes: Sequence[BlockHash] | None = None, *,
+                     cache_salt: str | None = None) -> int:
         """Register consecutive full, computed blocks of one chain; return how many became
         cached. ``parent_hash`` is the hash of the block before ``block_ids[0]`` (``None``
         at the start of a sequence). A block already cached under the same hash is left as
         is; a hash already cached elsewhere keeps its block (this one stays uncached).
-        Emits one ``BlockStored`` per run of consecutive newly cached blocks."""
+        Emits one ``BlockStored`` per run of consecutive newly cached blocks; a run that
+        starts the sequence carries ``cache_salt`` in its first block's extra keys."""
         if not (len(block_ids) == len(block_hashes) == len(token_ids_per_block)):
             raise ValueError("cache_blocks needs one hash and one token list per block")
         if content_hashes is not None and len(content_hashes) != len(block_hashes):
@@ -272,11 +277,11 @@ class PrefixCache:
                 run.append(h)
                 run_tokens.extend(tokens)
             elif run:
-                self._publish_stored(run, run_parent, run_tokens)
+                self._publish_stored(run, run_parent, run_tokens, cache_salt)
                 run, run_tokens = [], []
             parent = h
         if run:
-            self._publish_stored(run, run_parent, run_tokens)
+            self._publish_stored(run, run_parent, run_tokens, cache_salt)
         self._stats.stored_blocks += stored
         return stored
 
@@ -374,10 +379,15 @@ class PrefixCache:
             self._evicted.popitem(last=False)
 
     def _publish_stored(self, hashes: list[BlockHash], parent: BlockHash | None,
-                        token_ids: list[int]) -> None:
+                        token_ids: list[int], cache_salt: str | None) -> None:
+        # vLLM's extra keys: one entry per block, the salt only in a sequence's first block
+        # (the chain carries it into every later hash).
+        extra_keys: list[tuple[str, ...] | None] = [None] * len(hashes)
+        if parent is None and cache_salt is not None:
+            extra_keys[0] = (cache_salt,)
         self.events.publish(BlockStored(block_hashes=hashes, parent_block_hash=parent,
                                         token_ids=token_ids, block_size=self._block_size,
-                                        medium=self._medium))
+                                        medium=self._medium, extra_keys=extra_keys))
 
     def __repr__(self) -> str:
         return f"PrefixCache(cached={len(self._block_of)}, evicted_memory={len(self._evicted)})"

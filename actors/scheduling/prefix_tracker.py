@@ -62,4 +62,5 @@ class PrefixTracker:
         req.num_committed_blocks = num_full
         return KVCommit(request_id=req.request_id, num_computed_tokens=num_computed_tokens,
                         block_hashes=req.block_hashes, token_ids=req.token_ids,
-                        content_hashes=req.content_hashes if req.cache_salt else None)
+                        content_hashes=req.content_hashes if req.cache_salt else None,
+                        cache_salt=req.cache_salt)

@@ -1,69 +1,41 @@
-"""KV cache events on a ZMQ PUB socket, read by a subscriber written from vLLM's published
-schema (the types of vllm/distributed/kv_events.py as its examples/online_serving/
-kv_events_subscriber.py copies them) — not from tokenloom's structs:
+"""KV cache events on a ZMQ PUB socket, read by subscribers written from the consumers'
+published code (tests/kv_consumers.py: llm-d's and Dynamo's decoders, vLLM's structs) —
+not from tokenloom's structs:
 1. every engine iteration's events arrive as [topic, 8-byte big-endian sequence, msgpack
-   EventBatch]; sequence numbers are consecutive from 0, the first batch says
-   AllBlocksCleared (a fresh worker holds nothing);
-2. the block hashes announced as stored are exactly the hashes of the blocks a later
-   request with the same prompt hits, and a flush announces that the cache is empty;
+   batch] that llm-d and Dynamo both accept; sequence numbers are consecutive from 0, the
+   first batch says AllBlocksCleared (a fresh worker holds nothing);
+2. the block hashes announced as stored are exactly the (64-bit) hashes of the blocks a
+   later request with the same prompt hits, and a flush announces that the cache is empty;
 3. a subscriber that missed batches (it connected late) sees the gap and gets every
    missed batch back from the replay socket, in order, ended by sequence -1 (asked with
    a DEALER socket: the replay streams one message per batch, more than a REQ socket's
-   single reply).
+   single reply), each in the framing vLLM's replay uses: [seq, payload].
 """
 
 from __future__ import annotations
 
 import random
 import time
-from typing import Any
 
-import msgspec
 import pytest
 import zmq
 
 from tokenloom import LLM, SamplingParams
 from tokenloom.actors.scheduling.request import Request
 
+from kv_consumers import VLLM_STRUCTS, dynamo_decode, llmd_decode, split_message, vllm_int_hash
 from tinymodel import VOCAB, build_tiny_model
 
-
-# -- vLLM's schema, as published ------------------------------------------------------------
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[bytes | int]
-    parent_block_hash: bytes | int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[bytes | int]
-    medium: str | None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-
-
-DECODE = msgspec.msgpack.Decoder(type=KVEventBatch).decode
+_VLLM_DECODE, BlockStored, BlockRemoved, AllBlocksCleared = VLLM_STRUCTS["map"]
 END_SEQ = -1
 BLOCK = 8
+
+
+def DECODE(payload: bytes):
+    """vLLM's structs decode it, and llm-d and Dynamo accept it."""
+    llmd_decode(payload)
+    dynamo_decode(payload)
+    return _VLLM_DECODE.decode(payload)
 
 
 @pytest.fixture(scope="module")
@@ -73,13 +45,13 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def receive(sub: zmq.Socket, timeout_ms: int = 5000) -> tuple[bytes, int, KVEventBatch]:
+def receive(sub: zmq.Socket, timeout_ms: int = 5000):
     assert sub.poll(timeout_ms), "no KV event batch arrived"
-    topic, seq, payload = sub.recv_multipart()
-    return topic, int.from_bytes(seq, "big"), DECODE(payload)
+    topic, seq, payload = split_message(sub.recv_multipart())
+    return topic, seq, DECODE(payload)
 
 
-def drain(sub: zmq.Socket, quiet_ms: int = 300) -> list[tuple[int, KVEventBatch]]:
+def drain(sub: zmq.Socket, quiet_ms: int = 300) -> list:
     out = []
     while sub.poll(quiet_ms):
         _, seq, batch = receive(sub)
@@ -91,11 +63,11 @@ def test_events_on_the_wire_match_later_hits_and_replay_fills_gaps(model_dir, tm
     pub_ep, replay_ep = f"ipc://{tmp_path}/kv.sock", f"ipc://{tmp_path}/replay.sock"
     ctx = zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"kv@worker0")
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@worker0@tiny")
     llm = LLM(model=str(model_dir), quiet=True, device="cpu", dtype="float32",
               cache_dir=str(tmp_path / "cache"), block_size=BLOCK,
               **{"kv_events.enable_kv_cache_events": True, "kv_events.endpoint": pub_ep,
-                 "kv_events.replay_endpoint": replay_ep, "kv_events.topic": "kv@worker0"})
+                 "kv_events.replay_endpoint": replay_ep, "kv_events.topic": "kv@worker0@tiny"})
     late = None
     try:
         sub.connect(pub_ep)
@@ -129,7 +101,7 @@ def test_events_on_the_wire_match_later_hits_and_replay_fills_gaps(model_dir, tm
         assert hit_blocks == 5
         query = llm.engine.scheduler.core.prefix.query(
             Request("probe", prompt, params, max_model_len=1024))
-        assert set(query.block_hashes[:hit_blocks]) <= stored
+        assert {vllm_int_hash(h) for h in query.block_hashes[:hit_blocks]} <= stored
 
         # A flush announces that the cache is empty (or, were anything left, which blocks
         # went).
@@ -137,7 +109,7 @@ def test_events_on_the_wire_match_later_hits_and_replay_fills_gaps(model_dir, tm
         events = [e for _, b in drain(sub) for e in b.events]
         removed = {h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes}
         assert any(isinstance(e, AllBlocksCleared) for e in events) or \
-            set(query.block_hashes[:hit_blocks]) <= removed, events
+            {vllm_int_hash(h) for h in query.block_hashes[:hit_blocks]} <= removed, events
 
         # A subscriber that connects late misses the start: the replay socket has it all.
         late = ctx.socket(zmq.SUB)

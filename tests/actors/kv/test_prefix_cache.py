@@ -372,7 +372,8 @@ def test_stored_events_split_around_duplicates_and_round_trip():
     events.clear()
     assert kv.commit_full_blocks("b", 16, h, tokens) == 2
     assert events == [BlockStored(block_hashes=h[2:4], parent_block_hash=h[1],
-                                  token_ids=tokens[8:16], block_size=BS)]
+                                  token_ids=tokens[8:16], block_size=BS,
+                                  extra_keys=[None, None])]
     collector = EventCollector()
     kv.events.subscribe(collector)
     kv.free("b")
