@@ -82,6 +82,7 @@ class Generation:
             fit_max_tokens=fit_max_tokens, meta=meta, tools=tools)
         for index, req in enumerate(self._requests):
             self.choices[req.request_id] = Choice(index, req.request_id)
+        self._by_index = {c.index: c for c in self.choices.values()}
         self._open: set[str] = set()
         self._early: list[RequestOutput] = []
 
@@ -217,6 +218,14 @@ class Generation:
                 p = c.index // self.n
                 by_prompt[p] = max(by_prompt.get(p, 0), c.timings.num_cached_tokens)
         return sum(by_prompt.values())
+
+    def choice_usage(self, index: int) -> dict:
+        """Choice `index`'s counts so far: its prompt's tokens and its own output tokens (a
+        streamed chunk's `usage` with continuous_usage_stats, as vLLM counts it)."""
+        c = self._by_index[index]
+        done = len(c.token_ids)
+        return {"prompt_tokens": c.num_prompt_tokens, "completion_tokens": done,
+                "total_tokens": c.num_prompt_tokens + done}
 
     def usage(self) -> dict:
         # A prompt's tokens count once however many choices it has.
