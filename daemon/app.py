@@ -188,7 +188,7 @@ async def _start_engine(state: ServerState):
                           max_model_len=engine.info.max_model_len,
                           max_tokens=state.config.server.max_tokens,
                           max_logprobs=state.config.server.max_logprobs)
-    state.metrics = Metrics(state.model_name)
+    state.metrics = Metrics(state.model_name, engine.info.max_model_len)
     state.token_text = endpoints.token_text_cache(engine.tokenizer)
     startup_log.info("warming up")
     await warm_up(engine)

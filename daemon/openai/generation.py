@@ -77,6 +77,7 @@ class Generation:
         self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.choices: dict[str, Choice] = {}
         self.n = params.n
+        self.max_tokens, self.fit_max_tokens = params.max_tokens, fit_max_tokens
         self._requests: list[GenerateRequest] = fan_out(
             request_id, prompts, params, arrival_time=self.arrival, messages=messages,
             fit_max_tokens=fit_max_tokens, meta=meta, tools=tools)
@@ -115,7 +116,7 @@ class Generation:
                 aborted += 1
                 if self.metrics is not None:
                     self.metrics.observe_finished(c.num_prompt_tokens, len(c.token_ids),
-                                                  "abort", None)
+                                                  "abort", None, self.max_tokens)
         self._open.clear()
         return aborted
 
@@ -167,8 +168,15 @@ class Generation:
 
     def _observe(self, c: Choice) -> None:
         if self.metrics is not None:
+            max_tokens = self.max_tokens
+            if self.fit_max_tokens:   # unset: what the context window left (the tokenizer's)
+                max_tokens = min(max_tokens, self.engine.info.max_model_len - c.num_prompt_tokens)
             self.metrics.observe_finished(c.num_prompt_tokens, len(c.token_ids),
-                                          c.finish_reason, c.timings)
+                                          c.finish_reason, c.timings, max_tokens)
+            first = c.index // self.n * self.n
+            siblings = [self._by_index[i] for i in range(first, first + self.n)]
+            if all(s.closed and s.finish_reason is not None for s in siblings):
+                self.metrics.observe_prompt_done(self.n, max(len(s.token_ids) for s in siblings))
         if self.log is not None:
             self.log.info("choice finished", request_id=c.request_id, index=c.index,
                           finish_reason=c.finish_reason, prompt_tokens=c.num_prompt_tokens,
