@@ -79,8 +79,9 @@ async def _render(state: ServerState, req: GenerateRequest, parsed: protocol.Par
     try:
         # Long prompts and chat templates off the loop, as the tokenizer actor does.
         ids, params = work() if TokenizerActor.is_cheap(req) else await asyncio.to_thread(work)
-    except PromptError as e:
-        raise APIError(400, str(e), param=_param(e.param, parsed)) from None
+    except Exception as e:   # as the tokenizer actor: whatever the tokenizer refuses is a 400
+        param = e.param if isinstance(e, PromptError) else None
+        raise APIError(400, str(e), param=_param(param, parsed)) from None
     sampling = {f: getattr(params, f) for f in _VLLM_PARAMS}
     sampling["n"] = parsed.params.n
     sampling["stop"], sampling["stop_token_ids"] = list(params.stop), list(params.stop_token_ids)
@@ -94,5 +95,5 @@ async def _render(state: ServerState, req: GenerateRequest, parsed: protocol.Par
         cache_salt=parsed.cache_salt, priority=parsed.meta.priority)
 
 
-def _param(param: str, parsed: protocol.ParsedRequest) -> str:
+def _param(param: str | None, parsed: protocol.ParsedRequest) -> str | None:
     return parsed.max_tokens_field if param == "max_tokens" else param
