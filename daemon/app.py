@@ -20,7 +20,7 @@ from tokenloom.daemon.admin import server as admin_server
 from tokenloom.daemon.drain import DrainController
 from tokenloom.daemon.errors import APIError
 from tokenloom.daemon.metrics import CONTENT_TYPE, Metrics
-from tokenloom.daemon.openai import endpoints
+from tokenloom.daemon.openai import endpoints, render
 from tokenloom.daemon.openai.chat import chat_completions
 from tokenloom.daemon.openai.completions import completions
 from tokenloom.daemon.openai.protocol import Limits
@@ -188,7 +188,7 @@ async def _start_engine(state: ServerState):
                           max_model_len=engine.info.max_model_len,
                           max_tokens=state.config.server.max_tokens,
                           max_logprobs=state.config.server.max_logprobs)
-    state.metrics = Metrics(state.model_name)
+    state.metrics = Metrics(state.model_name, engine.info.max_model_len)
     state.token_text = endpoints.token_text_cache(engine.tokenizer)
     startup_log.info("warming up")
     await warm_up(engine)
@@ -256,6 +256,8 @@ def create_app(config: EngineConfig, engine=None, notifier: Notifier | None = No
     app.cleanup_ctx.append(admin_server.admin_ctx)  # after the engine is up; closed first
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions/render", render.render_completion)
+    app.router.add_post("/v1/chat/completions/render", render.render_chat)
     app.router.add_get("/v1/models", endpoints.models)
     app.router.add_get("/v1/requests/{request_id}/trace", endpoints.request_trace)
     app.router.add_post("/tokenize", endpoints.tokenize)

@@ -39,6 +39,95 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                10.0, 20.0, 40.0, 80.0)
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_value` (vLLM's token-count buckets, to the
+    context window)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
+
+
+# Per-request histograms, vLLM's names: key -> (name, help, buckets; "tokens" = 1-2-5 up to
+# the context window). `request_observations` gives each key's values for one finished
+# request; a new histogram is one row here and one line there.
+REQUEST_HISTOGRAMS = {
+    "ttft": ("vllm:time_to_first_token_seconds",
+             "Histogram of time to first token in seconds.", TTFT_BUCKETS),
+    "itl": ("vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.", ITL_BUCKETS),
+    "tpot": ("vllm:request_time_per_output_token_seconds",
+             "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS),
+    "e2e": ("vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.", LATENCY_BUCKETS),
+    "queue": ("vllm:request_queue_time_seconds",
+              "Histogram of time spent in WAITING phase for request.", LATENCY_BUCKETS),
+    "inference": ("vllm:request_inference_time_seconds",
+                  "Histogram of time spent in RUNNING phase for request.", LATENCY_BUCKETS),
+    "prefill": ("vllm:request_prefill_time_seconds",
+                "Histogram of time spent in PREFILL phase for request.", LATENCY_BUCKETS),
+    "decode": ("vllm:request_decode_time_seconds",
+               "Histogram of time spent in DECODE phase for request.", LATENCY_BUCKETS),
+    "prompt_tokens": ("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
+                      "tokens"),
+    "generation_tokens": ("vllm:request_generation_tokens",
+                          "Number of generation tokens processed.", "tokens"),
+    "computed_tokens": ("vllm:request_prefill_kv_computed_tokens",
+                        "Histogram of new KV tokens computed during prefill (excluding "
+                        "cached tokens).", "tokens"),
+    "max_tokens": ("vllm:request_params_max_tokens",
+                   "Histogram of the max_tokens request parameter.", "tokens"),
+    # Per prompt (its n choices together), when all of them have finished.
+    "n": ("vllm:request_params_n", "Histogram of the n request parameter.", N_BUCKETS),
+    "max_generated": ("vllm:request_max_num_generation_tokens",
+                      "Histogram of maximum number of requested generation tokens.", "tokens"),
+}
+
+
+def request_observations(num_prompt_tokens: int, num_output_tokens: int, max_tokens: int,
+                         t: RequestTimings | None) -> Iterator[tuple[str, float]]:
+    """(REQUEST_HISTOGRAMS key, value) for one finished engine request. Phases as vLLM
+    splits them: queued (arrival -> first scheduled), prefill (first scheduled -> first
+    token), decode (first -> last token), inference (first scheduled -> last token)."""
+    yield "prompt_tokens", num_prompt_tokens
+    yield "generation_tokens", num_output_tokens
+    yield "max_tokens", max_tokens
+    if t is None:
+        return
+    yield "computed_tokens", max(num_prompt_tokens - t.num_cached_tokens, 0)
+    times = t.token_times
+    if t.first_scheduled is not None:
+        yield "queue", t.first_scheduled - t.arrival
+        if t.first_token is not None:
+            yield "prefill", t.first_token - t.first_scheduled
+        if times:
+            yield "inference", times[-1] - t.first_scheduled
+    if t.first_token is not None:
+        yield "ttft", t.first_token - t.arrival
+    for a, b in zip(times, times[1:]):
+        yield "itl", b - a
+    if times:
+        yield "decode", times[-1] - times[0]
+        if len(times) > 1:
+            yield "tpot", (times[-1] - times[0]) / (len(times) - 1)
+    if t.finished is not None:
+        yield "e2e", t.finished - t.arrival
+
+
+def cache_config_labels(cache) -> dict[str, str]:
+    """vllm:cache_config_info's labels that come from the configuration (config.cache), in
+    vLLM's spelling: Python reprs, swap space in GiB, the block-count override "None" when
+    the count is derived from the memory budget."""
+    return {"enable_prefix_caching": str(cache.enable_prefix_caching),
+            "gpu_memory_utilization": str(cache.gpu_memory_utilization),
+            "num_gpu_blocks_override": str(cache.num_blocks or None),
+            "swap_space": str(cache.swap_space_bytes / (1 << 30))}
 
 
 class _EngineCollector:
@@ -51,7 +140,7 @@ class _EngineCollector:
     def __init__(self, model_name: str):
         self.model_name = model_name
         self.stats: EngineStats | None = None
-        self.prefix_caching = False
+        self.cache_config: dict[str, str] = {}   # cache_config_info labels from the config
         self.updated_at = 0.0   # Unix time of the last refresh
 
     def collect(self):
@@ -84,12 +173,12 @@ class _EngineCollector:
         # affinity filter reads lora_requests_info (no adapters are served here: max_lora 0).
         yield gauge("vllm:gpu_cache_usage_perc", "KV-cache usage (vLLM's earlier name of "
                     "vllm:kv_cache_usage_perc). 1 means 100 percent usage.", kv.usage)
-        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache "
-                                 "configuration (labels).",
-                                 labels=labels + ["block_size", "num_gpu_blocks",
-                                                  "enable_prefix_caching"])
-        info.add_metric(value + [str(kv.block_size), str(kv.num_blocks),
-                                 str(self.prefix_caching)], 1.0)
+        # vLLM's labels where we hold the value (CacheConfig.metrics_info() + engine).
+        config = dict(self.cache_config, block_size=str(kv.block_size),
+                      num_gpu_blocks=str(kv.num_blocks), engine="0")
+        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine "
+                                 "CacheConfig", labels=labels + sorted(config))
+        info.add_metric(value + [config[k] for k in sorted(config)], 1.0)
         yield info
         lora = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests "
                                  "(the value is the time of the last update).",
@@ -135,7 +224,7 @@ def _samples(stats) -> Iterator[tuple[Metric, dict[str, str], float]]:
 
 
 class Metrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, max_model_len: int = 8192):
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -150,24 +239,17 @@ class Metrics:
         self.generation_tokens = Counter("vllm:generation_tokens",
                                          "Number of generation tokens processed.", m,
                                          registry=r).labels(model_name)
+        self.cached_tokens = Counter("vllm:prompt_tokens_cached", "Number of cached prompt "
+                                     "tokens (local prefix cache).", m,
+                                     registry=r).labels(model_name)
         self.request_success = Counter("vllm:request_success",
                                        "Count of successfully processed requests.",
                                        m + ["finished_reason"], registry=r)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds",
-                              "Histogram of time to first token in seconds.", m,
-                              buckets=TTFT_BUCKETS, registry=r).labels(model_name)
-        self.itl = Histogram("vllm:inter_token_latency_seconds",
-                             "Histogram of inter-token latency in seconds.", m,
-                             buckets=ITL_BUCKETS, registry=r).labels(model_name)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds",
-                             "Histogram of e2e request latency in seconds.", m,
-                             buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
-        self.queue_time = Histogram("vllm:request_queue_time_seconds",
-                                    "Histogram of time spent in WAITING phase for request.", m,
-                                    buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
-        self.decode_time = Histogram("tokenloom:request_decode_time_seconds",
-                                     "Histogram of first-to-last token time per request.", m,
-                                     buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
+        tokens = buckets_1_2_5(max_model_len)
+        self.histograms = {
+            key: Histogram(name, doc, m, registry=r,
+                           buckets=tokens if buckets == "tokens" else buckets).labels(model_name)
+            for key, (name, doc, buckets) in REQUEST_HISTOGRAMS.items()}
         self.aborted = Counter("tokenloom:requests_aborted",
                                "Requests aborted because the client went away.", m,
                                registry=r).labels(model_name)
@@ -175,31 +257,30 @@ class Metrics:
                             ["endpoint", "status"], registry=r)
 
     def observe_finished(self, num_prompt_tokens: int, num_output_tokens: int,
-                         finish_reason: str | None, t: RequestTimings | None) -> None:
-        """One engine request ended (stop, length, stop string or abort)."""
+                         finish_reason: str | None, t: RequestTimings | None,
+                         max_tokens: int = 0) -> None:
+        """One engine request ended (stop, length, stop string or abort); `max_tokens` is
+        its max_tokens parameter."""
         self.prompt_tokens.inc(num_prompt_tokens)
         self.generation_tokens.inc(num_output_tokens)
+        if t is not None:
+            self.cached_tokens.inc(t.num_cached_tokens)
         if finish_reason in ("stop", "length", "abort"):
             self.request_success.labels(self.model_name, finish_reason).inc()
-        if t is None:
-            return
-        if t.first_scheduled is not None:
-            self.queue_time.observe(t.first_scheduled - t.arrival)
-        if t.first_token is not None:
-            self.ttft.observe(t.first_token - t.arrival)
-        times = t.token_times
-        for a, b in zip(times, times[1:]):
-            self.itl.observe(b - a)
-        if times:
-            self.decode_time.observe(times[-1] - times[0])
-        if t.finished is not None:
-            self.e2e.observe(t.finished - t.arrival)
+        for key, value in request_observations(num_prompt_tokens, num_output_tokens,
+                                               max_tokens, t):
+            self.histograms[key].observe(value)
+
+    def observe_prompt_done(self, n: int, max_generated: int) -> None:
+        """All `n` choices of one prompt finished; the longest produced `max_generated`."""
+        self.histograms["n"].observe(n)
+        self.histograms["max_generated"].observe(max_generated)
 
     async def refresh(self, engine) -> None:
         """Read the actors' current state for the collector (at scrape time)."""
         self.engine.stats = await engine.stats()
         self.workers.snapshot = await engine.worker_stats()   # None in-process
-        self.engine.prefix_caching = engine.config.cache.enable_prefix_caching
+        self.engine.cache_config = cache_config_labels(engine.config.cache)
         self.engine.updated_at = time.time()
 
     def render(self) -> bytes:

@@ -36,11 +36,34 @@ def save_tiny_tokenizer(path: Path, chat_template: str | None = None) -> None:
     fast.save_pretrained(path)
 
 
+def save_byte_tokenizer(path: Path, chat_template: str | None = None) -> int:
+    """A byte-level tokenizer ("<unk>", "<s>", "</s>", then one token per byte, no merges):
+    any text round-trips through it, as clients that synthesise prompts by decoding token
+    ids need (guidellm). Returns its vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{ch: 3 + i for i, ch in enumerate(alphabet)}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>")
+    if chat_template is not None:
+        fast.chat_template = chat_template
+    fast.save_pretrained(path)
+    return len(vocab)
+
+
 def build_tiny_model(path: Path, config_class: str, config: dict, seed: int,
-                     chat_template: str | None = None) -> None:
-    """Save a randomly initialised fp32 model (config.json + model.safetensors + tokenizer)."""
+                     chat_template: str | None = None, byte_tokenizer: bool = False) -> None:
+    """Save a randomly initialised fp32 model (config.json + model.safetensors + tokenizer:
+    the word-level one, or with `byte_tokenizer` the byte-level one)."""
     import transformers
 
+    if byte_tokenizer:
+        config = {**config, "vocab_size": 3 + 256}
     cfg = getattr(transformers, config_class)(**{**COMMON_CONFIG, **config})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -51,7 +74,10 @@ def build_tiny_model(path: Path, config_class: str, config: dict, seed: int,
             elif name.endswith("_proj.bias"):
                 p.copy_(0.5 * torch.randn_like(p))  # random init leaves biases at zero
     model.save_pretrained(path, safe_serialization=True)
-    save_tiny_tokenizer(path, chat_template)
+    if byte_tokenizer:
+        save_byte_tokenizer(path, chat_template)
+    else:
+        save_tiny_tokenizer(path, chat_template)
 
 
 def hf_greedy(hf, prompt: list[int], max_new_tokens: int) -> list[int]:

@@ -30,9 +30,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-import msgspec
-
 from tokenloom.actors.base import Actor
+from tokenloom.actors.front.prompts import PromptError, encode_prompt, fit_prompt
 from tokenloom.actors.messages import (
     ERROR_INVALID,
     AddRequest,
@@ -49,14 +48,6 @@ from tokenloom.actors.messages import (
 # A chat template is never inline: rendering even a one-line chat (Jinja) costs ~100 us.
 INLINE_MAX_CHARS = 256
 INLINE_MAX_IDS = 2048
-
-
-class PromptError(ValueError):
-    """A request the tokenizer refuses; `param` names the request field at fault."""
-
-    def __init__(self, message: str, param: str):
-        super().__init__(message)
-        self.param = param
 
 
 class TokenizerActor(Actor):
@@ -83,45 +74,11 @@ class TokenizerActor(Actor):
 
     # -- pure work (any thread) ------------------------------------------------------------
     def encode(self, req: GenerateRequest) -> list[int]:
-        if req.prompt_token_ids is not None:
-            ids = list(req.prompt_token_ids)
-            vocab = len(self.tokenizer)
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise PromptError(f"prompt token id {bad[0]} is outside the vocabulary "
-                                  f"[0, {vocab})", "prompt")
-            return ids
-        if req.messages is not None:
-            try:
-                extra = {"tools": req.tools} if req.tools else {}
-                return list(self.tokenizer.apply_chat_template(
-                    req.messages, add_generation_prompt=True, tokenize=True, return_dict=False,
-                    **extra))
-            except Exception as e:  # no template, or the template rejects these messages
-                raise PromptError(f"cannot apply the chat template: {e}", "messages") from e
-        return self.tokenizer.encode(req.prompt or "", add_special_tokens=True)
+        return encode_prompt(self.tokenizer, req)
 
     def check(self, req: GenerateRequest, ids: list[int]):
-        """Validate the prompt against the context window; returns the sampling params to
-        use (max_tokens lowered to fit when the request asked for that)."""
-        prompt_field = "messages" if req.messages is not None else "prompt"
-        params = req.sampling_params
-        if not ids:
-            raise PromptError(f"{prompt_field} is empty", prompt_field)
-        room = self.max_model_len - len(ids)
-        if req.fit_max_tokens and room >= 1 and params.max_tokens > room:
-            params = msgspec.structs.replace(params, max_tokens=room,
-                                             min_tokens=min(params.min_tokens, room))
-        if len(ids) + params.max_tokens > self.max_model_len:
-            if room < 1:
-                raise PromptError(
-                    f"{prompt_field} has {len(ids)} tokens, which leaves no room for output in "
-                    f"the context window of {self.max_model_len} tokens", prompt_field)
-            raise PromptError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = "
-                f"{len(ids) + params.max_tokens} exceeds the context window of "
-                f"{self.max_model_len} tokens", "max_tokens")
-        return params
+        """The sampling params to use (see prompts.fit_prompt)."""
+        return fit_prompt(req, ids, self.max_model_len)
 
     def prepare(self, req: GenerateRequest) -> AddRequest | RequestOutput:
         """Tokenize and validate one request: its AddRequest, or its error output (a bad

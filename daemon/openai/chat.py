@@ -85,11 +85,19 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     check_serving(state)
     parsed = protocol.parse_chat(await read_body(request, state), state.limits,
                                  request.headers, state.config.scheduler.priority_classes)
+    messages, template_tools = template_inputs(state, parsed)
+    return await serve(request, state, parsed, ChatFormatter, "chatcmpl", prompts=[None],
+                       messages=messages, tools=template_tools)
+
+
+def template_inputs(state, parsed: protocol.ParsedRequest) -> tuple[list[dict], list | None]:
+    """The messages and the tools the chat template is given: the tools themselves when
+    the template renders them, else described in the system message (the render endpoint
+    gives the same prompt as generation: daemon/openai/render.py)."""
     messages, template_tools = parsed.messages, None
     if parsed.tools is not None and parsed.tools.choice != "none":
         if T.template_renders_tools(getattr(state.engine.tokenizer, "chat_template", None)):
             template_tools = parsed.tools.template_tools()
         else:
             messages = T.fallback_messages(messages, parsed.tools)
-    return await serve(request, state, parsed, ChatFormatter, "chatcmpl", prompts=[None],
-                       messages=messages, tools=template_tools)
+    return messages, template_tools

@@ -28,6 +28,8 @@ class Formatter:
         self.created = int(time.time())
         self.model = parsed.model
         self._frame_parts: tuple[bytes, bytes, bytes] | None = None   # see chunk_frame
+        # continuous_usage_stats: choice index -> its usage so far (set by streaming.stream).
+        self.running_usage = None
         self.token_text = state.token_text
 
     def _base(self, obj: str) -> dict:
@@ -79,7 +81,8 @@ class Formatter:
         """`sse.frame(self.chunk(d, final_of))`, byte for byte. The common chunk (text only:
         no logprobs, no metrics) is spliced into bytes prepared once per request, without
         building and encoding its dicts: this runs once per streamed token."""
-        if d.logprobs or (final_of is not None and self.parsed.return_metrics):
+        if d.logprobs or (final_of is not None and self.parsed.return_metrics) or \
+                self.parsed.continuous_usage:
             return sse.frame(self.chunk(d, final_of))
         if self._frame_parts is None:
             self._frame_parts = self._frame_template()
@@ -97,8 +100,14 @@ class Formatter:
         return before + b'"choices":[{"index":', b",", b"}]" + after
 
     def usage_slot(self, chunk: dict) -> None:
-        # With include_usage, OpenAI sends "usage": null on every chunk but the last.
-        if self.parsed.include_usage:
+        # With include_usage, OpenAI sends "usage": null on every chunk but the last; with
+        # continuous_usage_stats too, vLLM sends the choice's running counts on every chunk.
+        if not self.parsed.include_usage:
+            return
+        choices = chunk["choices"]
+        if self.running_usage is not None and choices and isinstance(choices[0], dict):
+            chunk["usage"] = self.running_usage(choices[0]["index"])
+        else:
             chunk["usage"] = None
 
     def usage_chunk(self, gen: Generation) -> dict:

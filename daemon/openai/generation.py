@@ -77,11 +77,13 @@ class Generation:
         self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.choices: dict[str, Choice] = {}
         self.n = params.n
+        self.max_tokens, self.fit_max_tokens = params.max_tokens, fit_max_tokens
         self._requests: list[GenerateRequest] = fan_out(
             request_id, prompts, params, arrival_time=self.arrival, messages=messages,
             fit_max_tokens=fit_max_tokens, meta=meta, tools=tools)
         for index, req in enumerate(self._requests):
             self.choices[req.request_id] = Choice(index, req.request_id)
+        self._by_index = {c.index: c for c in self.choices.values()}
         self._open: set[str] = set()
         self._early: list[RequestOutput] = []
 
@@ -114,7 +116,7 @@ class Generation:
                 aborted += 1
                 if self.metrics is not None:
                     self.metrics.observe_finished(c.num_prompt_tokens, len(c.token_ids),
-                                                  "abort", None)
+                                                  "abort", None, self.max_tokens)
         self._open.clear()
         return aborted
 
@@ -166,8 +168,15 @@ class Generation:
 
     def _observe(self, c: Choice) -> None:
         if self.metrics is not None:
+            max_tokens = self.max_tokens
+            if self.fit_max_tokens:   # unset: what the context window left (the tokenizer's)
+                max_tokens = min(max_tokens, self.engine.info.max_model_len - c.num_prompt_tokens)
             self.metrics.observe_finished(c.num_prompt_tokens, len(c.token_ids),
-                                          c.finish_reason, c.timings)
+                                          c.finish_reason, c.timings, max_tokens)
+            first = c.index // self.n * self.n
+            siblings = [self._by_index[i] for i in range(first, first + self.n)]
+            if all(s.closed and s.finish_reason is not None for s in siblings):
+                self.metrics.observe_prompt_done(self.n, max(len(s.token_ids) for s in siblings))
         if self.log is not None:
             self.log.info("choice finished", request_id=c.request_id, index=c.index,
                           finish_reason=c.finish_reason, prompt_tokens=c.num_prompt_tokens,
@@ -217,6 +226,14 @@ class Generation:
                 p = c.index // self.n
                 by_prompt[p] = max(by_prompt.get(p, 0), c.timings.num_cached_tokens)
         return sum(by_prompt.values())
+
+    def choice_usage(self, index: int) -> dict:
+        """Choice `index`'s counts so far: its prompt's tokens and its own output tokens (a
+        streamed chunk's `usage` with continuous_usage_stats, as vLLM counts it)."""
+        c = self._by_index[index]
+        done = len(c.token_ids)
+        return {"prompt_tokens": c.num_prompt_tokens, "completion_tokens": done,
+                "total_tokens": c.num_prompt_tokens + done}
 
     def usage(self) -> dict:
         # A prompt's tokens count once however many choices it has.

@@ -110,7 +110,8 @@ def document(limits: Q.Limits | None = None, max_tokens: int | None = None,
     `max_tokens`: the most tokens one choice may ask for (None: unbounded here)."""
     types = [Q.CompletionRequest, Q.ChatCompletionRequest, Q.TokenizeRequest,
              Q.DetokenizeRequest, R.CompletionResponse, R.ChatCompletionResponse, R.ModelList,
-             R.TokenizeResponse, R.DetokenizeResponse, R.ReadyResponse, R.ErrorResponse]
+             R.TokenizeResponse, R.DetokenizeResponse, R.ReadyResponse, R.ErrorResponse,
+             R.RenderedPrompt]
     _, components = msgspec.json.schema_components(types, ref_template=REF)
     _apply_limits(components, limits, max_tokens, max_logprobs)
     json_ok = lambda t: {"description": "OK", "content": {JSON: {"schema": _ref(t)}}}  # noqa
@@ -120,6 +121,13 @@ def document(limits: Q.Limits | None = None, max_tokens: int | None = None,
         "/v1/chat/completions": _post("Create a chat completion (OpenAI-compatible)",
                                       Q.ChatCompletionRequest,
                                       _generation(R.ChatCompletionResponse)),
+        "/v1/completions/render": _post(
+            "The prompts' token ids, without generating (vLLM's render endpoint)",
+            Q.CompletionRequest, {"description": "one rendered prompt per prompt", "content": {
+                JSON: {"schema": {"type": "array", "items": _ref(R.RenderedPrompt)}}}}),
+        "/v1/chat/completions/render": _post(
+            "The conversation's prompt token ids, without generating (vLLM's render "
+            "endpoint)", Q.ChatCompletionRequest, json_ok(R.RenderedPrompt)),
         "/v1/models": _get("The served model", json_ok(R.ModelList)),
         "/v1/requests/{request_id}/trace": _get(
             "The per-request trace of a recent request",

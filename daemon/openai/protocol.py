@@ -37,7 +37,7 @@ class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
 
 class _Sampling(msgspec.Struct, kw_only=True):
     """Fields shared by both endpoints."""
-    model: str
+    model: str | None = None    # None: the served model (one model is served, as in vLLM)
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -144,6 +144,10 @@ class ParsedRequest:
     # Salt, priority, tenant and routing affinity, from the body and headers (request_meta).
     meta: RequestMeta = RequestMeta()
     tools: ToolSpec | None = None               # chat: tools and tool_choice (tools.py)
+    # stream_options.continuous_usage_stats (with include_usage): every chunk carries its
+    # choice's usage so far, as vLLM streams it.
+    continuous_usage: bool = False
+    cache_salt: str | None = None               # as the body gave it (the render endpoints)
 
 
 # -- decoding ----------------------------------------------------------------------------
@@ -171,11 +175,16 @@ def decode(body: bytes, kind: type[msgspec.Struct]):
 
 
 # -- validation --------------------------------------------------------------------------
-def _check_model(req, limits: Limits) -> None:
+def _check_model(req, limits: Limits) -> str:
+    """The model the request names; absent, the served one (vLLM and llama.cpp accept its
+    omission when one model is served)."""
+    if req.model is None:
+        return limits.served_name
     if req.model not in limits.model_names:
         raise APIError(404, f"the model `{req.model}` does not exist (served: "
                             f"{limits.served_name})",
                        param="model", code="model_not_found")
+    return req.model
 
 
 def _stops(stop) -> tuple[str, ...]:
@@ -291,7 +300,7 @@ def parse_completion(body: bytes, limits: Limits, headers=None,
     """`headers` (a mapping) and `priority_classes` (scheduler.priority_classes) give the
     request's metadata (`request_meta`); None: none."""
     req = decode(body, CompletionRequest)
-    _check_model(req, limits)
+    model = _check_model(req, limits)
     prompts = _completion_prompts(req.prompt)
     if req.echo:
         raise APIError(400, "echo is not supported", param="echo")
@@ -305,8 +314,9 @@ def parse_completion(body: bytes, limits: Limits, headers=None,
     return ParsedRequest(prompts=prompts, messages=None, params=params, fit_max_tokens=False,
                          stream=req.stream, include_usage=_include_usage(req),
                          return_metrics=req.return_metrics, logprobs=req.logprobs,
-                         model=req.model,
-                         meta=request_meta(req, headers or {}, priority_classes or {}))
+                         model=model,
+                         meta=request_meta(req, headers or {}, priority_classes or {}),
+                         continuous_usage=_continuous_usage(req), cache_salt=req.cache_salt)
 
 
 def chat_messages(messages: list[ChatMessage], param: str = "messages") -> list[dict]:
@@ -353,7 +363,7 @@ def _arguments(text):
 def parse_chat(body: bytes, limits: Limits, headers=None,
                priority_classes: dict[str, int] | None = None) -> ParsedRequest:
     req = decode(body, ChatCompletionRequest)
-    _check_model(req, limits)
+    model = _check_model(req, limits)
     messages = chat_messages(req.messages)
     tools = parse_tools(req.tools, req.tool_choice, unsupported_keyword,
                         req.parallel_tool_calls)
@@ -377,9 +387,10 @@ def parse_chat(body: bytes, limits: Limits, headers=None,
     return ParsedRequest(prompts=None, messages=messages, params=params,
                          fit_max_tokens=max_tokens is None, stream=req.stream,
                          include_usage=_include_usage(req), return_metrics=req.return_metrics,
-                         logprobs=logprobs, model=req.model, max_tokens_field=field,
+                         logprobs=logprobs, model=model, max_tokens_field=field,
                          meta=request_meta(req, headers or {}, priority_classes or {}),
-                         tools=tools)
+                         tools=tools, continuous_usage=_continuous_usage(req),
+                         cache_salt=req.cache_salt)
 
 
 def resolve_priority(body_value: int | str | None, header: str | None,
@@ -425,3 +436,9 @@ def _include_usage(req: _Sampling) -> bool:
         raise APIError(400, "stream_options is only allowed when stream is true",
                        param="stream_options")
     return bool(req.stream_options and req.stream_options.include_usage)
+
+
+def _continuous_usage(req: _Sampling) -> bool:
+    # As vLLM: continuous usage stats only with include_usage.
+    o = req.stream_options
+    return bool(req.stream and o and o.include_usage and o.continuous_usage_stats)

@@ -126,6 +126,27 @@ class TokenizeResponse(msgspec.Struct, kw_only=True):
     max_model_len: int
 
 
+class StreamOptionsEcho(msgspec.Struct, kw_only=True):
+    include_usage: bool
+    continuous_usage_stats: bool
+
+
+class RenderedPrompt(msgspec.Struct, kw_only=True):
+    """One prompt of /v1/completions/render or /v1/chat/completions/render: vLLM's
+    GenerateRequest shape (what its render endpoints answer), of which a router reads
+    `token_ids`. `features` (multimodal) and `kv_transfer_params` are always null here."""
+    request_id: str
+    token_ids: list[int]
+    features: None = None
+    sampling_params: dict[str, Any]
+    model: str
+    stream: bool
+    stream_options: StreamOptionsEcho | None
+    cache_salt: str | None
+    priority: int
+    kv_transfer_params: None = None
+
+
 class DetokenizeResponse(msgspec.Struct, kw_only=True):
     prompt: str
 

@@ -75,6 +75,8 @@ async def stream(request: web.Request, gen: Generation, fmt: Formatter,
     when the client takes no data for server.write_timeout_seconds."""
     resp = await sse.open_stream(request, {"X-Request-Id": gen.request_id})
     out = StreamWriter(request, resp, request.app[STATE].config.server.write_timeout_seconds)
+    if parsed.continuous_usage:
+        fmt.running_usage = gen.choice_usage
     try:
         for first in fmt.first_chunks(gen):
             await out.write(sse.frame(first))

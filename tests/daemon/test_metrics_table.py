@@ -91,3 +91,41 @@ def test_a_missing_sub_struct_exports_nothing_of_it():
     text = metrics.render().decode()
     assert "vllm:spec_decode_num_drafts" not in text
     assert _value(text, "vllm:num_requests_running") == 3
+
+
+def test_request_histograms_split_a_request_as_vllm_does():
+    """Queue, prefill, decode and inference phases, TPOT and the token counts of one
+    finished request (daemon/metrics.request_observations)."""
+    from tokenloom.actors.messages import RequestTimings
+    from tokenloom.daemon.metrics import buckets_1_2_5, request_observations
+
+    t = RequestTimings(arrival=10.0, first_scheduled=10.5, first_token=11.0, finished=12.5,
+                       token_times=[11.0, 11.5, 12.5], num_cached_tokens=16)
+    obs: dict[str, list[float]] = {}
+    for key, v in request_observations(40, 3, 8, t):
+        obs.setdefault(key, []).append(v)
+    assert obs == {"prompt_tokens": [40], "generation_tokens": [3], "max_tokens": [8],
+                   "computed_tokens": [24], "queue": [0.5], "prefill": [0.5],
+                   "inference": [2.0], "ttft": [1.0], "itl": [0.5, 1.0], "decode": [1.5],
+                   "tpot": [0.75], "e2e": [2.5]}
+    assert dict(request_observations(5, 0, 4, None)) == {"prompt_tokens": 5,
+                                                        "generation_tokens": 0, "max_tokens": 4}
+    assert buckets_1_2_5(100) == (1, 2, 5, 10, 20, 50, 100)
+    assert buckets_1_2_5(2048)[-1] == 2000
+
+
+def test_cache_config_info_carries_vllm_labels():
+    from tokenloom.config.schema import CacheConfig
+    from tokenloom.daemon.metrics import cache_config_labels
+
+    metrics = Metrics("m")
+    metrics.engine.stats = _stats()
+    metrics.engine.cache_config = cache_config_labels(CacheConfig(num_blocks=100))
+    text = metrics.render().decode()
+    (line,) = [x for x in text.splitlines() if x.startswith("vllm:cache_config_info{")]
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+    assert labels == {"model_name": "m", "block_size": "16", "num_gpu_blocks": "100",
+                      "enable_prefix_caching": "True", "engine": "0",
+                      "gpu_memory_utilization": "0.9", "num_gpu_blocks_override": "100",
+                      "swap_space": "0.25"}
+    assert line.endswith(" 1.0")

@@ -121,3 +121,35 @@ def test_the_container_command_is_a_valid_tokenloom_config():
     assert config.kv_events.endpoint.endswith(f":{ports['kv-events']}")
     assert config.kv_events.replay_endpoint.endswith(f":{ports['kv-replay']}")
     assert args.port == ports["http"]
+
+
+def test_the_endpoint_picker_config_agrees_with_the_pods():
+    """llm-d's EPP config (epp-config.yaml): its token producer renders through the
+    tokenloom Service with a model name the pods serve, its KV-event subscriber reaches the
+    pods' event and replay ports, and its block size is the pods' cache.block_size."""
+    from tokenloom.config.load import load_config
+    from tokenloom.daemon.__main__ import _parse_set, build_parser
+
+    epp = yaml.safe_load(by_kind("ConfigMap")["data"]["epp-config.yaml"])
+    assert epp["kind"] == "EndpointPickerConfig"
+    plugins = {p["type"]: p.get("parameters", {}) for p in epp["plugins"]}
+    deploy, service = by_kind("Deployment"), by_kind("Service")
+    container = deploy["spec"]["template"]["spec"]["containers"][0]
+    argv = [a.replace("$(POD_IP)", "10.0.0.7") for a in container["command"]]
+    config = load_config(overrides=_parse_set(build_parser().parse_args(argv[1:]).set), env=None)
+    producer = plugins["token-producer"]
+    assert producer["modelName"] == config.server.served_model_name
+    assert config.kv_events.topic.endswith("@" + producer["modelName"])
+    (http,) = [p for p in service["spec"]["ports"] if p["name"] == "http"]
+    assert producer["vllm"]["url"] == f"http://{service['metadata']['name']}:{http['port']}"
+    precise = plugins["precise-prefix-cache-producer"]
+    assert precise["tokenProcessorConfig"]["blockSize"] == config.cache.block_size
+    discovery = precise["kvEventsConfig"]["podDiscoveryConfig"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert discovery["socketPort"] == ports["kv-events"]
+    assert discovery["replaySocketPort"] == ports["kv-replay"]
+    key, value = discovery["podLabelSelector"].split("=")
+    assert deploy["spec"]["template"]["metadata"]["labels"][key] == value
+    assert config.kv_events.topic.startswith(precise["kvEventsConfig"]["topicFilter"])
+    scored = {p["pluginRef"] for prof in epp["schedulingProfiles"] for p in prof["plugins"]}
+    assert scored <= set(plugins)

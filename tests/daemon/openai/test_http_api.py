@@ -398,3 +398,50 @@ async def test_shutdown_while_streaming_is_prompt(tiny_model_dir, tmp_path, mode
             await asyncio.wait_for(read_events(resp), timeout=5)
         except aiohttp.ClientError:
             pass  # the connection was closed under the stream: also an end
+
+
+# -- model optional, continuous usage stats -------------------------------------------------
+async def test_model_may_be_omitted_when_one_is_served(server, model_name):
+    """As vLLM and llama.cpp: no `model` means the served one; a wrong name is still 404."""
+    status, body, _ = await apost(server, "/v1/completions", dict(prompt="w5 w6", max_tokens=2))
+    assert status == 200 and body["model"] == model_name, body
+    status, body, _ = await apost(server, "/v1/chat/completions", dict(
+        messages=[{"role": "user", "content": "w5"}], max_tokens=2))
+    assert status == 200 and body["model"] == model_name, body
+    status, body, _ = await apost(server, "/v1/completions", dict(model="gpt-9", prompt="w5"))
+    assert status == 404 and body["error"]["param"] == "model"
+
+
+async def test_continuous_usage_stats_on_every_completion_chunk(server, model_name):
+    """With include_usage and continuous_usage_stats, every chunk carries its choice's
+    running counts (vLLM's stream); the last chunk is still the whole usage."""
+    _, raw, _ = await apost(server, "/v1/completions", dict(
+        model=model_name, prompt="w9 w10 w11", max_tokens=6, n=2, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, **GREEDY))
+    *chunks, last = parse_sse(raw)[:-1]
+    seen: dict[int, list[int]] = {}
+    for c in chunks:
+        u = c["usage"]
+        assert u["prompt_tokens"] == 3 and u["total_tokens"] == 3 + u["completion_tokens"]
+        seen.setdefault(c["choices"][0]["index"], []).append(u["completion_tokens"])
+    for counts in seen.values():
+        assert counts == sorted(counts) and counts[-1] == 6 and counts[0] >= 1
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 12
+
+
+async def test_continuous_usage_stats_on_chat_chunks(server, model_name):
+    _, raw, _ = await apost(server, "/v1/chat/completions", dict(
+        model=model_name, messages=[{"role": "user", "content": "w5 w6"}], max_tokens=4,
+        stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True},
+        **GREEDY))
+    *chunks, last = parse_sse(raw)[:-1]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[0]["usage"]["completion_tokens"] == 0   # the role chunk: nothing yet
+    prompt = chunks[0]["usage"]["prompt_tokens"]
+    assert prompt == last["usage"]["prompt_tokens"] > 0
+    assert [c["usage"]["completion_tokens"] for c in chunks][-1] == 4
+    # Without include_usage the option changes nothing (as vLLM).
+    _, raw, _ = await apost(server, "/v1/chat/completions", dict(
+        model=model_name, messages=[{"role": "user", "content": "w5 w6"}], max_tokens=2,
+        stream=True, stream_options={"continuous_usage_stats": True}, **GREEDY))
+    assert all("usage" not in e for e in parse_sse(raw)[:-1])

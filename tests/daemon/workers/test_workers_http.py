@@ -84,6 +84,25 @@ def test_greedy_output_matches_one_engine(cluster, server):
         assert a == b, p
 
 
+def test_render_and_gateway_metrics_with_workers(cluster):
+    """The render endpoints answer from the front (the ids a prompt runs with on any
+    worker); the gateway's series are the daemon's as a whole: one cache_config_info with
+    the pool's blocks, KV usage a 0-1 fraction."""
+    status, rendered = post(cluster, "/v1/completions/render", {"prompt": "w5 w6 w7"})
+    assert status == 200 and [r["token_ids"] for r in rendered] == [[5, 6, 7]], rendered
+    status, rendered = post(cluster, "/v1/chat/completions/render", {
+        "model": MODEL, "messages": [{"role": "user", "content": "w8 w9"}]})
+    assert status == 200 and rendered["token_ids"][:2] == [8, 9], rendered
+    reply = completion(cluster.url, {"prompt": rendered["token_ids"], "max_tokens": 2})
+    assert reply["usage"]["prompt_tokens"] == len(rendered["token_ids"])
+    text = metrics(cluster)
+    (info,) = [x for x in text.splitlines() if x.startswith("vllm:cache_config_info{")]
+    assert 'num_gpu_blocks="1024"' in info and f'block_size="{BLOCK}"' in info   # 2 x 512
+    (usage,) = [x for x in text.splitlines() if x.startswith("vllm:kv_cache_usage_perc{")]
+    assert 0.0 <= float(usage.rsplit(" ", 1)[1]) <= 1.0
+    assert "# TYPE vllm:request_prefill_time_seconds histogram" in text
+
+
 def test_routing_follows_the_prefix_from_kv_events(cluster):
     """1. a long prompt runs on some worker; its KV events say which blocks it holds
     2. prompts sharing that prefix go to the same worker, expecting the 8 blocks, and hit
