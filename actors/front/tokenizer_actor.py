@@ -68,13 +68,14 @@ class TokenizerActor(Actor):
     name = "tokenizer"
 
     def __init__(self, tokenizer, max_model_len: int, emit: Callable[[RequestOutput], None],
-                 guided=None):
+                 guided=None, max_prompt_logprobs_tokens: int | None = None):
         super().__init__()
         self.tokenizer = tokenizer
         # Compiles (and so validates) guided-decoding constraints, on the worker thread;
         # its cache hands the runner the compiled grammar (actors/execution/guided.py).
         self.guided = guided
         self.max_model_len = max_model_len
+        self.max_prompt_logprobs_tokens = max_prompt_logprobs_tokens   # None: unbounded
         self.emit = emit
         self.next_inbox: asyncio.Queue | None = None  # the router
         # Inbox order: each entry is an outcome to release, or a future of one.
@@ -121,6 +122,12 @@ class TokenizerActor(Actor):
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = "
                 f"{len(ids) + params.max_tokens} exceeds the context window of "
                 f"{self.max_model_len} tokens", "max_tokens")
+        bound = self.max_prompt_logprobs_tokens
+        if params.prompt_logprobs is not None and bound is not None and len(ids) > bound:
+            raise PromptError(
+                f"prompt_logprobs: the prompt has {len(ids)} tokens; prompt logprobs are "
+                f"returned for at most {bound} (scheduler.max_prompt_logprobs_tokens)",
+                "prompt_logprobs")
         return params
 
     def prepare(self, req: GenerateRequest) -> AddRequest | RequestOutput:
