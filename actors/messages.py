@@ -117,6 +117,7 @@ class TokenLogprob(_Msg):
     token_id: int
     logprob: float
     top: list[tuple[int, float]] | None = None
+    rank: int | None = None   # prompt logprobs: 1 + how many tokens were more likely
 
 
 class RequestTimings(_Msg):

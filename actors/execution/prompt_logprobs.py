@@ -71,37 +71,38 @@ def plan_rows(batch: ExecuteBatch, seqs: Mapping[str, Any],
 
 @torch.inference_mode()
 def compute(logits_of: Callable[[torch.Tensor], torch.Tensor], plan: PromptRows,
-            vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(token logprobs [R], top ids [R, k], top logprobs [R, k]) on the device, with k the
-    largest of the step's requests'. `logits_of(rows)`: fp32 logits of those flat rows."""
+            vocab_size: int) -> tuple[torch.Tensor, ...]:
+    """(token logprobs [R], top ids [R, k], top logprobs [R, k], token ranks [R]) on the
+    device, with k the largest of the step's requests'. `logits_of(rows)`: fp32 logits of
+    those flat rows."""
     k = max(plan.ks)
     step = max(1, MAX_CHUNK_ELEMENTS // vocab_size)
-    token_lp, top_ids, top_lp = [], [], []
+    token_lp, top_ids, top_lp, ranks = [], [], [], []
     for i in range(0, plan.rows.shape[0], step):
         lp = torch.log_softmax(logits_of(plan.rows[i:i + step]).float(), dim=-1)  # [c, V]
-        token_lp.append(lp.gather(1, plan.targets[i:i + step, None])[:, 0])
+        tok = lp.gather(1, plan.targets[i:i + step, None])                        # [c, 1]
+        token_lp.append(tok[:, 0])
+        ranks.append((lp > tok).sum(dim=-1) + 1)
         if k:
             top = lp.topk(k, dim=-1)
             top_lp.append(top.values)
             top_ids.append(top.indices)
         del lp
-    token = torch.cat(token_lp)
+    token, rank = torch.cat(token_lp), torch.cat(ranks)
     if not k:
         empty = token.new_zeros((token.shape[0], 0))
-        return token, empty.long(), empty
-    return token, torch.cat(top_ids), torch.cat(top_lp)
+        return token, empty.long(), empty, rank
+    return token, torch.cat(top_ids), torch.cat(top_lp), rank
 
 
-def to_messages(plan: PromptRows, values: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-                ) -> list[PromptLogprobs]:
+def to_messages(plan: PromptRows, values: tuple[torch.Tensor, ...]) -> list[PromptLogprobs]:
     """Bring the values home (one transfer each) as one PromptLogprobs per chunk."""
-    token = values[0].tolist()
-    ids, lps = values[1].tolist(), values[2].tolist()
+    token, ids, lps, ranks = (v.tolist() for v in values)
     targets = plan.targets.tolist()
     out, r = [], 0
     for rid, start, count, k in zip(plan.request_ids, plan.starts, plan.counts, plan.ks):
         out.append(PromptLogprobs(request_id=rid, start=start, logprobs=[
-            TokenLogprob(token_id=targets[i], logprob=token[i],
+            TokenLogprob(token_id=targets[i], logprob=token[i], rank=ranks[i],
                          top=list(zip(ids[i][:k], lps[i][:k])) if k else None)
             for i in range(r, r + count)]))
         r += count
