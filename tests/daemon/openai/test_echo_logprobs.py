@@ -5,8 +5,11 @@ prefilled in chunks of at most 16 tokens."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
+
+from tokenloom.daemon.openai import responses as R
 
 from client import apost, parse_sse
 
@@ -76,6 +79,7 @@ async def test_echo_with_logprobs_as_lm_eval_sends_it(server, model_name, hf):
         model=model_name, prompt=prompts, echo=True, logprobs=1, max_tokens=1,
         temperature=0, seed=1234))
     assert status == 200, body
+    msgspec.convert(body, R.CompletionResponse)   # the shape /openapi.json states
     assert [c["index"] for c in body["choices"]] == [0, 1, 2]
     for choice, prompt in zip(body["choices"], prompts):
         check_echo(choice, hf, prompt, 1, generated=1)
@@ -124,6 +128,7 @@ async def test_vllm_prompt_logprobs_field(server, model_name, hf):
     status, body, _ = await apost(server, "/v1/completions", dict(
         model=model_name, prompt="w5 w6 w7 w8", prompt_logprobs=2, max_tokens=1))
     assert status == 200, body
+    msgspec.convert(body, R.CompletionResponse)
     (choice,) = body["choices"]
     plp = choice["prompt_logprobs"]
     ref = hf_logprobs(hf, [5, 6, 7, 8])
