@@ -389,9 +389,9 @@ class ModelRunner:
         logprobs of the chunks that asked for them ((rows, device values) or None). `patch`:
         None, or (decode rows, token ids on the device) to write into the input ids first.
 
-        A step with prompt-logprob chunks runs the same path it would have run (piecewise
-        or eager; never a decode graph, which holds no prefill) and sends the extra rows of
-        its residual stream through the LM head afterwards (prompt_logprobs.py)."""
+        A step with prompt-logprob chunks runs the path it would have run anyway (piecewise
+        or eager: a decode graph holds no prefill) and sends the extra rows of its residual
+        stream through the LM head afterwards (prompt_logprobs.py)."""
         seqs = batch.sequences
         num_tokens = sum(len(s.token_ids) for s in seqs)
         decision = self.dispatcher.dispatch(len(seqs), batch.num_decodes, num_tokens)
@@ -414,25 +414,17 @@ class ModelRunner:
                                     with_decode_mask=self._reference_decode())
         if patch is not None:   # decodes come first in the flat batch: row i is token i
             inputs.input_ids.index_copy_(0, patch[0], patch[1])
-        plan = prompt_logprobs.plan_rows(batch, self._seqs, self.device)
-        prompt = None
-        if plan is None and decision.mode == PIECEWISE:
-            logits = self.piecewise.run(inputs.input_ids, inputs.positions, inputs.meta,
-                                        inputs.logits_indices, decision.padded_size)
-        elif plan is None:
-            logits = self.model(inputs.input_ids, inputs.positions, self.kv, inputs.meta,
-                                inputs.logits_indices)
+        # (piecewise: h is a view of the static buffer, used before the next step)
+        if decision.mode == PIECEWISE:
+            h = self.piecewise.run_hidden(inputs.input_ids, inputs.positions, inputs.meta,
+                                          decision.padded_size)
         else:
-            if decision.mode == PIECEWISE:   # (a view of the static buffer: used right away)
-                h = self.piecewise.run_hidden(inputs.input_ids, inputs.positions, inputs.meta,
-                                              decision.padded_size)
-            else:
-                h = self.model.forward_hidden(inputs.input_ids, inputs.positions, self.kv,
-                                              inputs.meta)
-            with torch.inference_mode():
-                logits = self.model.logits(h, inputs.logits_indices)
-                prompt = (plan, prompt_logprobs.compute(lambda rows: self.model.logits(h, rows),
-                                                        plan, self.model.spec.vocab_size))
+            h = self.model.forward_hidden(inputs.input_ids, inputs.positions, self.kv,
+                                          inputs.meta)
+        with torch.inference_mode():
+            logits = self.model.logits(h, inputs.logits_indices)
+        plan = prompt_logprobs.plan_rows(batch, self._seqs, self.device)
+        prompt = None if plan is None else (plan, prompt_logprobs.compute(self.model, h, plan))
         if mirror is not None:
             mirror(inputs)
         return logits, inputs.sample_ids, prompt

@@ -16,7 +16,7 @@ is kept per row is its token's logprob and the top-k. The values stay on the dev
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -70,16 +70,15 @@ def plan_rows(batch: ExecuteBatch, seqs: Mapping[str, Any],
 
 
 @torch.inference_mode()
-def compute(logits_of: Callable[[torch.Tensor], torch.Tensor], plan: PromptRows,
-            vocab_size: int) -> tuple[torch.Tensor, ...]:
+def compute(model, h: torch.Tensor, plan: PromptRows) -> tuple[torch.Tensor, ...]:
     """(token logprobs [R], top ids [R, k], top logprobs [R, k], token ranks [R]) on the
-    device, with k the largest of the step's requests'. `logits_of(rows)`: fp32 logits of
-    those flat rows."""
+    device, with k the largest of the step's requests'. `h`: the step's residual stream
+    [T, hidden]; `model.logits(h, rows)` gives those rows' fp32 logits."""
     k = max(plan.ks)
-    step = max(1, MAX_CHUNK_ELEMENTS // vocab_size)
+    step = max(1, MAX_CHUNK_ELEMENTS // model.spec.vocab_size)
     token_lp, top_ids, top_lp, ranks = [], [], [], []
     for i in range(0, plan.rows.shape[0], step):
-        lp = torch.log_softmax(logits_of(plan.rows[i:i + step]).float(), dim=-1)  # [c, V]
+        lp = torch.log_softmax(model.logits(h, plan.rows[i:i + step]).float(), dim=-1)  # [c, V]
         tok = lp.gather(1, plan.targets[i:i + step, None])                        # [c, 1]
         token_lp.append(tok[:, 0])
         ranks.append((lp > tok).sum(dim=-1) + 1)
