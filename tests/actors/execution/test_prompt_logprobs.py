@@ -110,3 +110,77 @@ def test_prompt_logprobs_out_of_range_is_refused():
         SamplingParams(prompt_logprobs=21)
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=-1)
+
+
+def test_piecewise_steps_give_the_same_prompt_logprobs(model_dir, hf):
+    """The piecewise path (graphs/piecewise.py; on CPU its pieces run eagerly over the
+    static buffers) sends the prompt rows of the same residual stream through the LM head:
+    two prompts in chunks of 8 (mid-block, mid-prompt), batched in the same steps, give
+    transformers' values; a chunk not marked gives none."""
+    from tokenloom.actors.execution.model_runner import ModelRunner
+    from tokenloom.actors.messages import ExecuteBatch, NewSequence, ScheduledSequence
+    from tokenloom.graphs.buckets import PaddedSizeTable
+    from tokenloom.graphs.dispatch import Dispatcher
+    from tokenloom.graphs.piecewise import PiecewiseBuffers, PiecewiseGraphs
+    from tokenloom.kernels.kv_store import KVCache
+    from tokenloom.kernels.models.loader import load_model, load_spec
+
+    spec = load_spec(model_dir)
+    model, _ = load_model(model_dir, torch.float32, torch.device("cpu"),
+                          spec.max_position_embeddings)
+    kv = KVCache.allocate(spec.num_layers, 32, 8, spec.num_kv_heads, spec.head_dim,
+                          torch.float32, "cpu")
+    pieces = PiecewiseGraphs(model, kv, PiecewiseBuffers(model, 32, "cpu"))
+    runner = ModelRunner(model, kv, torch.device("cpu"), (2,), piecewise=pieces,
+                         dispatcher=Dispatcher(None, token_table=PaddedSizeTable((8, 16, 32))))
+    prompts = prompts_of([21, 9, 5], seed=8)
+    tables = [list(range(1, 5)), list(range(5, 9)), list(range(9, 11))]
+    wants = [2, 0, None]
+    got: dict[str, list] = {f"r{i}": [] for i in range(3)}
+    done = [0, 0, 0]
+    for step in range(3):
+        seqs = []
+        for i, p in enumerate(prompts):
+            if done[i] == len(p):
+                continue
+            end = min(done[i] + 8, len(p))
+            params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=wants[i])
+            seqs.append(ScheduledSequence(
+                request_id=f"r{i}", token_ids=p[done[i]:end], start_pos=done[i],
+                block_table=tables[i], sample=end == len(p),
+                prompt_logprobs=wants[i] is not None,
+                new=NewSequence(prompt_token_ids=p, output_token_ids=[],
+                                sampling_params=params) if done[i] == 0 else None))
+            done[i] = end
+        out = runner.execute(ExecuteBatch(step=step, sequences=seqs, num_decodes=0))
+        for chunk in out.prompt_logprobs:
+            assert chunk.start == len(got[chunk.request_id])
+            got[chunk.request_id].extend(chunk.logprobs)
+    assert runner.graph_stats().piecewise_steps == 3
+    assert got["r2"] == []
+    for i in (0, 1):
+        ref = hf_logprobs(hf, prompts[i])
+        lps = got[f"r{i}"]
+        assert [lp.token_id for lp in lps] == prompts[i][1:]
+        for j, lp in enumerate(lps):
+            assert abs(lp.logprob - ref[j, lp.token_id].item()) < TOL
+            assert lp.rank == int((ref[j] > ref[j, lp.token_id]).sum()) + 1
+            if wants[i]:
+                top = torch.topk(ref[j], wants[i])
+                assert [t for t, _ in lp.top] == top.indices.tolist()
+            else:
+                assert lp.top is None
+
+
+def test_chunks_recomputed_after_a_preemption_keep_what_is_known():
+    from tokenloom.actors.scheduling.request import Request
+
+    req = Request("r", list(range(3, 13)), SamplingParams(prompt_logprobs=0))
+    assert req.wants_prompt_logprobs
+    req.add_prompt_logprobs(0, ["a", "b", "c"])       # positions 0-2: tokens 1-3
+    req.add_prompt_logprobs(0, ["x", "y", "z", "d"])  # recomputed from 0: only "d" is new
+    req.add_prompt_logprobs(6, ["g"])                 # a gap: not taken
+    req.add_prompt_logprobs(4, ["e", "f", "g", "h", "i"])
+    assert req.prompt_logprobs == ["a", "b", "c", "d", "e", "f", "g", "h", "i"]
+    assert not req.wants_prompt_logprobs
+    assert Request("q", [5], SamplingParams()).prompt_logprobs is None
