@@ -145,8 +145,9 @@ class Engine(EngineFront):
         # Structured output: one compiler (and cache of compiled grammars) for the tokenizer
         # actor, which compiles and validates constraints off the loop, and the runner.
         self.guided = GuidedCompiler(tokenizer, info.spec.vocab_size, eos)
-        self.tokenizer_actor = TokenizerActor(tokenizer, info.max_model_len, self.streams.emit,
-                                              guided=self.guided)
+        self.tokenizer_actor = TokenizerActor(
+            tokenizer, info.max_model_len, self.streams.emit, guided=self.guided,
+            max_prompt_logprobs_tokens=sc.max_prompt_logprobs_tokens)
         self.router = RouterActor(sc.max_num_seqs, sc.max_waiting, self.streams.emit)
         caching = config.cache.enable_prefix_caching
         block_bytes = info.kv_bytes_per_token * info.block_size

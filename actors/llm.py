@@ -116,6 +116,9 @@ class GenerationOutput:
     prompt_token_ids: list[int] | None
     num_prompt_tokens: int
     outputs: list[CompletionOutput]
+    # SamplingParams.prompt_logprobs (vLLM's shape): per prompt token, {token id: logprob}
+    # for the token itself and the top-k at that position; the first entry is None.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def text(self) -> str:
@@ -298,15 +301,21 @@ class LLM:
                       cache_salt: str | None = None) -> GenerationOutput:
         requests = fan_out(rid, [prompt], params, RequestMeta(cache_salt=cache_salt),
                            messages=messages)
-        results = await asyncio.gather(*(self._choice(r, i) for i, r in enumerate(requests)))
+        prompt_out: list[RequestOutput] = []   # the output that carries the prompt's logprobs
+        results = await asyncio.gather(*(self._choice(r, i, prompt_out=prompt_out)
+                                         for i, r in enumerate(requests)))
         ids = list(prompt) if isinstance(prompt, list) else None
+        if prompt_out and prompt_out[0].prompt_token_ids is not None:
+            ids = prompt_out[0].prompt_token_ids
         return GenerationOutput(request_id=rid, prompt=prompt if isinstance(prompt, str) else None,
                                 prompt_token_ids=ids, num_prompt_tokens=results[0][1],
-                                outputs=[out for out, _ in results])
+                                outputs=[out for out, _ in results],
+                                prompt_logprobs=_prompt_logprobs(prompt_out))
 
-    async def _choice(self, request: GenerateRequest, index: int = 0,
-                      on_delta=None) -> tuple[CompletionOutput, int]:
-        """Run one engine request; its outputs come detokenized, stop strings applied."""
+    async def _choice(self, request: GenerateRequest, index: int = 0, on_delta=None,
+                      prompt_out: list | None = None) -> tuple[CompletionOutput, int]:
+        """Run one engine request; its outputs come detokenized, stop strings applied.
+        `prompt_out`: gets the output that carries the prompt logprobs, if one does."""
         text: list[str] = []
         token_ids: list[int] = []
         logprobs: list[TokenLogprob] | None = ([] if request.sampling_params.logprobs is not None
@@ -316,6 +325,8 @@ class LLM:
         async for out in self.engine.generate(request):
             last = out
             num_prompt = out.num_prompt_tokens or num_prompt
+            if out.prompt_logprobs is not None and prompt_out is not None and not prompt_out:
+                prompt_out.append(out)
             token_ids.extend(out.new_token_ids)
             if logprobs is not None and out.new_logprobs:
                 logprobs.extend(out.new_logprobs)
@@ -328,6 +339,13 @@ class LLM:
                                 finish_reason=last.finish_reason if last is not None else None,
                                 logprobs=logprobs, timings=timings,
                                 error=last.error if last is not None else None), num_prompt
+
+
+def _prompt_logprobs(outs: list[RequestOutput]) -> list[dict[int, float] | None] | None:
+    if not outs:
+        return None
+    return [None if lp is None else {lp.token_id: lp.logprob, **dict(lp.top or ())}
+            for lp in outs[0].prompt_logprobs]
 
 
 def _timings(t) -> Timings:

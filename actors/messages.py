@@ -117,6 +117,7 @@ class TokenLogprob(_Msg):
     token_id: int
     logprob: float
     top: list[tuple[int, float]] | None = None
+    rank: int | None = None   # prompt logprobs: 1 + how many tokens were more likely
 
 
 class RequestTimings(_Msg):
@@ -148,6 +149,10 @@ class RequestOutput(_Msg):
     new_token_ids: list[int]
     text: str = ""                         # the new, final text (stop strings never leak)
     new_logprobs: list[TokenLogprob] | None = None
+    # SamplingParams.prompt_logprobs: on the output that carries the first token, one entry
+    # per prompt token (the first None: nothing precedes it) and the prompt's token ids.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_token_ids: list[int] | None = None
     num_prompt_tokens: int = 0
     finished: bool = False
     finish_reason: str | None = None     # "stop" | "length" | "abort" | "error"
@@ -239,6 +244,9 @@ class ScheduledSequence(_Msg):
     # tokens for the next step (SpecResult.proposals).
     num_draft: int = 0
     propose: int = 0
+    # The scheduler still lacks some of this request's prompt logprobs: the runner returns
+    # those of the prompt tokens after this chunk's positions (StepOutput.prompt_logprobs).
+    prompt_logprobs: bool = False
 
 
 class ExecuteBatch(_Msg):
@@ -262,6 +270,15 @@ class SampledToken(_Msg):
     error: str | None = None
 
 
+class PromptLogprobs(_Msg):
+    """One prefill chunk's prompt logprobs: `logprobs[i]` is prompt token start + 1 + i's,
+    from the logits at position start + i (a chunk's last position gives the next chunk's
+    first token; the prompt's last position gives none)."""
+    request_id: str
+    start: int
+    logprobs: list[TokenLogprob]
+
+
 class SpecResult(_Msg):
     """A sequence's speculation in one step: how many of its `num_draft` proposals the
     target accepted (its SampledTokens are those, then one more), and the proposals for
@@ -283,6 +300,7 @@ class StepOutput(_Msg):
     idle_seconds: float = 0.0
     spec: list[SpecResult] = []          # speculative sequences' verification and proposals
     draft_seconds: float = 0.0           # time the draft model took (method "draft")
+    prompt_logprobs: list[PromptLogprobs] = []   # chunks that asked for them (in batch order)
 
 
 class ForgetRequests(_Msg):

@@ -42,7 +42,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
     temperature 0 means greedy. top_k 0 or -1 disables top-k. repetition_penalty follows
     Hugging Face (tokens seen in prompt or output); presence/frequency penalties follow OpenAI
     (output tokens only). logprobs None returns no logprobs; k in 0..20 returns the sampled
-    token's logprob plus the k most likely alternatives. `stop` strings are matched by the
+    token's logprob plus the k most likely alternatives; prompt_logprobs likewise for each
+    prompt token after the first. `stop` strings are matched by the
     detokenizer, not here.
     """
 
@@ -61,6 +62,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    # vLLM's prompt_logprobs: None returns none; k in 0..20 returns the logprob of each prompt
+    # token after the first (from the prefill's own logits) plus the k most likely tokens at
+    # each position. Bounded per request by scheduler.max_prompt_logprobs_tokens.
+    prompt_logprobs: int | None = None
     # Speculative decoding for this request: "auto" (the engine's kill switch decides),
     # "on" (whenever there is a proposal) or "off". No effect when the engine has no
     # proposer configured (speculative.method = "off").
@@ -94,6 +99,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None:
             _check_int(self, "logprobs", lo=0, hi=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int(self, "prompt_logprobs", lo=0, hi=MAX_LOGPROBS)
         if self.speculative not in SPECULATIVE_MODES:
             raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, "
                              f"got {self.speculative!r}")

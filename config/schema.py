@@ -166,6 +166,11 @@ class SchedulerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only
     # within these (0 = that SLO is not checked).
     slo_ttft_ms: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
     slo_itl_ms: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+    # Longest prompt (tokens) a request asking for prompt logprobs (`prompt_logprobs`, or
+    # `echo` with `logprobs` over HTTP) may have; longer ones are refused with a 400 naming
+    # prompt_logprobs. Each such prompt token costs a full-vocabulary LM-head row and k + 1
+    # logprobs carried back to the client.
+    max_prompt_logprobs_tokens: Annotated[int, msgspec.Meta(ge=1, le=10_000_000)] = 8192
 
     def __post_init__(self) -> None:
         super().__post_init__()

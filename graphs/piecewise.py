@@ -163,9 +163,16 @@ class PiecewiseGraphs:
             logits_indices: torch.Tensor, padded: int) -> torch.Tensor:
         """The sampled rows' logits [S, vocab] (fp32), as `model(...)` returns them."""
         with torch.inference_mode():
+            return self.model.logits(self.run_hidden(input_ids, positions, meta, padded),
+                                     logits_indices)
+
+    def run_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                   meta: AttentionMetadata, padded: int) -> torch.Tensor:
+        """The residual stream [T, hidden] (a view of the static buffer, as
+        `hidden_states`), as `model.forward_hidden` returns it."""
+        with torch.inference_mode():
             self.model.prepare()
-            h = self.hidden_states(input_ids, positions, meta, padded)
-            return self.model.logits(h, logits_indices)
+            return self.hidden_states(input_ids, positions, meta, padded)
 
     def replay_each(self) -> None:
         """Replay every bucket's pieces once over padding tokens (no KV written; attention's

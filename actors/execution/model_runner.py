@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from tokenloom.actors.execution import prompt_logprobs
 from tokenloom.actors.execution.batch_inputs import build_batch_inputs
 from tokenloom.actors.execution.guided import GuidedMatcher
 from tokenloom.actors.execution.guided_masks import GuidedMasks, no_token_error
@@ -61,6 +62,8 @@ class LaunchedStep:
     # Speculative steps: each sampled request's emitted tokens (accepted drafts, then one).
     emitted: dict[str, list[Sample]] | None = None
     idle_seconds: float = 0.0               # how long the runner waited for this batch
+    # Chunks that asked for prompt logprobs: their rows and values (on the device).
+    prompt: tuple | None = None
 
     def done(self) -> bool:
         return self.event is None or self.event.query()
@@ -227,7 +230,7 @@ class ModelRunner:
         masks = self.guided
         guided = masks.start(batch, drafts) if masks.overlap else None
         try:
-            logits, sample_ids = self._forward(batch, patch_src)      # [S, vocab]
+            logits, sample_ids, launched.prompt = self._forward(batch, patch_src)  # [S, V]
         finally:   # (a failed step still waits: nothing else may touch a matcher meanwhile)
             fill = guided[1].result() if guided is not None else None
         if fill is not None:
@@ -285,10 +288,12 @@ class ModelRunner:
                                       top=tok.top_logprobs)
                 sampled.append(SampledToken(request_id=rid, token_id=tok.token_id, logprob=lp))
         spec, draft_seconds = self._speculation(batch, launched.emitted)
+        prompt = launched.prompt
         return StepOutput(step=batch.step, sampled=sampled,
                           compute_seconds=time.perf_counter() - launched.t0,
                           swap_seconds=launched.swap_seconds, spec=spec,
-                          draft_seconds=draft_seconds)
+                          draft_seconds=draft_seconds,
+                          prompt_logprobs=prompt_logprobs.to_messages(*prompt) if prompt else [])
 
     def _sample_speculative(self, batch: ExecuteBatch, logits: torch.Tensor,
                             sample_ids: list[str],
@@ -362,6 +367,7 @@ class ModelRunner:
         """The raw logits of a batch's sampled rows (for parity tests and debugging)."""
         return self._forward(batch, None)[0].clone()
 
+
     def graph_stats(self) -> GraphStats:
         stats = self.dispatcher.stats()
         if self.graphs is not None:
@@ -378,9 +384,14 @@ class ModelRunner:
                          piecewise_static_eager_runs=self.piecewise.num_static_eager)
         return GraphStats(**stats)
 
-    def _forward(self, batch: ExecuteBatch, patch) -> tuple[torch.Tensor, list[str]]:
-        """Logits of the rows to sample [S, vocab] and their request ids. `patch`: None, or
-        (decode rows, token ids on the device) to write into the input ids first."""
+    def _forward(self, batch: ExecuteBatch, patch) -> tuple[torch.Tensor, list[str], tuple | None]:
+        """Logits of the rows to sample [S, vocab], their request ids, and the prompt
+        logprobs of the chunks that asked for them ((rows, device values) or None). `patch`:
+        None, or (decode rows, token ids on the device) to write into the input ids first.
+
+        A step with prompt-logprob chunks runs the path it would have run anyway (piecewise
+        or eager: a decode graph holds no prefill) and sends the extra rows of its residual
+        stream through the LM head afterwards (prompt_logprobs.py)."""
         seqs = batch.sequences
         num_tokens = sum(len(s.token_ids) for s in seqs)
         decision = self.dispatcher.dispatch(len(seqs), batch.num_decodes, num_tokens)
@@ -396,19 +407,25 @@ class ModelRunner:
             rows = [i for i, s in enumerate(seqs) if s.sample]
             sample_ids = [seqs[i].request_id for i in rows]
             if len(rows) == len(seqs):          # every decode samples: a view, no copy
-                return logits[: len(seqs)], sample_ids
-            return logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)], sample_ids
+                return logits[: len(seqs)], sample_ids, None
+            index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+            return logits[index], sample_ids, None
         inputs = build_batch_inputs(batch, self.kv.block_size, self.device,
                                     with_decode_mask=self._reference_decode())
         if patch is not None:   # decodes come first in the flat batch: row i is token i
             inputs.input_ids.index_copy_(0, patch[0], patch[1])
+        # (piecewise: h is a view of the static buffer, used before the next step)
         if decision.mode == PIECEWISE:
-            logits = self.piecewise.run(inputs.input_ids, inputs.positions, inputs.meta,
-                                        inputs.logits_indices, decision.padded_size)
+            h = self.piecewise.run_hidden(inputs.input_ids, inputs.positions, inputs.meta,
+                                          decision.padded_size)
         else:
-            logits = self.model(inputs.input_ids, inputs.positions, self.kv, inputs.meta,
-                                inputs.logits_indices)
+            h = self.model.forward_hidden(inputs.input_ids, inputs.positions, self.kv,
+                                          inputs.meta)
+        with torch.inference_mode():
+            logits = self.model.logits(h, inputs.logits_indices)
+        plan = prompt_logprobs.plan_rows(batch, self._seqs, self.device)
+        prompt = None if plan is None else (plan, prompt_logprobs.compute(self.model, h, plan))
         if mirror is not None:
             mirror(inputs)
-        return logits, inputs.sample_ids
+        return logits, inputs.sample_ids, prompt
 

@@ -27,8 +27,11 @@ def fan_out(request_id: str, prompts: Sequence[str | list[int] | None],
     Siblings of one prompt must differ: each gets its own seed stream (seed + i). Siblings
     1..n-1 name sibling 0 as `meta.group_id`: they wait until its prompt is computed, then
     reuse its prompt blocks (actors/scheduling/siblings.py) instead of computing it n times.
-    `common` fills the other GenerateRequest fields (messages, arrival_time...)."""
+    `common` fills the other GenerateRequest fields (messages, arrival_time...). With
+    prompt logprobs every sibling computes its prompt (a forked sibling computes none, so
+    it would have none to return)."""
     n = params.n
+    group = params.prompt_logprobs is None
     total = len(prompts) * n
     sibling = msgspec.structs.replace(params, n=1) if n > 1 else params
     out = []
@@ -42,6 +45,6 @@ def fan_out(request_id: str, prompts: Sequence[str | list[int] | None],
                 prompt=prompt if isinstance(prompt, str) else None,
                 prompt_token_ids=list(prompt) if isinstance(prompt, list) else None,
                 meta=msgspec.structs.replace(meta, group_id=choice_request_id(
-                    request_id, p * n, total)) if i > 0 else meta,
+                    request_id, p * n, total)) if i > 0 and group else meta,
                 **common))
     return out

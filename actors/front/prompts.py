@@ -41,8 +41,10 @@ def encode_prompt(tokenizer, req: GenerateRequest) -> list[int]:
     return tokenizer.encode(req.prompt or "", add_special_tokens=True)
 
 
-def fit_prompt(req: GenerateRequest, ids: list[int], max_model_len: int) -> SamplingParams:
-    """Validate the prompt against the context window; returns the sampling params to use
+def fit_prompt(req: GenerateRequest, ids: list[int], max_model_len: int,
+               max_prompt_logprobs_tokens: int | None = None) -> SamplingParams:
+    """Validate the prompt against the context window (and, when it asks for prompt
+    logprobs, against their bound; None: unbounded); returns the sampling params to use
     (max_tokens lowered to fit when the request asked for that)."""
     prompt_field = "messages" if req.messages is not None else "prompt"
     params = req.sampling_params
@@ -61,4 +63,10 @@ def fit_prompt(req: GenerateRequest, ids: list[int], max_model_len: int) -> Samp
             f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = "
             f"{len(ids) + params.max_tokens} exceeds the context window of "
             f"{max_model_len} tokens", "max_tokens")
+    bound = max_prompt_logprobs_tokens
+    if params.prompt_logprobs is not None and bound is not None and len(ids) > bound:
+        raise PromptError(
+            f"prompt_logprobs: the prompt has {len(ids)} tokens; prompt logprobs are "
+            f"returned for at most {bound} (scheduler.max_prompt_logprobs_tokens)",
+            "prompt_logprobs")
     return params

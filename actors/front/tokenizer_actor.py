@@ -59,13 +59,14 @@ class TokenizerActor(Actor):
     name = "tokenizer"
 
     def __init__(self, tokenizer, max_model_len: int, emit: Callable[[RequestOutput], None],
-                 guided=None):
+                 guided=None, max_prompt_logprobs_tokens: int | None = None):
         super().__init__()
         self.tokenizer = tokenizer
         # Compiles (and so validates) guided-decoding constraints, on the worker thread;
         # its cache hands the runner the compiled grammar (actors/execution/guided.py).
         self.guided = guided
         self.max_model_len = max_model_len
+        self.max_prompt_logprobs_tokens = max_prompt_logprobs_tokens   # None: unbounded
         self.emit = emit
         self.next_inbox: asyncio.Queue | None = None  # the router
         # Inbox order: each entry is an outcome to release, or a future of one.
@@ -78,7 +79,7 @@ class TokenizerActor(Actor):
 
     def check(self, req: GenerateRequest, ids: list[int]):
         """The sampling params to use (see prompts.fit_prompt)."""
-        return fit_prompt(req, ids, self.max_model_len)
+        return fit_prompt(req, ids, self.max_model_len, self.max_prompt_logprobs_tokens)
 
     def prepare(self, req: GenerateRequest) -> AddRequest | RequestOutput:
         """Tokenize and validate one request: its AddRequest, or its error output (a bad

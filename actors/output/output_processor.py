@@ -58,7 +58,8 @@ class OutputProcessor:
                      logprobs: list[TokenLogprob] | None) -> RequestOutput:
         """A streamed token (the request goes on)."""
         return RequestOutput(request_id=req.request_id, new_token_ids=[token_id], text=text,
-                             new_logprobs=logprobs, num_prompt_tokens=req.num_prompt_tokens)
+                             new_logprobs=logprobs, num_prompt_tokens=req.num_prompt_tokens,
+                             **prompt_fields(req))
 
     def final_output(self, req: Request, reason: FinishReason, *, text: str = "",
                      new_tokens: list[int] | None = None,
@@ -73,7 +74,21 @@ class OutputProcessor:
             request_id=req.request_id, new_token_ids=new_tokens or [], text=text,
             new_logprobs=new_logprobs, num_prompt_tokens=req.num_prompt_tokens,
             finished=True, finish_reason=reason.as_openai(), error=error,
-            error_kind=error_kind, timings=request_timings(req))
+            error_kind=error_kind, timings=request_timings(req),
+            **(prompt_fields(req) if new_tokens else {}))
+
+
+def prompt_fields(req: Request) -> dict:
+    """The prompt logprobs and token ids, on the output with the request's first token
+    (once every prompt position's logprob is in: the step that samples it computed the
+    prompt's last chunk)."""
+    lps = req.prompt_logprobs
+    if lps is None or req.prompt_logprobs_sent or req.wants_prompt_logprobs:
+        return {}
+    req.prompt_logprobs_sent = True
+    req.prompt_logprobs = None   # (the output holds them now)
+    return {"prompt_logprobs": [None, *lps],
+            "prompt_token_ids": req.token_ids[:req.num_prompt_tokens]}
 
 
 def request_timings(req: Request) -> RequestTimings:

@@ -42,10 +42,14 @@ class PrefixTracker:
             extend_block_hashes(req.content_hashes, upto, self.block_size, content)
 
     def query(self, req: Request) -> PrefixQuery:
-        """The lookup for a request being admitted (prompt, plus outputs after preemption)."""
+        """The lookup for a request being admitted (prompt, plus outputs after preemption).
+        A request still owed prompt logprobs looks up nothing: the prefill must compute every
+        prompt position's logits (vLLM skips the cache read likewise); its blocks are still
+        committed for others."""
         if self.enabled:
             self._extend(req, req.num_tokens)
-        n = req.num_tokens // self.block_size if self.enabled else 0
+        n = (req.num_tokens // self.block_size
+             if self.enabled and not req.wants_prompt_logprobs else 0)
         return PrefixQuery(token_ids=req.token_ids, block_hashes=req.block_hashes[:n],
                            content_hashes=req.content_hashes[:n] if req.cache_salt else None,
                            preempted=req.num_preemptions > 0)

@@ -117,6 +117,11 @@ class Request:
         self.num_cached_tokens = 0
         self.prefix_hit_blocks = 0
         self.prefix_miss_reason: str | None = None
+        # SamplingParams.prompt_logprobs: what the runner has returned so far (entry j is
+        # prompt token j + 1's), until they go out with the first token; None: not asked.
+        self.prompt_logprobs: list | None = (
+            [] if sampling_params.prompt_logprobs is not None else None)
+        self.prompt_logprobs_sent = False
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None
         # Timings (time.monotonic seconds) for the per-request metrics.
@@ -143,6 +148,21 @@ class Request:
     def num_remaining_tokens(self) -> int:
         """Tokens whose KV is not yet computed (the last one is the next step's input)."""
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Some of its prompt logprobs have not come back: its prompt must be computed (no
+        prefix-cache read) and its chunks marked."""
+        lps = self.prompt_logprobs
+        return lps is not None and len(lps) < self.num_prompt_tokens - 1
+
+    def add_prompt_logprobs(self, start: int, logprobs: list) -> None:
+        """A chunk's prompt logprobs (messages.PromptLogprobs): entry i is prompt token
+        start + 1 + i's. Chunks come back in order; a chunk recomputed after a preemption
+        repeats what is known, which is kept."""
+        have = self.prompt_logprobs
+        if have is not None and start <= len(have):
+            have.extend(logprobs[len(have) - start:])
 
     @property
     def is_decode(self) -> bool:

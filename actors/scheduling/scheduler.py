@@ -289,6 +289,10 @@ class Scheduler:
                 self.spec.observe(req.spec, result.num_draft, result.num_accepted)
             computed.append((req, upto))
             self._trace_prefill(req, upto, now)
+        for p in out.prompt_logprobs:   # before the first token, which carries them out
+            req = self.requests.get(p.request_id)
+            if req is not None:
+                req.add_prompt_logprobs(p.start, p.logprobs)
         for s in out.sampled:
             req = self.requests.get(s.request_id)
             if req is not None:

@@ -45,6 +45,14 @@ class Formatter:
         """One choice of the whole response."""
         raise NotImplementedError
 
+    def choice_logprobs(self, c: Choice) -> dict | None:
+        """The logprobs object of a whole choice (completions' echo prepends the prompt)."""
+        return self.logprobs(c.index, c.logprobs)
+
+    def delta_logprobs(self, d: Delta) -> dict | None:
+        """The logprobs object of a stream chunk (None: the chunk has no token logprobs)."""
+        return self.logprobs(d.index, d.logprobs) if d.logprobs else None
+
     def delta_fields(self, d: Delta) -> dict:
         """A stream chunk's choice fields carrying the delta's text."""
         raise NotImplementedError
@@ -60,7 +68,7 @@ class Formatter:
     # -- whole responses -----------------------------------------------------------------
     def full_response(self, choices: list[Choice], gen: Generation) -> dict:
         out = self._base(self.object)
-        out["choices"] = [self.choice(c, self.logprobs(c.index, c.logprobs)) for c in choices]
+        out["choices"] = [self.choice(c, self.choice_logprobs(c)) for c in choices]
         out["usage"] = gen.usage()
         if self.parsed.return_metrics:
             out["metrics"] = gen.request_metrics()
@@ -68,7 +76,7 @@ class Formatter:
 
     # -- stream chunks -------------------------------------------------------------------
     def chunk(self, d: Delta, final_of: Generation | None) -> dict:
-        lps = self.logprobs(d.index, d.logprobs) if d.logprobs else None
+        lps = self.delta_logprobs(d)
         chunk = self._base(self.chunk_object)
         chunk["choices"] = [{"index": d.index, **self.delta_fields(d), "logprobs": lps,
                              "finish_reason": d.finish_reason}]

@@ -45,6 +45,10 @@ class Delta:
     token_ids: list[int]
     logprobs: list[TokenLogprob]
     finish_reason: str | None = None
+    # On the delta whose output carried them (the first token's): the prompt's token ids
+    # and logprobs (SamplingParams.prompt_logprobs), for echo and prompt_logprobs.
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclasses.dataclass
@@ -58,6 +62,8 @@ class Choice:
     finish_reason: str | None = None    # set once the choice is over for the client
     timings: RequestTimings | None = None
     closed: bool = False                # the engine stream has ended
+    prompt_token_ids: list[int] | None = None   # with prompt logprobs (see Delta)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def full_text(self) -> str:
@@ -68,7 +74,10 @@ class Generation:
     def __init__(self, engine: EngineClient, request_id: str,
                  prompts: list[str | list[int] | None], messages: list[dict] | None,
                  params: SamplingParams, fit_max_tokens: bool, meta: RequestMeta = RequestMeta(),
-                 metrics=None, log=None, tools: list[dict] | None = None):
+                 metrics=None, log=None, tools: list[dict] | None = None,
+                 prompt_only: bool = False):
+        """`prompt_only` (completions' max_tokens 0): the engine's generated tokens are
+        dropped; the choices carry their finish reason and prompt data only."""
         self.engine = engine
         self.request_id = request_id
         self.metrics = metrics
@@ -78,6 +87,7 @@ class Generation:
         self.choices: dict[str, Choice] = {}
         self.n = params.n
         self.max_tokens, self.fit_max_tokens = params.max_tokens, fit_max_tokens
+        self.prompt_only = prompt_only
         self._requests: list[GenerateRequest] = fan_out(
             request_id, prompts, params, arrival_time=self.arrival, messages=messages,
             fit_max_tokens=fit_max_tokens, meta=meta, tools=tools)
@@ -154,17 +164,22 @@ class Generation:
                 self.close()
                 raise _engine_error(out)
             c.finish_reason = out.finish_reason
-        new = out.new_token_ids
-        c.token_ids.extend(new)
+        if out.prompt_logprobs is not None:
+            c.prompt_token_ids, c.prompt_logprobs = out.prompt_token_ids, out.prompt_logprobs
+        new, text = out.new_token_ids, out.text
         lps = list(out.new_logprobs or ())
+        if self.prompt_only:
+            new, text, lps = [], "", []
+        c.token_ids.extend(new)
         c.logprobs.extend(lps)
-        if out.text:
-            c.text.append(out.text)
+        if text:
+            c.text.append(text)
         if out.finished:
             self._observe(c)
-        if not (out.text or new or c.finish_reason):
+        if not (text or new or c.finish_reason or out.prompt_logprobs is not None):
             return None
-        return Delta(c.index, out.text, list(new), lps, c.finish_reason)
+        return Delta(c.index, text, list(new), lps, c.finish_reason, out.prompt_token_ids,
+                     out.prompt_logprobs)
 
     def _observe(self, c: Choice) -> None:
         if self.metrics is not None:

@@ -37,7 +37,8 @@ async def serve(request: web.Request, state: ServerState, parsed: protocol.Parse
     structlog.contextvars.bind_contextvars(request_id=request_id)
     gen = Generation(state.engine, request_id, prompts if prompts is not None else parsed.prompts,
                      messages, parsed.params, parsed.fit_max_tokens, parsed.meta,
-                     metrics=state.metrics, log=log, tools=tools)
+                     metrics=state.metrics, log=log, tools=tools,
+                     prompt_only=parsed.prompt_only)
     state.inflight.add(request_id, gen)  # drain waits for it; admin cancel/trace find it
     fmt = formatter(state, request_id, parsed)
     log.info("request", endpoint=formatter.object, stream=parsed.stream,
@@ -51,6 +52,8 @@ async def serve(request: web.Request, state: ServerState, parsed: protocol.Parse
             if e.param == "max_tokens" and parsed.max_tokens_field != "max_tokens":
                 e.param = parsed.max_tokens_field
                 e.message = e.message.replace("max_tokens", parsed.max_tokens_field)
+            if e.param == "prompt_logprobs":   # asked for by echo + logprobs: name echo
+                e.param = parsed.prompt_logprobs_field
             if e.status == 429:
                 e.headers["Retry-After"] = str(state.config.server.retry_after_seconds)
             refused = e

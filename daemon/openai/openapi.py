@@ -96,8 +96,9 @@ def _apply_limits(components: dict, limits: Q.Limits | None, max_tokens: int | N
         {"type": "string", "minLength": 1}, ids,
         {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
         {"type": "array", "minItems": 1, "items": ids}]}
-    _set_bounds(components["CompletionRequest"]["properties"]["logprobs"], minimum=0,
-                maximum=max_logprobs)
+    for field in ("logprobs", "prompt_logprobs"):
+        _set_bounds(components["CompletionRequest"]["properties"][field], minimum=0,
+                    maximum=max_logprobs)
     _set_bounds(components["ChatCompletionRequest"]["properties"]["top_logprobs"], minimum=0,
                 maximum=max_logprobs)
     _set_bounds(components["DetokenizeRequest"]["properties"]["tokens"].get("items", {}),

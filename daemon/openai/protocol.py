@@ -79,7 +79,10 @@ class CompletionRequest(_Sampling, kw_only=True):
     # so the list is checked by hand (see `_completion_prompts`).
     prompt: str | list[Any]
     logprobs: int | None = None
+    # echo: the prompt before each choice's text (and, with logprobs, its tokens' logprobs
+    # before the choice's); prompt_logprobs (vLLM's extra): each choice's `prompt_logprobs`.
     echo: bool = False
+    prompt_logprobs: int | None = None
     suffix: str | None = None
     best_of: int | None = None
 
@@ -148,6 +151,11 @@ class ParsedRequest:
     # choice's usage so far, as vLLM streams it.
     continuous_usage: bool = False
     cache_salt: str | None = None               # as the body gave it (the render endpoints)
+    # Completions' prompt echo and prompt logprobs (see _prompt_options).
+    echo: bool = False
+    prompt_logprobs: int | None = None          # the body's prompt_logprobs (vLLM's field)
+    prompt_only: bool = False                   # max_tokens 0: no generated text or tokens
+    prompt_logprobs_field: str = "prompt_logprobs"   # the field a refusal names
 
 
 # -- decoding ----------------------------------------------------------------------------
@@ -302,21 +310,43 @@ def parse_completion(body: bytes, limits: Limits, headers=None,
     req = decode(body, CompletionRequest)
     model = _check_model(req, limits)
     prompts = _completion_prompts(req.prompt)
-    if req.echo:
-        raise APIError(400, "echo is not supported", param="echo")
+    prompt_k, prompt_only, max_tokens = _prompt_options(req, limits)
     if req.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(400, "best_of other than n is not supported", param="best_of")
     # OpenAI's default for the legacy endpoint is 16 tokens.
-    params = _sampling_params(req, limits, req.max_tokens, "max_tokens", req.logprobs, "logprobs",
+    params = _sampling_params(req, limits, max_tokens, "max_tokens", req.logprobs, "logprobs",
                               default_max_tokens=16, guided=guided_decoding(req))
+    if prompt_k is not None:
+        params = msgspec.structs.replace(params, prompt_logprobs=prompt_k)
     return ParsedRequest(prompts=prompts, messages=None, params=params, fit_max_tokens=False,
                          stream=req.stream, include_usage=_include_usage(req),
                          return_metrics=req.return_metrics, logprobs=req.logprobs,
                          model=model,
                          meta=request_meta(req, headers or {}, priority_classes or {}),
-                         continuous_usage=_continuous_usage(req), cache_salt=req.cache_salt)
+                         continuous_usage=_continuous_usage(req), cache_salt=req.cache_salt,
+                         echo=req.echo, prompt_logprobs=req.prompt_logprobs,
+                         prompt_only=prompt_only,
+                         prompt_logprobs_field=("prompt_logprobs"
+                                                if req.prompt_logprobs is not None else "echo"))
+
+
+def _prompt_options(req: CompletionRequest, limits: Limits) -> tuple[int | None, bool, int | None]:
+    """(the engine's prompt_logprobs, prompt only, the max_tokens to generate). The engine
+    computes prompt logprobs for `prompt_logprobs`, and for `echo` with `logprobs` (the
+    echoed tokens' logprobs; top-k the larger of the two). `max_tokens` 0 (vLLM) with echo
+    or prompt_logprobs returns the prompt only: one token is generated and dropped."""
+    if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= limits.max_logprobs:
+        raise APIError(400, f"prompt_logprobs must be in [0, {limits.max_logprobs}], got "
+                            f"{req.prompt_logprobs}", param="prompt_logprobs")
+    ks = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None]
+    prompt_k = max(ks) if ks else None
+    if prompt_k is not None and prompt_k > limits.max_logprobs:
+        prompt_k = None   # an out-of-range logprobs is refused by _sampling_params
+    if req.max_tokens == 0 and (req.echo or req.prompt_logprobs is not None):
+        return prompt_k, True, 1
+    return prompt_k, False, req.max_tokens
 
 
 def chat_messages(messages: list[ChatMessage], param: str = "messages") -> list[dict]:

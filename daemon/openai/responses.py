@@ -40,9 +40,17 @@ class Usage(msgspec.Struct, kw_only=True):
 
 class CompletionLogprobs(msgspec.Struct, kw_only=True):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    # With echo the prompt's tokens come first: the very first has null logprobs.
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(msgspec.Struct, kw_only=True):
+    """vLLM's shape of one token's prompt logprob."""
+    logprob: float
+    rank: int | None
+    decoded_token: str
 
 
 class CompletionChoice(msgspec.Struct, kw_only=True):
@@ -50,6 +58,8 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    # Only with vLLM's `prompt_logprobs`: null, then {token id: PromptLogprob} per token.
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(msgspec.Struct, kw_only=True):

@@ -139,8 +139,9 @@ class WorkerPool(EngineFront):
         self.info = info = hello.info
         self.tokenizer = AutoTokenizer.from_pretrained(info.model_dir)
         guided = GuidedCompiler(self.tokenizer, info.spec.vocab_size, info.eos_token_ids)
-        self.tokenizer_actor = TokenizerActor(self.tokenizer, info.max_model_len,
-                                              self.streams.emit, guided=guided)
+        self.tokenizer_actor = TokenizerActor(
+            self.tokenizer, info.max_model_len, self.streams.emit, guided=guided,
+            max_prompt_logprobs_tokens=self.config.scheduler.max_prompt_logprobs_tokens)
         w = self.config.workers
         core = RoutingCore(len(self.slots), w.routing, w.decode_weight,
                            w.routed_prefix_ttl_seconds)

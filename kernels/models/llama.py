@@ -204,11 +204,17 @@ class LlamaForCausalLM(nn.Module):
         Only the rows that will be sampled go through the LM head: for a prefill chunk
         that is its last token, if the chunk completes the prompt.
         """
+        return self.logits(self.forward_hidden(input_ids, positions, kv, meta), logits_indices)
+
+    @torch.inference_mode()
+    def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCache,
+                       meta: AttentionMetadata) -> torch.Tensor:
+        """The step's residual stream after the last layer, [T, hidden]: `logits` turns any
+        rows of it into logits (prompt logprobs need more rows than the sampled ones)."""
         self.prepare()
         meta = with_chunk_masks(meta, self.embed_tokens.weight.dtype)  # once, not per layer
         with self.layer_threads(input_ids, meta):
-            h = self.hidden_states(input_ids, positions, kv, meta)
-        return self.logits(h, logits_indices)
+            return self.hidden_states(input_ids, positions, kv, meta)
 
     def prepare(self) -> None:
         """One-time set-up before the first forward (the CPU kernels per batch size)."""
