@@ -1,5 +1,6 @@
 """The KV manager's invariants over its block tables, checked in one place (mini-sglang's
-`check_integrity()`: run whenever the engine is idle and in tests). Pure: no torch, no asyncio.
+`check_integrity()`; asked for with the `CheckIntegrity` query, and by the tests after every
+scenario). Pure: no torch, no asyncio.
 """
 
 from __future__ import annotations
