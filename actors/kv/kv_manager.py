@@ -34,6 +34,7 @@ import msgspec
 from tokenloom.actors.kv.block_hash import BlockHash
 from tokenloom.actors.kv.block_pool import BlockPool
 from tokenloom.actors.kv.events import KVEventPublisher
+from tokenloom.actors.kv.integrity import check_tables
 from tokenloom.actors.kv.prefix_cache import (
     FlushResult,
     PrefixCache,
@@ -415,45 +416,9 @@ class KVCacheManager:
     # --------------------------------------------------------------- invariants
 
     def check_integrity(self) -> None:
-        """Raise ``AssertionError`` describing the first broken invariant, if any.
-
-        Pool invariants, plus: every block in a table is used; no table holds a block
-        twice; each table block's ref_cnt equals the number of tables holding it (blocks
-        are shared only through prefix hits and forks); the distinct table blocks are
-        exactly the used blocks; and, with caching, the prefix cache's own invariants.
-        """
-        self._pool.check_integrity()
-        holders: dict[int, list[str]] = {}
-        for rid, table in self._tables.items():
-            if len(set(table)) != len(table):
-                raise AssertionError(f"request {rid!r} holds a block twice: {table}")
-            for block_id in table:
-                if self._pool.is_free(block_id):
-                    raise AssertionError(f"request {rid!r} holds free block {block_id}")
-                holders.setdefault(block_id, []).append(rid)
-        for block_id, rids in holders.items():
-            ref_cnt = self._pool.ref_count(block_id)
-            if ref_cnt < len(rids):
-                raise AssertionError(
-                    f"block {block_id} is held by both {rids[0]!r} and {rids[1]!r}"
-                    f"{f' (and {len(rids) - 2} more)' if len(rids) > 2 else ''} but has "
-                    f"ref_cnt {ref_cnt}"
-                )
-            if ref_cnt > len(rids):
-                raise AssertionError(
-                    f"block {block_id} has ref_cnt {ref_cnt} but {len(rids)} table(s) hold it"
-                )
-        if len(holders) != self._pool.num_used_blocks:
-            raise AssertionError(
-                f"tables hold {len(holders)} blocks but the pool has "
-                f"{self._pool.num_used_blocks} used"
-            )
-        if self._cache is not None:
-            self._cache.check_integrity()
-            for rid, done in self._committed.items():
-                if rid not in self._tables or done > len(self._tables[rid]):
-                    raise AssertionError(f"request {rid!r} committed {done} blocks but holds "
-                                         f"{self.num_held(rid)}")
+        """Raise ``AssertionError`` describing the first broken invariant, if any (see
+        ``integrity.check_tables``)."""
+        check_tables(self._pool, self._tables, self._cache, self._committed)
 
     # ------------------------------------------------------------------ helpers
 
