@@ -14,6 +14,7 @@ from aiohttp import web
 from tokenloom.daemon.errors import APIError
 from tokenloom.daemon.openai import protocol
 from tokenloom.daemon.openai import responses as R
+from tokenloom.daemon.openai.prompt_inputs import chat_messages
 from tokenloom.daemon.state import STATE, ServerState
 
 JSON = "application/json"
@@ -89,7 +90,7 @@ async def tokenize(request: web.Request) -> web.Response:
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "give exactly one of prompt and messages", param="prompt")
     if req.messages is not None:
-        messages = protocol.chat_messages(req.messages)
+        messages = chat_messages(req.messages)
         try:
             ids = list(tok.apply_chat_template(messages, add_generation_prompt=True,
                                                tokenize=True, return_dict=False))

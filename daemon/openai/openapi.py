@@ -90,7 +90,7 @@ def _apply_limits(components: dict, limits: Q.Limits | None, max_tokens: int | N
         if limits is not None:
             props["model"] = {"type": "string", "enum": sorted(limits.model_names)}
     # `prompt` is decoded as `str | list[Any]` (msgspec unions allow one array type) and
-    # checked by hand (protocol._completion_prompts); the document states what is accepted.
+    # checked by hand (prompt_inputs.completion_prompts); the document states what is accepted.
     ids = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
     components["CompletionRequest"]["properties"]["prompt"] = {"anyOf": [
         {"type": "string", "minLength": 1}, ids,

@@ -25,9 +25,8 @@ from tokenloom.actors.messages import RequestMeta
 from tokenloom.actors.sampling_params import MAX_LOGPROBS, GuidedDecoding, SamplingParams
 from tokenloom.daemon.errors import APIError
 from tokenloom.daemon.openai.guided_fields import guided_decoding, unsupported_keyword
+from tokenloom.daemon.openai.prompt_inputs import chat_messages, completion_prompts
 from tokenloom.daemon.openai.tools import ToolSpec, parse_tools
-
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
@@ -76,7 +75,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
 
 class CompletionRequest(_Sampling, kw_only=True):
     # str | list[str] | list[int] | list[list[int]]; msgspec unions allow one array type,
-    # so the list is checked by hand (see `_completion_prompts`).
+    # so the list is checked by hand (see `prompt_inputs.completion_prompts`).
     prompt: str | list[Any]
     logprobs: int | None = None
     # echo: the prompt before each choice's text (and, with logprobs, its tokens' logprobs
@@ -255,33 +254,6 @@ def _sampling_params(req: _Sampling, limits: Limits, max_tokens: int | None,
         raise APIError(400, str(e), param=param) from None
 
 
-def _completion_prompts(prompt) -> list[str | list[int]]:
-    def is_tokens(x) -> bool:
-        return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool)
-                                           for t in x)
-
-    if isinstance(prompt, str):
-        prompts: list = [prompt]
-    elif prompt and is_tokens(prompt):
-        prompts = [prompt]
-    elif prompt and all(isinstance(p, str) for p in prompt):
-        prompts = list(prompt)
-    elif prompt and all(isinstance(p, list) and is_tokens(p) for p in prompt):
-        prompts = list(prompt)
-    elif not prompt:
-        raise APIError(400, "prompt is empty", param="prompt")
-    else:
-        raise APIError(400, "prompt must be a string, a list of strings, a list of token ids "
-                            "or a list of token-id lists", param="prompt")
-    for i, p in enumerate(prompts):
-        where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-        if not p:
-            raise APIError(400, f"{where} is empty", param=where)
-        if isinstance(p, list) and any(t < 0 for t in p):
-            raise APIError(400, f"{where} has a negative token id", param=where)
-    return prompts
-
-
 def request_meta(req: _Sampling, headers, priority_classes: dict[str, int]) -> RequestMeta:
     """The request's metadata from its body and headers: the prefix-cache salt, the
     priority (body, else X-Priority), the fair-share tenant (X-Tenant, else `user`) and the
@@ -309,7 +281,7 @@ def parse_completion(body: bytes, limits: Limits, headers=None,
     request's metadata (`request_meta`); None: none."""
     req = decode(body, CompletionRequest)
     model = _check_model(req, limits)
-    prompts = _completion_prompts(req.prompt)
+    prompts = completion_prompts(req.prompt)
     prompt_k, prompt_only, max_tokens = _prompt_options(req, limits)
     if req.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
@@ -347,47 +319,6 @@ def _prompt_options(req: CompletionRequest, limits: Limits) -> tuple[int | None,
     if req.max_tokens == 0 and (req.echo or req.prompt_logprobs is not None):
         return prompt_k, True, 1
     return prompt_k, False, req.max_tokens
-
-
-def chat_messages(messages: list[ChatMessage], param: str = "messages") -> list[dict]:
-    """Messages as plain dicts for the chat template; text parts are joined."""
-    if not messages:
-        raise APIError(400, f"{param} is empty", param=param)
-    out = []
-    for i, m in enumerate(messages):
-        if m.role not in CHAT_ROLES:
-            raise APIError(400, f"{param}[{i}].role must be one of {', '.join(CHAT_ROLES)}, "
-                                f"got {m.role!r}", param=f"{param}[{i}].role")
-        content = m.content
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if part.type != "text" or part.text is None:
-                    raise APIError(400, f"only text content parts are supported, got "
-                                        f"{part.type!r}", param=f"{param}[{i}].content[{j}]")
-                texts.append(part.text)
-            content = "".join(texts)
-        if not content and m.tool_calls:
-            # Earlier calls, written the way the model is asked to make them (several: an
-            # array).
-            calls = [{"name": (c.get("function") or {}).get("name"),
-                      "arguments": _arguments((c.get("function") or {}).get("arguments"))}
-                     for c in m.tool_calls if isinstance(c, dict)]
-            content = json.dumps(calls[0] if len(calls) == 1 else calls)
-        msg = {"role": m.role, "content": content or ""}
-        if m.name is not None:
-            msg["name"] = m.name
-        if m.tool_call_id is not None:
-            msg["tool_call_id"] = m.tool_call_id
-        out.append(msg)
-    return out
-
-
-def _arguments(text):
-    try:
-        return json.loads(text) if isinstance(text, str) else text
-    except ValueError:
-        return text
 
 
 def parse_chat(body: bytes, limits: Limits, headers=None,
