@@ -7,7 +7,7 @@ TORCH   ?= torch==2.13.0
 STAMP   := $(VENV)/.installed
 PIPQ    := $(BIN)/pip install --quiet --disable-pip-version-check
 
-.PHONY: install serve lint test test-fast browser bench gpu-check gpu-wheels clean
+.PHONY: install serve lint test test-fast browser redis bench gpu-check gpu-wheels clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,7 +25,7 @@ serve: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-test: $(STAMP) browser
+test: $(STAMP) browser redis
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
@@ -34,7 +34,12 @@ browser:
 	command -v chromium >/dev/null || { apt-get update -qq && \
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 
-test-fast: $(STAMP) browser
+# The remote KV tier's tests start a real Redis server (tests/actors/kv/tiers/conftest.py).
+redis:
+	command -v redis-server >/dev/null || { apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
+
+test-fast: $(STAMP) browser redis
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -m "not slow"
 

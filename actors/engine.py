@@ -24,6 +24,8 @@ from tokenloom.actors.front.tokenizer_actor import TokenizerActor
 from tokenloom.actors.kv.block_hash import model_fingerprint
 from tokenloom.actors.kv.kv_actor import KVManagerActor
 from tokenloom.actors.kv.kv_manager import KVCacheManager
+from tokenloom.actors.kv.tiers.record import KVLayout
+from tokenloom.actors.kv.tiers.setup import build_tiers
 from tokenloom.actors.messages import (
     EngineStats,
     FlushPrefixCache,
@@ -175,11 +177,18 @@ class Engine(EngineFront):
                                         PrefixTracker(info.fingerprint, info.block_size, caching),
                                         config=sc, swap=swap, block_bytes=block_bytes,
                                         outputs=OutputProcessor(tokenizer), spec=spec_ctl,
-                                        spec_lookahead=lookahead)
+                                        spec_lookahead=lookahead,
+                                        recompute_prior_s_per_token=(
+                                            config.kv_tiers.recompute_prior_ms_per_token / 1e3))
         publisher = build_kv_event_publisher(config, info.model_dir)
+        self.tiers = build_tiers(config.kv_tiers, KVLayout(
+            info.dtype, (info.spec.num_layers, 2, info.block_size, info.spec.num_kv_heads,
+                         info.spec.head_dim), kv.pool.element_size(), info.fingerprint),
+            info.block_size, prefix_caching=caching, speculative_method=config.speculative.method)
+        self.scheduler.core.tiers = self.tiers if caching else None
         self.kv_manager = KVManagerActor(KVCacheManager(info.num_blocks, info.block_size,
                                                         enable_prefix_caching=caching),
-                                         publisher=publisher)
+                                         publisher=publisher, tiers=self.tiers)
         from tokenloom.graphs.setup import build_decode_graphs, build_piecewise_graphs
         dispatcher, graphs = build_decode_graphs(
             config.graphs, model, kv, max_num_seqs=sc.max_num_seqs,
@@ -195,6 +204,7 @@ class Engine(EngineFront):
         self.runner = RunnerActor(ModelRunner(model, kv, device, eos, graphs, dispatcher,
                                               host_pool=host_pool, proposer=proposer,
                                               guided=self.guided, piecewise=piecewise))
+        self.runner.model_runner.tiers = self.tiers
         # Wiring: tokenizer -> router -> scheduler <-> {KV manager, runner}.
         self.tokenizer_actor.next_inbox = self.router.inbox
         self.router.next_inbox = self.scheduler.inbox
@@ -323,6 +333,10 @@ class Engine(EngineFront):
 
     def worker_status(self) -> list[WorkerStatus]:
         return []   # one process: no workers
+
+    def degraded_tiers(self) -> dict[str, str]:
+        """KV tiers whose medium is failing now (tier -> reason): /health reports them."""
+        return self.tiers.degraded if self.tiers is not None else {}
 
     async def worker_stats(self) -> WorkerStats | None:
         return None

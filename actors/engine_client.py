@@ -56,6 +56,10 @@ class EngineClient(Protocol):
         """One entry per engine worker process; empty for the in-process engine."""
         ...
 
+    def degraded_tiers(self) -> dict[str, str]:
+        """KV tiers failing now (tier -> reason); in-process only (workers: {})."""
+        ...
+
     async def worker_stats(self) -> WorkerStats | None:
         """Per worker process: status, the router's account, its own stats; None
         in-process."""

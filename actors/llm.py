@@ -96,6 +96,7 @@ class Timings:
     num_cached_tokens: int = 0          # prompt tokens whose KV came from the prefix cache
     prefix_hit_blocks: int = 0
     prefix_miss_reason: str | None = None  # why the first uncached block missed
+    cached_tokens_by_tier: dict[str, int] | None = None  # [kv_tiers] on: where they came from
 
 
 @dataclasses.dataclass
@@ -353,7 +354,8 @@ def _timings(t) -> Timings:
     return Timings(queued=rel(t.first_scheduled), first_token=rel(t.first_token),
                    token_times=[x - t.arrival for x in t.token_times], e2e=rel(t.finished),
                    num_preemptions=t.num_preemptions, num_cached_tokens=t.num_cached_tokens,
-                   prefix_hit_blocks=t.prefix_hit_blocks, prefix_miss_reason=t.prefix_miss_reason)
+                   prefix_hit_blocks=t.prefix_hit_blocks, prefix_miss_reason=t.prefix_miss_reason,
+                   cached_tokens_by_tier=t.cached_tokens_by_tier)
 
 
 def _normalise_prompts(prompts) -> list:

@@ -12,6 +12,7 @@ import msgspec
 
 from tokenloom.actors.kv.kv_manager import TableGrowth
 from tokenloom.actors.kv.prefix_cache import PrefixCacheStats, PrefixQuery
+from tokenloom.actors.kv.tiers.stats import TiersStats
 from tokenloom.actors.metric_fields import counter, gauge
 from tokenloom.actors.sampling_params import SamplingParams
 from tokenloom.kernels.models.model_spec import ModelSpec
@@ -133,6 +134,8 @@ class RequestTimings(_Msg):
     num_cached_tokens: int = 0
     prefix_hit_blocks: int = 0
     prefix_miss_reason: str | None = None
+    # KV tiers: num_cached_tokens split by where the KV came from ("device", "host", ...).
+    cached_tokens_by_tier: dict[str, int] | None = None
     trace: dict | None = None   # the request's trace (see actors/scheduling/trace.py), JSON-ready
 
 
@@ -183,6 +186,22 @@ class KVAdmission(_Msg):
     query: PrefixQuery
 
 
+class TierQuery(_Msg):
+    """A new request's chain, looked up in the KV tiers before it may be admitted:
+    `recompute` is the engine's prefill cost at the current load (the planner weighs a
+    restore against it)."""
+    request_id: str
+    query: PrefixQuery
+    recompute: Any
+
+
+class TierReady(_Msg):
+    """KV manager -> scheduler: a held request's tier fetch has ended (its restore, if
+    any, is staged for its admission). `report`: actors/kv/tiers/manager.TierReport."""
+    request_id: str
+    report: Any
+
+
 class KVUpdate(_Msg):
     """One iteration's KV work, applied in order: `commits`, `swap_outs` (the tables to copy
     to host slots, resolved before they are freed), `frees`, `forks`, the running `grants`
@@ -199,6 +218,11 @@ class KVUpdate(_Msg):
     forks: list[tuple[str, str, int]] = []
     swap_outs: list[tuple[str, list[int]]] = []   # (request, host slots in table order)
     swap_ins: list[tuple[str, list[int]]] = []    # (request, host slots in table order)
+    # KV tiers (actors/kv/tiers): new arrivals' chains to look up below the device pool
+    # (first, before the grants), and requests that ended before admission (their staged
+    # restores are dropped).
+    tier_queries: list[TierQuery] = []
+    tier_cancels: list[str] = []
 
 
 class KVGrant(_Msg):
@@ -217,6 +241,14 @@ class KVGrant(_Msg):
     swap_out: list[tuple[int, int]] = []     # (device block, host slot)
     swap_in: list[tuple[int, int]] = []      # (host slot, device block)
     failed: dict[str, str] = {}              # grants that could not be allocated: the error
+    # KV tiers: queried requests that wait for a fetch (a TierReady comes for each), the
+    # rest may be admitted at once; device blocks to copy out (block, BlockMeta,
+    # committed) before anything overwrites them, and the restores of this grant's
+    # admissions (in `admitted[...].restores`).
+    tier_held: list[str] = []
+    tier_ready: list[Any] = []               # TierReports of the queried, not held, ones
+    tier_plans: dict[str, dict] = {}         # admissions' restore plans made at admission
+    offloads: list[tuple[int, Any, bool]] = []
 
 
 # -- scheduler <-> runner ----------------------------------------------------------------
@@ -259,6 +291,10 @@ class ExecuteBatch(_Msg):
     block_copies: list[tuple[int, int]] = []  # (src, dst): copy-on-write of forked siblings
     swap_out: list[tuple[int, int]] = []      # (device block, host slot)
     swap_in: list[tuple[int, int]] = []       # (host slot, device block)
+    # KV tiers: blocks copied out to the tiers FIRST (before the copies above may
+    # overwrite an evicted block), and restored blocks written in LAST (after the swaps).
+    kv_offloads: list[tuple[int, Any, bool]] = []    # (device block, BlockMeta, committed)
+    kv_restores: list[tuple[int, Any]] = []          # (device block, its bytes)
 
 
 class SampledToken(_Msg):
@@ -307,6 +343,12 @@ class ForgetRequests(_Msg):
     """scheduler -> runner, when the engine goes idle: these requests finished since the
     last batch (whose finished_ids would have carried them); drop their sampling state."""
     request_ids: list[str]
+
+
+class OffloadKV(_Msg):
+    """scheduler -> runner, when the engine goes idle: device blocks to copy down to the KV
+    tiers now (a batch would have carried them; none is coming)."""
+    offloads: list[tuple[int, Any, bool]]
 
 
 class Shutdown(_Msg):
@@ -449,6 +491,7 @@ class KVStats(_Msg):
     cached_blocks: Annotated[int, G("tokenloom:prefix_cache_blocks",
                                     "KV blocks holding a cached prefix.")]
     prefix_cache: PrefixCacheStats
+    tiers: TiersStats | None = None   # when [kv_tiers] is on
 
 
 class RouterStats(_Msg):

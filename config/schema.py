@@ -35,6 +35,7 @@ __all__ = [
     "ServerConfig",
     "SpeculativeConfig",
     "KVEventsConfig",
+    "KVTiersConfig",
     "RecordConfig",
     "WorkersConfig",
     "check_field",
@@ -352,6 +353,73 @@ class KVEventsConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=
                                   key=f"kv_events.{name}")
 
 
+TierWrite = Literal["back", "through", "off"]
+
+
+class KVTiersConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """KV blocks below the device pool: host RAM, local disk and a Redis-protocol remote
+    store, with a restore planner (actors/kv/tiers/; docs/kv-tiers.md). Needs prefix
+    caching. A tier is on when its size (host, disk) or URL (remote) is set."""
+
+    section: ClassVar[str] = "kv_tiers"
+
+    enabled: bool = False
+    # "cost": restore only what is predicted cheaper than recomputing (per request, at the
+    # current load); "always_restore", "always_recompute" and "threshold:N" (restore when at
+    # least N tokens are available) are the fixed rules, for comparison.
+    planner: str = "cost"
+    host_bytes: Annotated[int, msgspec.Meta(ge=0)] = 1024 * MiB
+    disk_path: str = ""
+    disk_bytes: Annotated[int, msgspec.Meta(ge=0)] = 8192 * MiB
+    disk_fsync: bool = False
+    remote_url: str = ""
+    remote_timeout_ms: Annotated[float, msgspec.Meta(gt=0.0, le=60_000.0)] = 500.0
+    remote_ttl_s: Annotated[int, msgspec.Meta(ge=0)] = 0
+    remote_retry_after_s: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = 1.0
+    # Benchmarks only: emulate a slower link on the client side ([latency ms, MB/s]).
+    remote_shaping: list[float] = []
+    # Write policy per tier: "back" (what leaves the tier above comes down), "through"
+    # (also every block as the device computes it) or "off"; store_threshold N > 0 stores
+    # only blocks looked up at least N times.
+    host_write: TierWrite = "back"
+    disk_write: TierWrite = "back"
+    remote_write: TierWrite = "back"
+    host_store_threshold: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 0
+    disk_store_threshold: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 0
+    remote_store_threshold: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 0
+    # Priors of the transfer models (replaced by measurements as transfers complete).
+    host_prior_mb_s: Annotated[float, msgspec.Meta(gt=0.0)] = 4000.0
+    disk_prior_mb_s: Annotated[float, msgspec.Meta(gt=0.0)] = 500.0
+    disk_prior_latency_ms: Annotated[float, msgspec.Meta(ge=0.0)] = 0.2
+    remote_prior_mb_s: Annotated[float, msgspec.Meta(gt=0.0)] = 100.0
+    remote_prior_latency_ms: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
+    # Prefill cost per token before the step-cost model has seen a prefill.
+    recompute_prior_ms_per_token: Annotated[float, msgspec.Meta(gt=0.0)] = 0.5
+    # Writes queued for a slow tier beyond this are dropped (counted), never waited for.
+    max_queued_write_bytes: Annotated[int, msgspec.Meta(ge=0)] = 256 * MiB
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        from tokenloom.actors.kv.tiers.planner import parse_mode
+        try:
+            parse_mode(self.planner)
+        except ValueError as e:
+            raise ConfigError(f"kv_tiers.planner: {e}", key="kv_tiers.planner") from None
+        if self.remote_url and not self.remote_url.startswith(
+                ("redis://", "rediss://", "unix://")):
+            raise ConfigError("kv_tiers.remote_url must be a redis://host:port[/db], "
+                              f"rediss:// or unix:// URL, got {self.remote_url!r}",
+                              key="kv_tiers.remote_url")
+        if self.remote_shaping and (len(self.remote_shaping) != 2 or self.remote_shaping[0] < 0
+                                    or self.remote_shaping[1] <= 0):
+            raise ConfigError("kv_tiers.remote_shaping must be [latency_ms >= 0, MB/s > 0] or "
+                              f"empty, got {self.remote_shaping!r}",
+                              key="kv_tiers.remote_shaping")
+        if self.enabled and not (self.host_bytes or self.disk_path or self.remote_url):
+            raise ConfigError("kv_tiers.enabled needs at least one tier: host_bytes > 0, a "
+                              "disk_path or a remote_url", key="kv_tiers.enabled")
+
+
 class WorkersConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Engine worker processes behind the HTTP front (`tokenloom serve --workers N`; see
     daemon/workers/). 1 keeps the single in-process engine."""
@@ -444,6 +512,7 @@ class EngineConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     admin: AdminConfig = AdminConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
     kv_events: KVEventsConfig = KVEventsConfig()
+    kv_tiers: KVTiersConfig = KVTiersConfig()
     workers: WorkersConfig = WorkersConfig()
     record: RecordConfig = RecordConfig()
 

@@ -102,6 +102,11 @@ async def health(request: web.Request) -> web.Response:
         raise APIError(503, problem)
     status = state.engine.worker_status() if state.engine is not None else []
     if not status:   # the in-process engine
+        probe = getattr(state.engine, "degraded_tiers", None)
+        tiers = probe() if probe is not None else {}
+        if tiers:    # alive, but a KV tier falls back to recompute until it recovers
+            return endpoints.struct_response(HealthResponse(status="degraded", workers=[],
+                                                            kv_tiers=tiers))
         return web.Response(status=200)
     up = sum(w.up for w in status)
     if state.ready and up == 0:

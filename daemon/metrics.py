@@ -22,7 +22,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from tokenloom.actors.messages import EngineStats, RequestTimings
 from tokenloom.actors.metric_fields import Metric, exported_fields
@@ -202,6 +202,78 @@ class _EngineCollector:
         yield gauge("tokenloom:goodput_ratio",
                     "Share of finished requests within their objectives (1 before any).",
                     good / evaluated if evaluated else 1.0)
+        if kv.tiers is not None:
+            yield from tier_families(kv.tiers, labels, value)
+
+
+def tier_families(t, labels: list[str], value: list[str]):
+    """The KV tiers (docs/kv-tiers.md): per tier hit/query counters, usage, health, and
+    bytes and seconds per transfer direction under vLLM's offloading names
+    (`vllm:kv_offload_total_bytes` / `_total_time`, by `transfer_type` such as
+    GPU_to_CPU), plus the planner's regret histogram and calibration errors."""
+    def family(kind, name, doc, extra=()):
+        return kind(name, doc, labels=labels + list(extra))
+
+    queries = family(CounterMetricFamily, "tokenloom:kv_tier_queries",
+                     "Blocks looked up in a KV tier (after the device's hits).", ["tier"])
+    hits = family(CounterMetricFamily, "tokenloom:kv_tier_hits",
+                  "Blocks restored from a KV tier into the device pool.", ["tier"])
+    stored = family(CounterMetricFamily, "tokenloom:kv_tier_stored_blocks",
+                    "Blocks written to a KV tier.", ["tier"])
+    evicted = family(CounterMetricFamily, "tokenloom:kv_tier_evicted_blocks",
+                     "Blocks a KV tier evicted for room.", ["tier"])
+    dropped = family(CounterMetricFamily, "tokenloom:kv_tier_dropped_writes",
+                     "Writes refused because the tier's write queue was full.", ["tier"])
+    failed = family(CounterMetricFamily, "tokenloom:kv_tier_failed_reads",
+                    "Reads that failed (corrupt, missing, unreachable): recomputed.", ["tier"])
+    used = family(GaugeMetricFamily, "tokenloom:kv_tier_usage_bytes",
+                  "Bytes a KV tier holds (remote: written by this daemon).", ["tier"])
+    capacity = family(GaugeMetricFamily, "tokenloom:kv_tier_capacity_bytes",
+                      "A KV tier's byte budget (0: bounded by the server).", ["tier"])
+    blocks = family(GaugeMetricFamily, "tokenloom:kv_tier_blocks", "Blocks a KV tier holds.",
+                    ["tier"])
+    degraded = family(GaugeMetricFamily, "tokenloom:kv_tier_degraded",
+                      "1 while a KV tier's medium is failing (falls back to recompute).",
+                      ["tier"])
+    nbytes = family(CounterMetricFamily, "vllm:kv_offload_total_bytes",
+                    "Bytes moved between the device pool and a KV tier.", ["transfer_type"])
+    seconds = family(CounterMetricFamily, "vllm:kv_offload_total_time",
+                     "Seconds spent moving KV between the device pool and a KV tier.",
+                     ["transfer_type"])
+    for tier in t.tiers:
+        c, lab = tier.counters, value + [tier.name]
+        queries.add_metric(lab, c.queries)
+        hits.add_metric(lab, c.hits)
+        stored.add_metric(lab, c.stored_blocks)
+        evicted.add_metric(lab, c.evicted_blocks)
+        dropped.add_metric(lab, c.dropped_writes)
+        failed.add_metric(lab, c.failed_reads)
+        used.add_metric(lab, tier.bytes_used)
+        capacity.add_metric(lab, tier.bytes_capacity)
+        blocks.add_metric(lab, tier.num_blocks)
+        degraded.add_metric(lab, 1.0 if tier.degraded else 0.0)
+        down, up = f"GPU_to_{tier.medium}", f"{tier.medium}_to_GPU"
+        nbytes.add_metric(value + [down], c.bytes_from_device)
+        nbytes.add_metric(value + [up], c.bytes_to_device)
+        seconds.add_metric(value + [down], c.seconds_from_device)
+        seconds.add_metric(value + [up], c.seconds_to_device)
+    yield from (queries, hits, stored, evicted, dropped, failed, used, capacity, blocks,
+                degraded, nbytes, seconds)
+    regret = HistogramMetricFamily(
+        "tokenloom:kv_tier_regret_seconds", "Restore decisions: actual time to the end of "
+        "the prefill minus the better alternative's prediction (<= 0: the choice was right).",
+        labels=labels)
+    regret.add_metric(value, [*((str(b), n) for b, n in zip(t.regret_buckets,
+                                                           t.regret_counts)),
+                              ("+Inf", t.regret_count)], sum_value=t.regret_sum)
+    yield regret
+    for name, v in (("restore", t.restore_error_median), ("recompute",
+                                                           t.recompute_error_median)):
+        g = GaugeMetricFamily(f"tokenloom:kv_tier_{name}_prediction_error",
+                              f"Median relative error of the planner's {name} time "
+                              "predictions (recent operations; -1 before any).", labels=labels)
+        g.add_metric(value, -1.0 if v is None else v)
+        yield g
 
 
 def _samples(stats) -> Iterator[tuple[Metric, dict[str, str], float]]:

@@ -86,3 +86,21 @@ class HostKVPool:
         blocks = torch.tensor([b for _, b in pairs], dtype=torch.int64, device=kv.pool.device)
         kv.pool[:, :, blocks] = self.data.index_select(2, slots).to(kv.pool.device,
                                                                     non_blocking=True)
+
+
+def gather_blocks(pool: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
+    """Whole blocks (every layer's K and V) as host bytes, one row per block: [n, bytes]
+    uint8, each row laid out [layers, 2, block_size, kv_heads, head_dim] in the pool's
+    dtype (the KV tiers' record payload; bytes, so bf16 needs no numpy dtype)."""
+    idx = torch.tensor(block_ids, dtype=torch.int64, device=pool.device)
+    blocks = pool.index_select(2, idx).permute(2, 0, 1, 3, 4, 5).contiguous()
+    return blocks.to("cpu").view(torch.uint8).reshape(len(block_ids), -1)
+
+
+def scatter_blocks(pool: torch.Tensor, block_ids: list[int], rows: torch.Tensor) -> None:
+    """The inverse of ``gather_blocks``: write [n, bytes] uint8 rows into those blocks."""
+    layers, two, _, *tail = pool.shape
+    n = len(block_ids)
+    data = rows.reshape(n, -1).view(pool.dtype).reshape(n, layers, two, *tail)
+    idx = torch.tensor(block_ids, dtype=torch.int64, device=pool.device)
+    pool.index_copy_(2, idx, data.permute(1, 2, 0, 3, 4, 5).to(pool.device, non_blocking=True))

@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import numpy as np
+import structlog
 import torch
 
 from tokenloom.actors.execution import prompt_logprobs
@@ -35,7 +37,7 @@ from tokenloom.actors.messages import (
 from tokenloom.graphs.capture import DecodeGraphs
 from tokenloom.graphs.dispatch import GRAPH, PIECEWISE, Dispatcher
 from tokenloom.graphs.piecewise import PiecewiseGraphs
-from tokenloom.kernels.kv_store import HostKVPool, KVCache
+from tokenloom.kernels.kv_store import HostKVPool, KVCache, gather_blocks, scatter_blocks
 from tokenloom.kernels.models.llama import LlamaForCausalLM
 from tokenloom.kernels.sampling import (
     Sample,
@@ -46,6 +48,8 @@ from tokenloom.kernels.sampling import (
 )
 from tokenloom.kernels.sampling import sample_ids as sample_ids_on_device
 from tokenloom.kernels.spec_verify import Proposal, expand_rows, verify
+
+log = structlog.get_logger("tokenloom.runner")
 
 
 @dataclasses.dataclass
@@ -104,6 +108,31 @@ class ModelRunner:
         self._failed: set[str] = set()
         # Guided decoding (None: no request can carry a constraint).
         self.guided = GuidedMasks(guided, self._seqs, overlap=device.type == "cuda")
+        # KV tiers (actors/kv/tiers/manager.TierManager; None: off): blocks copied out of
+        # the pool go to it, restored blocks come from the batch.
+        self.tiers = None
+
+    def offload(self, offloads: list) -> None:
+        """Copy device blocks (block id, BlockMeta, committed) to the KV tiers. A failure
+        is logged and costs only the tier copy: the step goes on."""
+        if self.tiers is None:
+            return
+        try:
+            t0 = time.perf_counter()
+            rows = gather_blocks(self.kv.pool, [b for b, _, _ in offloads]).numpy()
+            self.tiers.offer([m for _, m, _ in offloads], rows, [c for _, _, c in offloads],
+                             seconds=time.perf_counter() - t0)
+        except Exception as e:  # noqa: BLE001
+            log.error("KV tier offload failed", error=repr(e), blocks=len(offloads))
+
+    def _restore(self, restores: list) -> None:
+        t0 = time.perf_counter()
+        rows = torch.from_numpy(np.stack([p for _, p in restores]))
+        scatter_blocks(self.kv.pool, [b for b, _ in restores], rows)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if self.tiers is not None:
+            self.tiers.observe_restore_copy(time.perf_counter() - t0)
 
     @property
     def num_tracked(self) -> int:
@@ -194,6 +223,9 @@ class ModelRunner:
             if s.new is not None:
                 self._register(s.request_id, s.new)
         patch = self._resolve_inputs(batch, prev)
+        # KV tiers: evicted blocks leave before anything below may overwrite them.
+        if batch.kv_offloads:
+            self.offload(batch.kv_offloads)
         # In the order the KV manager decided them: a fork's copy-on-write comes from the
         # round trip before this iteration's swaps (a swap-in may refill a block a copy
         # targeted for a sibling preempted since).
@@ -217,6 +249,8 @@ class ModelRunner:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             swap_seconds = time.perf_counter() - t_swap
+        if batch.kv_restores:   # KV tiers: restored blocks, into blocks granted this step
+            self._restore(batch.kv_restores)
         launched = LaunchedStep(batch=batch, t0=t0, swap_seconds=swap_seconds)
         if not batch.sequences:
             return launched

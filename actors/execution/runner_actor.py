@@ -27,6 +27,7 @@ from tokenloom.actors.messages import (
     GetGraphStats,
     GetRunnerState,
     GraphStats,
+    OffloadKV,
     RunnerState,
     Shutdown,
     StepOutput,
@@ -128,6 +129,8 @@ class RunnerActor(Actor):
                         last_end = time.perf_counter()
                     case ForgetRequests(request_ids=ids):
                         self.model_runner.forget(ids)   # behind every batch sent before it
+                    case OffloadKV(offloads=offloads):
+                        self.model_runner.offload(offloads)
                     case GetRunnerState(reply=reply):
                         self._post(resolve, reply, RunnerState(
                             num_tracked=self.model_runner.num_tracked,

@@ -40,19 +40,27 @@ class PrefixIndex:
     def __init__(self, ttl: float, max_routed: int = 200_000):
         self.ttl = ttl
         self.max_routed = max_routed
-        self.stored: set[bytes] = set()
+        # hash -> the media holding it (GPU, and the KV tiers' CPU/DISK/REMOTE): a block in
+        # any of them spares the prefill, and a tier's eviction must not hide the device's.
+        self.stored: dict[bytes, set[str | None]] = {}
         self.routed: OrderedDict[bytes, float] = OrderedDict()   # hash -> expiry
         self.num_events = 0
 
     def apply(self, event: KVEvent) -> None:
         self.num_events += 1
         match event:
-            case BlockStored(block_hashes=hashes):
-                self.stored.update(hashes)
-            case BlockRemoved(block_hashes=hashes):
+            case BlockStored(block_hashes=hashes, medium=medium):
                 for h in hashes:
-                    self.stored.discard(h)
-                    self.routed.pop(h, None)   # evicted: the routed guess is stale too
+                    self.stored.setdefault(h, set()).add(medium)
+            case BlockRemoved(block_hashes=hashes, medium=medium):
+                for h in hashes:
+                    media = self.stored.get(h)
+                    if media is not None:
+                        media.discard(medium)
+                        if not media:
+                            del self.stored[h]
+                    if h not in self.stored:
+                        self.routed.pop(h, None)   # evicted: the routed guess is stale too
             case AllBlocksCleared():
                 self.clear()
 

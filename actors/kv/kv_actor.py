@@ -2,15 +2,21 @@
 
 The scheduler sends one `KVUpdate` per iteration (frees, then grants, atomically) and gets
 one `KVGrant` back: blocks for every grant, or a refusal with nothing allocated.
+
+With KV tiers (actors/kv/tiers/manager.py) it also looks new requests up below the device
+pool (`tier_queries`: the device hit is counted here, the tiers' runs and the restore
+plan there), hands each admission its staged restore, and forwards the device blocks the
+runner must copy down (`offloads`) and the tiers' KV events.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from tokenloom.actors.base import Actor, resolve
 from tokenloom.actors.kv.events import EventCollector
-from tokenloom.actors.kv.kv_manager import KVCacheManager
+from tokenloom.actors.kv.kv_manager import KVCacheManager, StagedBlocks
 from tokenloom.actors.messages import (
     CheckIntegrity,
     FlushPrefixCache,
@@ -20,6 +26,7 @@ from tokenloom.actors.messages import (
     KVUpdate,
     Shutdown,
     SubscribeKVEvents,
+    TierReady,
 )
 from tokenloom.arith import cdiv
 
@@ -27,9 +34,12 @@ from tokenloom.arith import cdiv
 class KVManagerActor(Actor):
     name = "kv_manager"
 
-    def __init__(self, manager: KVCacheManager, publisher=None):
+    def __init__(self, manager: KVCacheManager, publisher=None, tiers=None):
         super().__init__()
         self.manager = manager
+        self.tiers = tiers   # actors/kv/tiers/manager.TierManager, or None
+        if tiers is not None:
+            manager.attach_tiers(tiers.wants)
         self.scheduler_inbox = None  # wired by the engine
         # KV events on the wire (actors/kv/events_zmq.py): each update's events, one batch.
         self.publisher = publisher
@@ -40,6 +50,9 @@ class KVManagerActor(Actor):
             publisher.publish_cleared(time.time())
 
     def _publish_events(self) -> None:
+        if self.tiers is not None:
+            for event in self.tiers.drain_events():
+                self.manager.events.publish(event)
         if self._collector is not None:
             batch = self._collector.drain()
             if batch is not None:
@@ -47,6 +60,8 @@ class KVManagerActor(Actor):
 
     def apply(self, update: KVUpdate) -> KVGrant:
         m = self.manager
+        held, ready = self._query_tiers(update) if self.tiers is not None else ([], [])
+        plans: dict[str, dict] = {}
         # Commits first: a request finishing this step caches its last blocks, then frees.
         for c in update.commits:
             m.commit_full_blocks(c.request_id, c.num_computed_tokens, c.block_hashes,
@@ -71,8 +86,11 @@ class KVManagerActor(Actor):
             for a in update.admissions:
                 reserved = cdiv(a.planned_tokens, bs)
                 before = m.num_free_blocks
-                admitted[a.request_id] = m.admit(a.request_id, a.planned_tokens, a.query,
-                                                 budget=reserved + max(0, slack))
+                growth = admitted[a.request_id] = m.admit(
+                    a.request_id, a.planned_tokens, a.query, budget=reserved + max(0, slack),
+                    staged=self._staged(a, plans))
+                if growth.restored_tiers:
+                    self.tiers.restored(growth.restored_tiers)
                 slack -= max(0, before - m.num_free_blocks - reserved)
             swap_in = [pair for rid, slots in update.swap_ins
                        for pair in zip(slots, m.block_table(rid))]
@@ -83,7 +101,39 @@ class KVManagerActor(Actor):
                        tables={rid: m.block_table(rid) for rid in update.tables_for
                                if m.has_request(rid)},
                        forked=forked, copies=copies, swap_out=swap_out, swap_in=swap_in,
-                       failed=failed)
+                       failed=failed, tier_held=held, tier_ready=ready, tier_plans=plans,
+                       offloads=m.take_offloads())
+
+    def _query_tiers(self, update: KVUpdate) -> list[str]:
+        """Drop the staging of requests that ended, look the new ones up: those whose
+        fetch is under way are held (a TierReady follows for each)."""
+        for rid in update.tier_cancels:
+            self.tiers.cancel(rid)
+        held, ready = [], []
+        for q in update.tier_queries:
+            query = q.query
+            hit = self.manager.lookup(q.request_id, query).num_hit_blocks
+            reusable = max(0, (len(query.token_ids) - 1) // self.manager.block_size)
+            report = self.tiers.query(q.request_id, query.block_hashes[:reusable], hit,
+                                      len(query.token_ids), q.recompute)
+            if report is None:
+                held.append(q.request_id)
+            else:
+                ready.append(report)
+        return held, ready
+
+    def _staged(self, admission, plans: dict) -> StagedBlocks | None:
+        if self.tiers is None:
+            return None
+        query = admission.query
+        hit = self.manager.lookup(admission.request_id, query).num_hit_blocks
+        staged = self.tiers.take_staged(admission.request_id, hit, len(query.token_ids))
+        if staged is None or not staged.records:
+            return None
+        if staged.plan is not None:
+            plans[admission.request_id] = staged.plan.as_dict(self.manager.block_size)
+        return StagedBlocks(start_block=staged.start_block,
+                            payloads=[r.payload for r in staged.records], tiers=staged.tiers)
 
     def _allocate(self, grants) -> tuple[dict[str, list[int]] | None, dict[str, str]]:
         """Every grant at once (atomic: all or nothing). If that raises (a fault, not a lack
@@ -111,9 +161,20 @@ class KVManagerActor(Actor):
         m = self.manager
         return KVStats(num_blocks=m.num_blocks, free=m.num_free_blocks, used=m.num_used_blocks,
                        usage=m.usage, block_size=m.block_size, cached_blocks=m.num_cached_blocks,
-                       prefix_cache=m.prefix_stats())
+                       prefix_cache=m.prefix_stats(),
+                       tiers=self.tiers.stats() if self.tiers is not None else None)
 
     async def run(self) -> None:
+        if self.tiers is not None:
+            loop = asyncio.get_running_loop()
+
+            def notify(report) -> None:   # from a tier thread: hand it to the loop
+                loop.call_soon_threadsafe(self.scheduler_inbox.put_nowait,
+                                          TierReady(request_id=report.request_id,
+                                                    report=report))
+            self.tiers.notify = notify
+            if self.tiers.announce_disk():   # a restart: what the disk tier still holds
+                self._publish_events()
         while True:
             msg = await self.inbox.get()
             match msg:
@@ -139,4 +200,6 @@ class KVManagerActor(Actor):
                 case Shutdown():
                     if self.publisher is not None:
                         self.publisher.shutdown()
+                    if self.tiers is not None:
+                        self.tiers.close()
                     return

@@ -27,7 +27,8 @@ Sharing and prefix caching (``enable_prefix_caching=True``; off, behaviour is un
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import msgspec
 
@@ -68,11 +69,27 @@ class PrefixLookup(msgspec.Struct, frozen=True, gc=False):
 class TableGrowth(msgspec.Struct, frozen=True, gc=False):
     """One request's share of an allocation. ``block_ids`` were appended to its table in
     order: cached hit blocks first (``num_cached_tokens`` tokens of KV already computed;
-    full blocks only), then fresh ones. ``prefix`` is set for requests given a query."""
+    full blocks only), then fresh ones. ``prefix`` is set for requests given a query.
+
+    KV tiers: the first ``len(restores)`` fresh blocks are restored rather than computed —
+    ``restores`` pairs each with its bytes (the runner writes them before the step's
+    forward) and ``restored_tiers`` names the tier each came from. They count in
+    ``num_cached_tokens`` (nothing recomputes them) but are not yet in the device's prefix
+    cache: they are committed after the step, like computed blocks."""
 
     block_ids: list[int]
     num_cached_tokens: int = 0
     prefix: PrefixRecord | None = None
+    restores: list[tuple[int, Any]] = []
+    restored_tiers: list[str] = []
+
+
+class StagedBlocks(msgspec.Struct, frozen=True, gc=False):
+    """Blocks ``start_block ..`` of a request's chain fetched from the tiers for its
+    admission: their bytes and the tier each came from."""
+    start_block: int
+    payloads: list[Any]
+    tiers: list[str]
 
 
 class KVCacheManager:
@@ -94,6 +111,27 @@ class KVCacheManager:
                                       evicted_memory=evicted_memory)
         # Leading table blocks already offered to the cache (hits count as offered).
         self._committed: dict[str, int] = {}
+        # KV tiers: device blocks the runner must copy out before anything overwrites them
+        # (block id, identity, committed: write-through of a new block, else an eviction).
+        self.offloads: list[tuple[int, Any, bool]] = []
+        self._tier_wants: Callable[[bytes, bool], bool] | None = None
+
+    def attach_tiers(self, wants: Callable[[bytes, bool], bool]) -> None:
+        """Send blocks down to the KV tiers: every block the cache evicts or stores for
+        which ``wants(hash, committed)`` is true is queued in ``offloads``."""
+        if self._cache is None:
+            raise ValueError("KV tiers need prefix caching")
+        self._tier_wants = wants
+
+        def sink(block_id: int, meta, committed: bool) -> None:
+            if wants(meta.block_hash, committed):
+                self.offloads.append((block_id, meta, committed))
+
+        self._cache.tier_sink = sink
+
+    def take_offloads(self) -> list[tuple[int, Any, bool]]:
+        out, self.offloads = self.offloads, []
+        return out
 
     # ------------------------------------------------------------------ queries
 
@@ -199,7 +237,8 @@ class KVCacheManager:
         return None if grown is None else {rid: g.block_ids for rid, g in grown.items()}
 
     def allocate_with_prefix(self, grants: Sequence[tuple[str, int]],
-                             prefixes: dict[str, PrefixQuery]) -> dict[str, TableGrowth] | None:
+                             prefixes: dict[str, PrefixQuery], *,
+                             count: bool = True) -> dict[str, TableGrowth] | None:
         """``allocate``, where each request in ``prefixes`` (new: it holds no table) starts
         its table with its cached prefix.
 
@@ -259,15 +298,16 @@ class KVCacheManager:
                                       num_hit_blocks=len(hit),
                                       num_hit_tokens=len(hit) * self._block_size,
                                       miss_reason=reasons[rid])
-                self._cache.record(record.num_query_tokens, record.num_hit_tokens,
-                                   record.miss_reason)
+                if count:  # (a restoring admission counts under its own reason)
+                    self._cache.record(record.num_query_tokens, record.num_hit_tokens,
+                                       record.miss_reason)
             result[rid] = TableGrowth(block_ids=hit + added,
                                       num_cached_tokens=len(hit) * self._block_size,
                                       prefix=record)
         return result
 
     def admit(self, request_id: str, planned_tokens: int, query: PrefixQuery,
-              budget: int | None = None) -> TableGrowth:
+              budget: int | None = None, staged: StagedBlocks | None = None) -> TableGrowth:
         """Admit a new request the scheduler planned to compute ``planned_tokens`` tokens
         of from scratch, reusing its cached prefix when that fits ``budget`` free blocks.
 
@@ -278,6 +318,10 @@ class KVCacheManager:
         currently free (taking them back uses free blocks). The longest hit whose cost fits
         the budget is used — at worst none, which is exactly what was reserved — so an
         admission the scheduler planned is never refused.
+
+        ``staged``: blocks fetched from the KV tiers. Those continuing the device hit (the
+        staging starts at or before it) are restored into fresh blocks, as many as fit
+        the budget, and the request computes from after them.
         """
         bs = self._block_size
         reserved = cdiv(planned_tokens, bs)
@@ -286,6 +330,19 @@ class KVCacheManager:
         hits = self._match(query)
         length = len(query.token_ids)
         h = len(hits)
+        reusable = max(0, (length - 1) // bs)
+        restorable = 0
+        if staged is not None and staged.start_block <= h:
+            restorable = max(0, min(staged.start_block + len(staged.payloads), reusable) - h)
+        reclaimed = sum(self._pool.is_free(b) for b in hits)
+        r = restorable
+        while r > 0:
+            fresh = r + cdiv(min(planned_tokens, length - (h + r) * bs), bs)
+            if fresh + reclaimed <= reserved:
+                break
+            r -= 1
+        if r > 0:
+            return self._admit_restored(request_id, planned_tokens, query, hits, r, staged)
         while h > 0:
             fresh = cdiv(min(planned_tokens, length - h * bs), bs)
             if fresh + sum(self._pool.is_free(b) for b in hits[:h]) <= reserved:
@@ -300,6 +357,36 @@ class KVCacheManager:
         assert grown is not None, (f"admission of {request_id!r} refused within its "
                                    f"reservation of {reserved} blocks")
         return grown[request_id]
+
+    def _admit_restored(self, request_id: str, planned_tokens: int, query: PrefixQuery,
+                        hits: list[int], r: int, staged: StagedBlocks) -> TableGrowth:
+        """``admit`` with all ``hits`` and ``r`` restored blocks after them (the budget
+        check is the caller's)."""
+        bs = self._block_size
+        h = len(hits)
+        length = len(query.token_ids)
+        reason = self._cache.classify_miss(query, h) if self._cache is not None else None
+        total = (h + r) * bs + min(planned_tokens, length - (h + r) * bs)
+        cut = msgspec.structs.replace(
+            query, block_hashes=query.block_hashes[:h],
+            content_hashes=None if query.content_hashes is None else query.content_hashes[:h])
+        grown = self.allocate_with_prefix([(request_id, total)], {request_id: cut},
+                                          count=False)
+        assert grown is not None, f"restoring admission of {request_id!r} refused"
+        g = grown[request_id]
+        offset = h - staged.start_block
+        restores = [(g.block_ids[h + i], staged.payloads[offset + i]) for i in range(r)]
+        tiers = staged.tiers[offset:offset + r]
+        prefix = g.prefix
+        if prefix is not None and self._cache is not None:
+            reason = f"{reason}_restored_from_{tiers[0]}"
+            prefix = msgspec.structs.replace(prefix, miss_reason=reason,
+                                             num_restored_blocks=r)
+            self._cache.record(prefix.num_query_tokens, prefix.num_hit_tokens, reason)
+        # The restored blocks are committed (cached on the device) after the step.
+        self._committed[request_id] = h
+        return TableGrowth(block_ids=g.block_ids, num_cached_tokens=(h + r) * bs,
+                           prefix=prefix, restores=restores, restored_tiers=list(tiers))
 
     def num_exclusive(self, request_id: str) -> int:
         """Blocks that freeing ``request_id`` would return to the free list right now

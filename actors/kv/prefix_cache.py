@@ -41,7 +41,7 @@ from __future__ import annotations
 import enum
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
-from typing import Annotated
+from typing import Annotated, Callable
 
 import msgspec
 
@@ -54,6 +54,7 @@ from tokenloom.actors.kv.events import (
     BlockStored,
     KVEventPublisher,
 )
+from tokenloom.actors.kv.tiers.record import BlockMeta
 from tokenloom.actors.metric_fields import counter
 
 
@@ -82,11 +83,14 @@ class PrefixQuery(msgspec.Struct, frozen=True, gc=False):
 
 class PrefixRecord(msgspec.Struct, frozen=True, gc=False):
     """Per-request outcome of a prefix lookup, for the request's ``metrics`` object.
-    Blocks ``0 .. num_hit_blocks - 1`` hit; block ``num_hit_blocks`` is the first miss."""
+    Blocks ``0 .. num_hit_blocks - 1`` hit; block ``num_hit_blocks`` is the first miss.
+    With KV tiers, ``num_restored_blocks`` after the hits came back from a tier (the
+    reason then names it: ``evicted_restored_from_host``)."""
     num_query_tokens: int
     num_hit_blocks: int
     num_hit_tokens: int
-    miss_reason: MissReason
+    miss_reason: MissReason | str
+    num_restored_blocks: int = 0
 
 
 class PrefixCacheStats(msgspec.Struct, kw_only=True, gc=False):
@@ -157,6 +161,10 @@ class PrefixCache:
         self._evicted_limit = 4 * n if evicted_memory is None else evicted_memory
         self._evicted: OrderedDict[BlockHash, None] = OrderedDict()
         self._stats = empty_stats()
+        # KV tiers (actors/kv/tiers): told of each block cached (committed=True) and of each
+        # block about to be evicted (False), with what identifies it below the device.
+        self.tier_sink: Callable[[int, BlockMeta, bool], None] | None = None
+        self._tail_of: list[tuple[tuple[int, ...], str | None] | None] = [None] * n
 
     # ------------------------------------------------------------------ queries
 
@@ -230,7 +238,11 @@ class PrefixCache:
         block_ids = self._pool.allocate(n)
         if block_ids is None:
             return None
-        evicted = [self._unmap(b) for b in block_ids if self._hash_of[b] is not None]
+        cached = [b for b in block_ids if self._hash_of[b] is not None]
+        if cached and self.tier_sink is not None:
+            for b in cached:
+                self.tier_sink(b, self._meta(b), False)
+        evicted = [self._unmap(b) for b in cached]
         if evicted:
             self._stats.evicted_blocks += len(evicted)
             self._remember_evicted(evicted)
@@ -272,6 +284,10 @@ class PrefixCache:
                 content = content_hashes[i] if content_hashes is not None else h
                 self._map(block_id, h, content, (parent, tokens[0]))
                 stored += 1
+                if self.tier_sink is not None:
+                    salt = cache_salt if parent is None else None
+                    self._tail_of[block_id] = (tuple(tokens), salt)
+                    self.tier_sink(block_id, self._meta(block_id), True)
                 if not run:
                     run_parent = parent
                 run.append(h)
@@ -301,10 +317,12 @@ class PrefixCache:
             self.events.publish(BlockRemoved(block_hashes=hashes, medium=self._medium))
         return FlushResult(len(dropped))
 
-    def record(self, num_query_tokens: int, num_hit_tokens: int, reason: MissReason) -> None:
-        """Count one request's lookup (called once per admission, by the KV manager)."""
+    def record(self, num_query_tokens: int, num_hit_tokens: int, reason: MissReason | str) -> None:
+        """Count one request's lookup (called once per admission, by the KV manager).
+        ``reason`` may be a ``MissReason`` with a tier suffix (``evicted_restored_from_host``:
+        the missed blocks came back from that tier instead of being recomputed)."""
         s = self._stats
-        if reason is MissReason.RECOMPUTE_AFTER_PREEMPT:
+        if reason == MissReason.RECOMPUTE_AFTER_PREEMPT:
             s.preempted_requests += 1
             s.preempted_queried_tokens += num_query_tokens
             s.preempted_hit_tokens += num_hit_tokens
@@ -312,7 +330,8 @@ class PrefixCache:
             s.requests += 1
             s.queried_tokens += num_query_tokens
             s.hit_tokens += num_hit_tokens
-        s.missed_tokens[reason.value] += num_query_tokens - num_hit_tokens
+        key = str(reason)
+        s.missed_tokens[key] = s.missed_tokens.get(key, 0) + num_query_tokens - num_hit_tokens
 
     # --------------------------------------------------------------- invariants
 
@@ -357,6 +376,11 @@ class PrefixCache:
         self._sibling_count[sibling] += 1
         self._evicted.pop(h, None)
 
+    def _meta(self, block_id: int) -> BlockMeta:
+        tail = self._tail_of[block_id]
+        assert tail is not None, f"block {block_id} was cached without its tokens"
+        return BlockMeta(self._hash_of[block_id], self._sibling_of[block_id][0], *tail)
+
     def _unmap(self, block_id: int) -> BlockHash:
         h = self._hash_of[block_id]
         assert h is not None, f"block {block_id} is not cached"
@@ -369,6 +393,7 @@ class PrefixCache:
                 del counts[key]
         self._content_of[block_id] = None
         self._sibling_of[block_id] = None
+        self._tail_of[block_id] = None
         return h
 
     def _remember_evicted(self, hashes: Sequence[BlockHash]) -> None:

@@ -99,4 +99,5 @@ def request_timings(req: Request) -> RequestTimings:
                           num_cached_tokens=req.num_cached_tokens,
                           prefix_hit_blocks=req.prefix_hit_blocks,
                           prefix_miss_reason=req.prefix_miss_reason,
+                          cached_tokens_by_tier=req.cached_tokens_by_tier,
                           trace=req.trace.as_dict() if req.trace is not None else None)

@@ -117,6 +117,10 @@ class Request:
         self.num_cached_tokens = 0
         self.prefix_hit_blocks = 0
         self.prefix_miss_reason: str | None = None
+        # KV tiers: held out of admission while its blocks are fetched from a tier; the
+        # cached tokens by where they came from (device, host, disk, remote).
+        self.tier_hold = False
+        self.cached_tokens_by_tier: dict[str, int] | None = None
         # SamplingParams.prompt_logprobs: what the runner has returned so far (entry j is
         # prompt token j + 1's), until they go out with the first token; None: not asked.
         self.prompt_logprobs: list | None = (

@@ -41,6 +41,7 @@ from tokenloom.actors.messages import (
     SampledToken,
     SchedulerStats,
     StepOutput,
+    TierQuery,
 )
 from tokenloom.actors.output.output_processor import OutputProcessor
 from tokenloom.actors.scheduling import siblings
@@ -74,7 +75,8 @@ class Scheduler:
                  emit: Callable[[RequestOutput], None], prefix: PrefixTracker | None = None,
                  config: SchedulerConfig | None = None, swap: SwapSpace | None = None,
                  block_bytes: int = 0, outputs: OutputProcessor | None = None,
-                 spec: SpecController | None = None, spec_lookahead: int = 0):
+                 spec: SpecController | None = None, spec_lookahead: int = 0,
+                 tiers=None, recompute_prior_s_per_token: float = 5e-4):
         self.log = structlog.get_logger("tokenloom.scheduler").bind(actor="scheduler")
         self.prefix = prefix or PrefixTracker("", limits.block_size, enabled=False)
         self.limits = limits
@@ -113,6 +115,16 @@ class Scheduler:
         self.num_forks = 0
         self.num_steps = 0
         self.num_kv_plan_waits = 0
+        # KV tiers (actors/kv/tiers): new arrivals to look up below the device pool before
+        # they may be admitted, requests that ended before admission (their staging goes),
+        # device blocks to copy down with the next batch. `tiers` (the TierManager) is told
+        # how each restore turned out (its regret and the recompute prediction's error).
+        self.tiers = tiers if self.prefix.enabled else None
+        self.recompute_prior = recompute_prior_s_per_token
+        self.tier_pending: list[Request] = []
+        self.tier_cancels: list[str] = []
+        self.pending_offloads: list = []
+        self.tier_released = False   # a held request became admissible since the last plan
 
     @property
     def has_work(self) -> bool:
@@ -140,6 +152,10 @@ class Scheduler:
         self.requests[req.request_id] = req
         self.waiting.append(req)
         self.outputs.start(req)
+        if self.tiers is not None and not req.wants_prompt_logprobs:
+            req.tier_hold = True          # until the tiers have been looked up
+            req.cached_tokens_by_tier = {}
+            self.tier_pending.append(req)
 
     def abort(self, request_id: str) -> None:
         req = self.requests.get(request_id)
@@ -155,8 +171,11 @@ class Scheduler:
     def plan(self) -> tuple[Decision, list, list]:
         """The policy's decision, applied to the queues: preemption victims out (their swap
         copies resolved), rejections ended, swap-ins and admissions in."""
-        waiting = self.fair.order(siblings.admissible(self.waiting, self.requests,
-                                                      self.prefix.enabled), time.monotonic())
+        self.tier_released = False
+        admissible = siblings.admissible(self.waiting, self.requests, self.prefix.enabled)
+        if self.tiers is not None and any(r.tier_hold for r in admissible):
+            admissible = [r for r in admissible if not r.tier_hold]
+        waiting = self.fair.order(admissible, time.monotonic())
         drafts = self.spec.plan_step(self.running) if self.spec is not None else None
         d = schedule(self.running, waiting, self.view.num_free_blocks, self.view.held,
                      self.limits, self.view.freeable,
@@ -197,7 +216,47 @@ class Scheduler:
         update = kv_update(d, self.view.take_frees(), self.pending_commits, self.running,
                            self.prefix.query, forks, swap_outs, swap_ins)
         self.pending_commits = []
+        if self.tier_pending or self.tier_cancels:
+            update.tier_queries = self._tier_queries()
+            update.tier_cancels, self.tier_cancels = self.tier_cancels, []
         return update
+
+    def _tier_queries(self) -> list[TierQuery]:
+        """The pending arrivals' lookups, each with the prefill cost at the current load."""
+        pending, self.tier_pending = self.tier_pending, []
+        decodes = [r for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
+        from tokenloom.actors.kv.tiers.planner import RecomputeCost
+        cost = RecomputeCost(
+            coef=None if not self.cost.knows_prefill else tuple(float(c) for c in self.cost.coef),
+            decode_tokens=len(decodes),
+            decode_reads=sum(r.num_computed_tokens for r in decodes) / 1e6,
+            chunk_tokens=self.chunks.last_budget or self.limits.max_num_batched_tokens,
+            prior_s_per_token=self.recompute_prior)
+        now = time.monotonic()
+        out = []
+        for req in pending:
+            if req.is_finished:
+                continue
+            if req.trace is not None:
+                req.trace.mark("kv_tier_lookup", now)
+            out.append(TierQuery(request_id=req.request_id, query=self.prefix.query(req),
+                                 recompute=cost))
+        return out
+
+    def tier_ready(self, request_id: str, report) -> None:
+        """A held request's tier fetch has ended: it may be admitted (its restore staged)."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        req.tier_hold = False
+        self.tier_released = True
+        if req.trace is not None:
+            if report.fetch_seconds:
+                req.trace.mark("kv_tier_ready")
+            req.trace.tiers = {"plan": report.plan, "staged_tokens":
+                               report.staged_blocks * self.limits.block_size,
+                               "fetch_ms": round(report.fetch_seconds * 1e3, 3),
+                               "failed": report.failed}
 
     def take_grant(self, update: KVUpdate, grant: KVGrant) -> None:
         """The KV manager's answer becomes the scheduler's view of the pool."""
@@ -206,6 +265,9 @@ class Scheduler:
             raise AssertionError(f"KV manager refused a decision made from its own report: "
                                  f"{update.grants} {update.admissions}")
         self.view.update(grant)
+        for report in grant.tier_ready:   # decided at once: admissible now
+            self.tier_ready(report.request_id, report)
+        self.pending_offloads.extend(grant.offloads)
 
     def settle(self, d: Decision, grant: KVGrant) -> None:
         """After the grant: admitted requests start after their cached prefix; requests
@@ -215,6 +277,13 @@ class Scheduler:
             if (req := self.requests.get(rid)) is not None:
                 self.finish(req, S.FINISHED, FinishReason.ERROR, error=why,
                             error_kind=ERROR_INTERNAL)
+        for rid, plan in grant.tier_plans.items():
+            req = self.requests.get(rid)
+            if req is not None and req.trace is not None:
+                tiers = req.trace.tiers if req.trace.tiers is not None else {}
+                tiers["plan"] = plan
+                tiers.setdefault("fetch_ms", 0.0)
+                req.trace.tiers = tiers
         apply_prefix_hits(d, grant, self.limits.block_size)
         note_plans(d, time.monotonic())
         d.decodes = [w for w in d.decodes if not w.request.is_finished]
@@ -230,9 +299,12 @@ class Scheduler:
         self._step += 1
         finished, self.runner_finished = self.runner_finished, []
         copies, self.pending_copies = self.pending_copies, []
+        offloads, self.pending_offloads = self.pending_offloads, []
+        restores = [r for g in grant.admitted.values() for r in g.restores]
         batch, works, starts, epochs = build_batch(d, grant.tables, ExecuteBatch(
             step=self._step, sequences=[], num_decodes=len(d.decodes), finished_ids=finished,
-            block_copies=copies, swap_out=grant.swap_out, swap_in=grant.swap_in), self.spec)
+            block_copies=copies, swap_out=grant.swap_out, swap_in=grant.swap_in,
+            kv_offloads=offloads, kv_restores=restores), self.spec)
         serial = any(s.num_draft or s.propose for s in batch.sequences)
         return InFlightStep(d, batch, works, starts, epochs, time.perf_counter() - t0,
                             kv_seconds, continues, serial)
@@ -324,6 +396,27 @@ class Scheduler:
             trace.prefill_chunks += 1
             if upto >= req.num_prompt_tokens and not trace.has("prefill_finished"):
                 trace.mark("prefill_finished", now)
+                if trace.tiers is not None and trace.tiers.get("plan"):
+                    self._tier_outcome(req, trace, now)
+
+    def _tier_outcome(self, req: Request, trace, now: float) -> None:
+        """The restore decision against what happened: the fetch's and the prefill's
+        actual times, and the regret (actual minus the better alternative's prediction)."""
+        plan = trace.tiers["plan"]
+        admitted = next((t for name, t in reversed(trace.events) if name == "admitted"), None)
+        if admitted is None:
+            return
+        prefill_s = now - admitted
+        actual = trace.tiers["fetch_ms"] / 1e3 + prefill_s
+        restored = plan["restore_tokens"] > 0
+        alternative = (plan["predicted_all_recompute_ms"] if restored
+                       else plan["predicted_all_restore_ms"]) / 1e3
+        regret = actual - alternative if plan["available_tokens"] else None
+        trace.tiers["actual_prefill_ms"] = round(prefill_s * 1e3, 3)
+        trace.tiers["actual_ms"] = round(actual * 1e3, 3)
+        trace.tiers["regret_ms"] = None if regret is None else round(regret * 1e3, 3)
+        if self.tiers is not None:
+            self.tiers.observe_outcome(plan["predicted_recompute_ms"] / 1e3, prefill_s, regret)
 
     def _sampled(self, req: Request, s: SampledToken, now: float) -> None:
         """A sampled token came back: append it, detokenize it, finish on a stop condition
@@ -365,6 +458,10 @@ class Scheduler:
             self.running.remove(req)
         else:
             self.waiting.remove(req)
+            if req.cached_tokens_by_tier is not None and req.first_scheduled_time is None:
+                self.tier_cancels.append(rid)   # its tier staging (if any) goes
+                if req in self.tier_pending:
+                    self.tier_pending.remove(req)
         req.transition(status)
         req.finish_reason = reason
         req.error = error

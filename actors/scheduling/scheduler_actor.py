@@ -42,9 +42,11 @@ from tokenloom.actors.messages import (
     GetTrace,
     IsIdle,
     KVGrant,
+    OffloadKV,
     SchedulerStats,
     Shutdown,
     StepOutput,
+    TierReady,
 )
 from tokenloom.actors.scheduling.policy import Decision
 from tokenloom.actors.scheduling.scheduler import Scheduler
@@ -80,6 +82,8 @@ class SchedulerActor(Actor):
                 self.core.abort(rid)
             case StepOutput():
                 self._step_outputs[msg.step] = msg
+            case TierReady(request_id=rid, report=report):
+                self.core.tier_ready(rid, report)
             case GetSchedulerStats(reply=reply):
                 resolve(reply, self.stats())
             case IsIdle(reply=reply):
@@ -120,6 +124,9 @@ class SchedulerActor(Actor):
                 if core.runner_finished:  # no next batch to carry them: tell the runner now
                     self.runner_actor.send(ForgetRequests(request_ids=core.runner_finished))
                     core.runner_finished = []
+                if core.pending_offloads:  # the same for blocks bound for the KV tiers
+                    self.runner_actor.send(OffloadKV(offloads=core.pending_offloads))
+                    core.pending_offloads = []
                 self._busy = False
                 self._handle(await self.inbox.get())
                 self.last_step_time = time.monotonic()  # the stall clock starts with work
@@ -147,14 +154,18 @@ class SchedulerActor(Actor):
         t0 = time.perf_counter()
         continues = self._busy or bool(self.in_flight)
         await self._fork_siblings()
+        if core.tier_pending:   # new arrivals: look them up in the KV tiers first
+            await self._kv_update(None)
         d, swap_outs, swap_ins = core.plan()
         t_kv = time.perf_counter()
         grant = await self._grant(d, swap_outs, swap_ins)
         kv_seconds = time.perf_counter() - t_kv
         if d.empty:
-            if not (grant.swap_out or grant.swap_in or core.pending_copies):
+            if not (grant.swap_out or grant.swap_in or core.pending_copies
+                    or core.pending_offloads):
                 if (not core.running and core.waiting and not grant.freed
-                        and not self.in_flight and not core.view.has_pending_frees):
+                        and not self.in_flight and not core.view.has_pending_frees
+                        and not core.tier_released):   # (one came back from the tiers)
                     self._handle(await self.inbox.get())  # nothing fits or runs: wait
                 return None
             # The copies this iteration resolved (fork copy-on-write, swaps) still have to

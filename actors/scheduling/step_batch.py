@@ -85,13 +85,23 @@ def apply_prefix_hits(d: Decision, grant: KVGrant, block_size: int) -> None:
             continue
         req = w.request
         cached = growth.num_cached_tokens
+        restored = len(growth.restores)
         req.num_computed_tokens = cached
-        req.num_committed_blocks = cached // block_size
+        # Restored blocks are not in the device's prefix cache yet: commit them after the step.
+        req.num_committed_blocks = cached // block_size - restored
         w.num_tokens = min(w.num_tokens, req.num_tokens - cached)
         if req.num_preemptions == 0 and growth.prefix is not None:
             req.num_cached_tokens = cached
             req.prefix_hit_blocks = growth.prefix.num_hit_blocks
             req.prefix_miss_reason = str(growth.prefix.miss_reason)
+            if req.cached_tokens_by_tier is not None:   # (KV tiers on)
+                by_tier = {"device": (cached // block_size - restored) * block_size}
+                for tier in growth.restored_tiers:
+                    by_tier[tier] = by_tier.get(tier, 0) + block_size
+                req.cached_tokens_by_tier = by_tier
+                if req.trace is not None and req.trace.tiers is not None:
+                    req.trace.tiers["restored"] = {t: n for t, n in by_tier.items()
+                                                   if t != "device"}
 
 
 def note_plans(d: Decision, now: float) -> None:

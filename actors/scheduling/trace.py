@@ -17,7 +17,8 @@ import msgspec
 from tokenloom.actors.messages import RequestMeta
 
 # The events, in the order they normally happen. `preempted` / `resumed` may repeat.
-EVENTS = ("request_received", "tokenized", "routed", "prefix_cache_lookup_done", "admitted",
+EVENTS = ("request_received", "tokenized", "routed", "kv_tier_lookup", "kv_tier_ready",
+          "prefix_cache_lookup_done", "admitted",
           "prefill_started", "prefill_finished", "first_token", "preempted", "resumed",
           "final_token", "kv_blocks_released")
 
@@ -25,7 +26,7 @@ EVENTS = ("request_received", "tokenized", "routed", "prefix_cache_lookup_done",
 class RequestTrace:
     __slots__ = ("request_id", "events", "num_decode_iterations", "_last_token", "max_gap",
                  "sum_gaps", "preemptions", "plan", "finish_reason", "meta",
-                 "prefill_chunks", "speculation", "kv_refusals")
+                 "prefill_chunks", "speculation", "kv_refusals", "tiers")
 
     def __init__(self, request_id: str, received: float, routed: float | None = None,
                  meta: RequestMeta = RequestMeta(), tokenized: float | None = None):
@@ -47,6 +48,9 @@ class RequestTrace:
         self.meta = meta
         # (method, SpecState) when the request may speculate (see actors/speculation/controller.py)
         self.speculation = None
+        # KV tiers: the restore plan (tier per block range, predicted times), what the
+        # fetch and the admission got, and the outcome (actual times, regret).
+        self.tiers: dict | None = None
 
     def mark(self, event: str, t: float | None = None) -> None:
         self.events.append((event, time.monotonic() if t is None else t))
@@ -90,6 +94,7 @@ class RequestTrace:
             "finish_reason": self.finish_reason,
             "speculation": (self.speculation[1].as_dict(self.speculation[0])
                             if self.speculation is not None else None),
+            "kv_tiers": self.tiers,
         }
 
 

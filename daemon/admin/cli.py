@@ -159,6 +159,28 @@ def _render_drain(p: P.DrainProgress) -> str:
     return ", ".join(parts)
 
 
+def _tier_rows(tiers) -> list[tuple[str, str]]:
+    """One row per KV tier (docs/kv-tiers.md): usage, health, hits, traffic. `tiers` is the
+    TiersStats, or its plain form when it came over the socket."""
+    if tiers is None:
+        return []
+    get = (lambda o, k: o[k]) if isinstance(tiers, dict) else getattr  # noqa: E731
+    rows = [("KV tiers: planner", f"{get(tiers, 'planner')}, {get(tiers, 'restores')} restores "
+                                  f"({get(tiers, 'restored_blocks')} blocks)")]
+    for t in get(tiers, "tiers"):
+        c = get(t, "counters")
+        cap = get(t, "bytes_capacity")
+        health = f"DEGRADED: {get(t, 'degraded_reason')}" if get(t, "degraded") else "ok"
+        rows.append((f"KV tier {get(t, 'name')}", (
+            f"{get(t, 'num_blocks')} blocks, {get(t, 'bytes_used') / 2**20:.1f}"
+            + (f" / {cap / 2**20:.0f} MiB" if cap else " MiB")
+            + f", write {get(t, 'write_policy')}, {health}, hits {get(c, 'hits')} / "
+              f"{get(c, 'queries')} blocks, in {get(c, 'bytes_to_device') / 2**20:.1f} MiB, "
+              f"out {get(c, 'bytes_from_device') / 2**20:.1f} MiB, "
+              f"{get(c, 'dropped_writes')} dropped writes")))
+    return rows
+
+
 def _render_stats(r: P.StatsReply) -> str:
     """A summary of what an operator looks at first, then every field of the engine's
     stats by section (so a new counter shows without touching this file)."""
@@ -202,6 +224,7 @@ def _render_stats(r: P.StatsReply) -> str:
                                  f"over the cap, {p.header_timeouts} header timeouts, "
                                  f"{p.slow_readers_cut} slow readers cut"),
         ]
+    rows += _tier_rows(kv.tiers)
     for w in r.workers:
         rows.append((f"worker {w.worker}", (
             f"up, pid {w.pid}" if w.up else f"DOWN (last exit {w.last_exit_code})")

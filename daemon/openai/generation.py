@@ -223,7 +223,9 @@ class Generation:
             # Per choice: prefix-cache blocks that hit and why the first miss happened.
             "prefix_cache": [{"index": c.index, "hit_blocks": c.timings.prefix_hit_blocks,
                               "cached_tokens": c.timings.num_cached_tokens,
-                              "first_miss_reason": c.timings.prefix_miss_reason}
+                              "first_miss_reason": c.timings.prefix_miss_reason,
+                              **({"cached_tokens_by_tier": c.timings.cached_tokens_by_tier}
+                                 if c.timings.cached_tokens_by_tier is not None else {})}
                              for c in sorted(self.choices.values(), key=lambda c: c.index)
                              if c.timings is not None],
             # Per choice: the scheduler's trace (events, decode gaps, preemptions, KV plan).

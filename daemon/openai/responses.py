@@ -161,10 +161,12 @@ class DetokenizeResponse(msgspec.Struct, kw_only=True):
     prompt: str
 
 
-class HealthResponse(msgspec.Struct, kw_only=True):
-    """/health with worker processes ("degraded" while one is down and restarting)."""
+class HealthResponse(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """/health with worker processes ("degraded" while one is down and restarting), or
+    with a KV tier failing (`kv_tiers`: tier -> reason; requests fall back to recompute)."""
     status: str
     workers: list[WorkerStatus]
+    kv_tiers: dict[str, str] = {}
 
 
 class ReadyResponse(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -362,6 +362,9 @@ class WorkerPool(EngineFront):
     def worker_status(self) -> list[WorkerStatus]:
         return [s.status() for s in self.slots]
 
+    def degraded_tiers(self) -> dict[str, str]:
+        return {}   # (each worker's tiers show in its stats: admin stats, /metrics)
+
     # -- running -------------------------------------------------------------------------
     async def run(self) -> None:
         """The front's actors until shutdown; then the workers are stopped."""
