@@ -231,7 +231,9 @@ class Scheduler:
             decode_tokens=len(decodes),
             decode_reads=sum(r.num_computed_tokens for r in decodes) / 1e6,
             chunk_tokens=self.chunks.last_budget or self.limits.max_num_batched_tokens,
-            prior_s_per_token=self.recompute_prior)
+            # Before the model is fitted: the prefill speed measured so far (the engine's
+            # warm-up is one), else the configured prior.
+            prior_s_per_token=self.observer.prefill_s_per_token or self.recompute_prior)
         now = time.monotonic()
         out = []
         for req in pending:
@@ -322,6 +324,8 @@ class Scheduler:
         self.num_forks += made
         for child_id in orphans:   # aborted during the round trip: free its new table
             self.view.release(child_id)
+        if self.tiers is not None:  # forked, not admitted: their tier lookups are moot
+            self.tier_cancels.extend(grant.forked)
         self.pending_copies.extend(grant.copies)
 
     # -- processing a step's outputs -------------------------------------------------------

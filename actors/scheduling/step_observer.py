@@ -35,6 +35,7 @@ class StepObserver:
         self.num_slo_good = 0
         # (forward s, host s, exposed host s, kv round trip s, batch size) per step
         self._times: deque[tuple[float, float, float, float, int]] = deque(maxlen=window)
+        self.prefill_s_per_token: float | None = None   # measured (see observe_step)
 
     def count_skips(self, d: Decision, running: list[Request]) -> None:
         ran = {w.request.request_id for w in d.decodes}
@@ -64,8 +65,14 @@ class StepObserver:
         rows = sum(1 + s.num_draft for s in batch.sequences if s.sample)
         # What the model said before it learns from this step (speculation calibrates on it).
         predicted = self.cost.predict(tokens, work, rows) if self.cost.ready else 0.0
-        self.cost.observe(tokens, work, forward_seconds,
-                          prefill_tokens=sum(w.num_tokens for w in d.prefills), rows=rows)
+        prefill = sum(w.num_tokens for w in d.prefills)
+        self.cost.observe(tokens, work, forward_seconds, prefill_tokens=prefill, rows=rows)
+        if prefill >= 16 and not d.decodes:
+            # Seconds per prefill token, measured, for what needs a prefill's cost before the
+            # cost model is fitted (the KV tiers' planner): an average that leans recent.
+            per_token = forward_seconds / tokens
+            self.prefill_s_per_token = (per_token if self.prefill_s_per_token is None
+                                        else 0.7 * self.prefill_s_per_token + 0.3 * per_token)
         for w in d.decodes + d.prefills:
             self.fair.charge(w.request.tenant, w.num_tokens)
         return predicted

@@ -3,10 +3,10 @@
 ``TransferModel``: one tier's read time, ``seconds = latency + bytes / bandwidth``, a least-
 squares line through the last completed transfers (bytes, seconds), anchored by a prior
 (two pseudo-observations from the configured latency and bandwidth) so that it predicts
-something sensible before the first transfer and cannot be dragged to a negative latency
-or an infinite bandwidth by a few noisy points. Transfers of one size only (every restore
-of one block) cannot separate latency from bandwidth: the prior's slope holds then, and
-the intercept moves.
+something sensible before the first transfer and a few noisy points cannot drag it to an
+infinite bandwidth; the prior weighs less with each measurement and nothing after eight.
+Transfers of one size only cannot separate latency from bandwidth: the prior's slope holds
+then, and the intercept moves.
 
 ``PredictionLog``: predicted vs actual seconds of one kind of operation, to report the
 median relative error (the calibration the docs and the benchmark quote).
@@ -49,10 +49,20 @@ class TransferModel:
 
     def _fit(self) -> None:
         lat0, bw0 = self._prior
-        # The prior as two weighted points on its own line, at 1x and 4x a reference size.
-        xs = [self._ref, 4 * self._ref] + [b for b, _ in self._samples]
-        ys = [lat0 + self._ref / bw0, lat0 + 4 * self._ref / bw0] + [s for _, s in self._samples]
-        w = [self._weight, self._weight] + [1.0] * len(self._samples)
+        sizes = [b for b, _ in self._samples]
+        secs = [t for _, t in self._samples]
+        if len(set(sizes)) < 2:
+            # One transfer size cannot separate latency from bandwidth: keep the prior's
+            # bandwidth, and move the latency to what was measured.
+            self.bandwidth = bw0
+            self.latency_s = max(0.0, float(np.mean([t - b / bw0 for b, t in self._samples])))
+            return
+        # The prior as two points on its own line (at 1x and 4x a reference size), weighing
+        # less with every measurement and nothing after eight.
+        w_prior = self._weight * max(0.0, 1.0 - len(sizes) / 8)
+        xs = [self._ref, 4 * self._ref] + sizes
+        ys = [lat0 + self._ref / bw0, lat0 + 4 * self._ref / bw0] + secs
+        w = np.asarray([w_prior, w_prior] + [1.0] * len(sizes))
         x = np.asarray(xs) / self._ref
         a = np.stack([np.ones_like(x), x], axis=1) * np.sqrt(w)[:, None]
         y = np.asarray(ys) * np.sqrt(w)
@@ -60,7 +70,7 @@ class TransferModel:
         slope = slope / self._ref
         if slope <= 0:   # a line through noise: keep the prior's bandwidth, move the latency
             slope = 1.0 / bw0
-            lat = float(np.average(np.asarray(ys) - np.asarray(xs) * slope, weights=w))
+            lat = float(np.mean([t - b * slope for b, t in self._samples]))
         self.latency_s = max(0.0, float(lat))
         self.bandwidth = float(1.0 / slope)
 

@@ -228,7 +228,7 @@ class DiskStore:
             # fresh file removed by this eviction.
             for e in evicted:
                 self._unlink(e)
-        return Evicted(hashes=evicted)
+        return Evicted(hashes=evicted, stored=True)
 
     def discard(self, block_hash: bytes) -> None:
         with self._lock:

@@ -58,6 +58,7 @@ log = structlog.get_logger("tokenloom.kv_tiers")
 
 WRITE_POLICIES = ("back", "through", "off")
 READ_BATCH = 8   # remote blocks per round trip of a restore
+MAX_PENDING = 4096   # queried requests awaiting admission (their chains, their staging)
 # Regret histogram upper bounds (seconds, signed: <= 0 means the choice beat the alternative).
 REGRET_BUCKETS = (-1.0, -0.25, -0.1, -0.025, -0.005, 0.0, 0.005, 0.025, 0.1, 0.25, 1.0, 5.0)
 
@@ -185,6 +186,8 @@ class TierManager:
         return threshold <= 0 or self._lookups.get(block_hash, 0) >= threshold
 
     def _write(self, store: TierStore, record: BlockRecord) -> None:
+        if self._closed:          # (shutting down: the runner's last offloads are dropped)
+            return
         if store.name not in self._writers:        # host: synchronous
             self._put(store, record)
             return
@@ -206,11 +209,10 @@ class TierManager:
     def _put(self, store: TierStore, record: BlockRecord) -> None:
         if self._closed:
             return
-        before = store.contains([record.meta.block_hash])
         t0 = time.perf_counter()
         evicted = store.put(record)
         dt = time.perf_counter() - t0
-        stored = not before and store.contains([record.meta.block_hash])
+        stored = evicted.stored
         with self._lock:
             c = self.counters[store.name]
             if stored:
@@ -246,6 +248,11 @@ class TierManager:
             if mode != "off":
                 return None     # a write-through tier below already has it
         return None
+
+    def drain_writes(self, timeout: float = 30.0) -> None:
+        """Wait until every write queued so far has landed (benchmarks, tests, shutdown)."""
+        futures = [pool.submit(lambda: None) for pool in self._writers.values()]
+        cf.wait(futures, timeout=timeout)
 
     def drain_events(self) -> list[KVCacheEvent]:
         with self._lock:
@@ -283,12 +290,20 @@ class TierManager:
             while len(self._lookups) > self._lookup_limit:
                 self._lookups.popitem(last=False)
             self._queries[request_id] = (list(hashes), recompute)
+            # Bounded: a request that never reached admission or cancel (a bug elsewhere)
+            # must not grow these forever; the oldest entries go first.
+            for table in (self._queries, self._staged):
+                while len(table) > MAX_PENDING:
+                    del table[next(iter(table))]
             for s in self.stores:
                 self.counters[s.name].queries += max(0, len(hashes) - device_hit)
         rest = list(hashes[device_hit:])
         local = [s for s in self.stores if s.name != "remote"]
         runs = {s.name: tuple(s.present(rest)) for s in local} if rest else {}
         remote = self.by_name.get("remote")
+        if remote is not None and rest and not self._remote_can_pay(
+                len(rest), device_hit, prompt_len, recompute):
+            remote = None     # even a full hit would lose to recomputing: skip the lookup
         slow = [s for s in local if s.name in self._readers]
         if not rest or (remote is None and not any(any(runs[s.name]) for s in slow)):
             plan = self._plan(device_hit, runs, prompt_len, recompute) if rest else None
@@ -300,6 +315,18 @@ class TierManager:
         self._planner.submit(self._fetch_job, job, request_id, rest, device_hit, runs,
                              prompt_len, recompute)
         return None
+
+    def _remote_can_pay(self, n: int, device_hit: int, prompt_len: int,
+                        recompute: RecomputeCost) -> bool:
+        """Could restoring all ``n`` blocks from the remote store beat recomputing them?
+        If not (a slow link, a short prompt), its lookup — a round trip — is not worth
+        making. Only the cost planner asks; the fixed rules always look."""
+        if self.planner_mode != "cost":
+            return True
+        model = self.models["remote"]
+        bs = self.block_size
+        restore = model.predict(n * self.layout.block_bytes)
+        return restore < recompute.seconds(device_hit * bs, (device_hit + n) * bs)
 
     def _tier_costs(self, runs: dict[str, tuple[bool, ...]]) -> list[TierCost]:
         out = []
@@ -347,7 +374,8 @@ class TierManager:
         plan, records, tiers, failed = None, [], [], None
         try:
             remote = self.by_name.get("remote")
-            if remote is not None:
+            if remote is not None and self._remote_can_pay(len(rest), device_hit, prompt_len,
+                                                           recompute):
                 runs = {**runs, "remote": tuple(remote.present(rest))}
             plan = self._plan(device_hit, runs, prompt_len, recompute)
             records, tiers, failed = self._fetch(plan, rest, job)

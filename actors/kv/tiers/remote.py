@@ -13,7 +13,8 @@ a failure the store answers "absent" / does nothing, without touching the networ
 its success clears ``health()``. Values are verified on ``get``; a corrupt one is deleted.
 
 ``shaping=(latency_s, bytes_per_s)`` emulates a slower link client-side for benchmarks
-(a loopback server answers in microseconds): after each round trip the caller sleeps
+(a loopback server answers in microseconds): after each read round trip (lookups and gets;
+writes run on their own thread, off every request's path) the caller sleeps
 ``latency_s + nbytes / bytes_per_s``. Not for production use.
 """
 
@@ -193,8 +194,7 @@ class RemoteStore:
             with self._lock:
                 self._num_blocks += 1
                 self._bytes_used += len(data)
-        self._shape(len(data))
-        return Evicted()
+        return Evicted(stored=bool(created))
 
     def discard(self, block_hash: bytes) -> None:
         if self._skipping():

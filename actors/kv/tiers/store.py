@@ -41,10 +41,12 @@ class TierHealth(msgspec.Struct, frozen=True, gc=False):
 
 
 class Evicted(msgspec.Struct, frozen=True, gc=False):
-    """What a ``put`` pushed out: the hashes, and (host only) the records themselves, so
-    that they can go down to a slower tier instead of vanishing."""
+    """What a ``put`` did: ``stored`` (the block is new here; False when it was already
+    stored or the write failed) and what it pushed out: the hashes, and (host only) the
+    records themselves, so that they can go down to a slower tier instead of vanishing."""
     hashes: list[bytes] = []
     records: list[BlockRecord] = []
+    stored: bool = False
 
 
 class TierStore(Protocol):
@@ -165,7 +167,7 @@ class HostStore:
             out = []
             while len(self._records) > self.capacity_blocks:
                 out.append(self._records.popitem(last=False)[1])
-        return Evicted([r.meta.block_hash for r in out], out)
+        return Evicted([r.meta.block_hash for r in out], out, stored=True)
 
     def discard(self, block_hash: bytes) -> None:
         with self._lock:

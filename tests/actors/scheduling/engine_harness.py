@@ -54,6 +54,7 @@ import time
 import zlib
 from collections import Counter, deque
 
+import numpy as np
 from structlog.testing import capture_logs
 
 from tokenloom.actors.kv.kv_actor import KVManagerActor
@@ -69,6 +70,7 @@ from tokenloom.actors.messages import (
     IsIdle,
     KVGrant,
     KVStats,
+    OffloadKV,
     RequestMeta,
     RequestOutput,
     SampledToken,
@@ -166,11 +168,16 @@ class Setup:
     event_lag: int = 0
     max_model_len: int | None = None   # default: the pool's capacity, as Engine.build does
     spec_k: int = 0                    # speculative tokens per step (0: no speculation)
+    # KV tiers (prefix caching only): a host tier of this many blocks (0: off), whose every
+    # `tier_fail`-th read fails (0: none), so restores that stop part-way are drawn too.
+    tier_blocks: int = 0
+    tier_fail: int = 0
 
 
 def setup(max_num_seqs: int, max_num_batched_tokens: int, block_size: int, num_blocks: int,
           *, prefix_caching: bool = False, swap_slots: int = 0, lag: int = 0,
-          event_lag: int = 0, spec_k: int = 0, **config) -> Setup:
+          event_lag: int = 0, spec_k: int = 0, tier_blocks: int = 0, tier_fail: int = 0,
+          **config) -> Setup:
     """A Setup from the policy limits and SchedulerConfig fields. Unless given, the KV plan
     is off (no watermark, no lookahead) and classes do not age."""
     config = {"kv_watermark": 0.0, "kv_resume_watermark": 0.0,
@@ -182,7 +189,8 @@ def setup(max_num_seqs: int, max_num_batched_tokens: int, block_size: int, num_b
                                         max_num_batched_tokens=max_num_batched_tokens,
                                         **config),
                  prefix_caching=prefix_caching, swap_slots=swap_slots, lag=lag,
-                 event_lag=event_lag, spec_k=spec_k)
+                 event_lag=event_lag, spec_k=spec_k, tier_blocks=tier_blocks,
+                 tier_fail=tier_fail)
 
 
 def kv_tokens(a: Arrival) -> int:
@@ -221,6 +229,31 @@ class _Seq:
     sampled: list[int]
 
 
+def _host_tier(block_size: int, blocks: int, fail_every: int):
+    """A TierManager with one host tier holding a block's tokens as its bytes; every
+    `fail_every`-th read fails (the block is not returned), to draw partial restores."""
+    from tokenloom.actors.kv.tiers.calibration import TransferModel
+    from tokenloom.actors.kv.tiers.manager import TierManager, WritePolicy
+    from tokenloom.actors.kv.tiers.planner import RecomputeCost  # noqa: F401
+    from tokenloom.actors.kv.tiers.record import KVLayout
+    from tokenloom.actors.kv.tiers.store import HostStore
+
+    layout = KVLayout("int32", (block_size,), 4)
+
+    class FlakyHost(HostStore):
+        reads = 0
+
+        def get(self, block_hash):
+            self.reads += 1
+            if fail_every and self.reads % fail_every == 0:
+                return None
+            return super().get(block_hash)
+
+    return TierManager(layout, [FlakyHost(layout, blocks * layout.block_bytes)],
+                       {"host": WritePolicy("back")}, {"host": TransferModel(0.0, 1e12)},
+                       block_size=block_size)
+
+
 class FakeRunner:
     """The runner actor's contract (send(ExecuteBatch) from the scheduler, StepOutputs to
     its inbox, batches executed in order) over a fake KV cache that checks every read."""
@@ -243,10 +276,11 @@ class FakeRunner:
         self.num_placeholders = 0
         self.num_swapped_in = 0
         self.num_copies = 0
+        self.num_restored = 0
 
     # -- the runner actor's interface ----------------------------------------------------
     def send(self, batch) -> None:
-        if isinstance(batch, ForgetRequests):   # the engine went idle: applied in order
+        if isinstance(batch, (ForgetRequests, OffloadKV)):   # idle: applied in order
             finished = self.h.finished_at_last_send = frozenset(self.h.finished)
             self.queue.append((batch, finished, []))
             self._tick(self.h.setup.lag)
@@ -278,6 +312,9 @@ class FakeRunner:
         batch, finished_before, dropped = self.queue.popleft()   # in the order sent
         if self.h.failure is not None:
             return   # stopped at the first failure
+        if isinstance(batch, OffloadKV):
+            self._offload(batch.offloads)
+            return
         if isinstance(batch, ForgetRequests):
             for rid in batch.request_ids:
                 _check(rid in self.seqs, f"ForgetRequests names {rid}, unknown here")
@@ -302,8 +339,8 @@ class FakeRunner:
         seqs = batch.sequences
         rids = [s.request_id for s in seqs]
         num_tokens = sum(len(s.token_ids) for s in seqs)
-        _check(seqs or batch.swap_out or batch.swap_in or batch.block_copies,
-               f"step {step} is empty (no sequences and no KV copies)")
+        _check(seqs or batch.swap_out or batch.swap_in or batch.block_copies
+               or batch.kv_offloads, f"step {step} is empty (no sequences and no KV copies)")
         _check(len(set(rids)) == len(rids), f"step {step} has a request twice: {rids}")
         _check(len(seqs) <= lim.max_num_seqs,
                f"step {step}: {len(seqs)} sequences > max_num_seqs {lim.max_num_seqs}")
@@ -319,7 +356,9 @@ class FakeRunner:
         _check(not leaked, f"step {step}: the runner still holds the state of finished "
                            f"requests {sorted(leaked)} (never named in finished_ids)")
         blank = [None] * self.bs
-        # In the runner's order: fork copies (decided first), swap-outs, swap-ins.
+        # In the runner's order: tier offloads (before anything overwrites an evicted
+        # block), fork copies (decided first), swap-outs, swap-ins, tier restores.
+        self._offload(batch.kv_offloads)
         for src, dst in batch.block_copies:
             self.kv[dst] = list(self.kv.get(src, blank))
             self.num_copies += 1
@@ -330,6 +369,10 @@ class FakeRunner:
                                       f"swap-out wrote")
             self.kv[blk] = self.host.pop(slot)
             self.num_swapped_in += 1
+        for blk, payload in batch.kv_restores:
+            self.kv[blk] = [None if t < 0 else int(t)
+                            for t in np.frombuffer(payload.tobytes(), dtype=np.int32)]
+            self.num_restored += 1
         sampled, spec = [], []
         for i, s in enumerate(seqs):
             toks = self._run_sequence(step, i < batch.num_decodes, s)
@@ -341,6 +384,15 @@ class FakeRunner:
         swaps = len(batch.swap_out) + len(batch.swap_in)
         return StepOutput(step=step, sampled=sampled, compute_seconds=1e-3 + 1e-4 * num_tokens,
                           swap_seconds=1e-5 * swaps, spec=spec)
+
+    def _offload(self, offloads) -> None:
+        """KV tiers: the blocks' tokens, as the bytes of their KV, to the tier manager."""
+        if not offloads:
+            return
+        blank = [None] * self.bs
+        rows = np.stack([np.array([-1 if t is None else t for t in self.kv.get(b, blank)],
+                                  dtype=np.int32).view(np.uint8) for b, _, _ in offloads])
+        self.h.tiers.offer([m for _, m, _ in offloads], rows, [c for *_, c in offloads])
 
     def _propose(self, step: int, s) -> list[int]:
         """The request's true next tokens, one of them wrong on two steps in three."""
@@ -487,8 +539,13 @@ class EngineHarness:
             PrefixTracker("fake-model", lim.block_size, s.prefix_caching), config=s.config,
             swap=swap, block_bytes=s.block_bytes,
             spec=SpecController("ngram", s.spec_k, mode="on") if s.spec_k else None)
+        self.tiers = None
+        if s.tier_blocks and s.prefix_caching:
+            self.tiers = _host_tier(lim.block_size, s.tier_blocks, s.tier_fail)
+            self.scheduler.core.tiers = self.tiers
         self.kv = KVManagerActor(KVCacheManager(lim.num_blocks, lim.block_size,
-                                                enable_prefix_caching=s.prefix_caching))
+                                                enable_prefix_caching=s.prefix_caching),
+                                 tiers=self.tiers)
         self.runner = FakeRunner(self)
         self.scheduler.kv_inbox = self.kv.inbox
         self.scheduler.runner_actor = self.runner

@@ -104,9 +104,13 @@ def engines(draw, reqs: list[Arrival], *, tight: bool = False):
     # Tight: no KV plan (it exists to avoid preemptions).
     watermark = 0.0 if tight else draw(st.sampled_from([0.0, 0.01, 0.05, 0.1]))
     resume = 0.0 if tight else draw(st.sampled_from([0.0, 0.05, 0.2]))
+    caching = draw(st.booleans())
     return setup(
         max_num_seqs, budget, block_size, num_blocks,
-        prefix_caching=draw(st.booleans()),
+        prefix_caching=caching,
+        # KV tiers: a host tier that restores evicted prefixes (some reads failing).
+        tier_blocks=draw(st.sampled_from([0, 0, 4, 64])) if caching else 0,
+        tier_fail=draw(st.sampled_from([0, 0, 3])),
         swap_slots=0 if mode == "recompute" else draw(st.integers(1, 2 * num_blocks)),
         lag=draw(st.integers(0, 4)),
         event_lag=draw(st.sampled_from([0, 0, 1, 3])),

@@ -114,9 +114,7 @@ def test_ttl_sets_expiry(redis_server, layout, make_record):
 def test_shaping_adds_delay(redis_server, layout, make_record):
     store = RemoteStore(layout, redis_server.url, shaping=(0.05, 1e6))
     r = make_record()
-    t0 = time.monotonic()
-    store.put(r)
-    assert time.monotonic() - t0 >= 0.05
+    store.put(r)      # (writes are not shaped: they run off every request's path)
     t0 = time.monotonic()
     assert store.get(r.meta.block_hash) is not None
     assert time.monotonic() - t0 >= 0.05
