@@ -27,6 +27,23 @@ class ChunkSizer:
         self.last_budget: int | None = None   # for stats: the latest SLO budget, None = static
         self._last_slo_chunk = 0
 
+    def steady_budget(self, running: Sequence[Request], start: int = 0) -> int:
+        """The chunk a prompt continuing at `start` would get beside the running decodes,
+        once the budget has ramped up (no state changes): what the KV tiers' planner needs
+        to price a recompute at the current load."""
+        cfg = self.config
+        decodes = [r for r in running if r.is_decode]
+        if cfg.chunking != "slo" or not decodes:
+            return self.max_tokens
+        hi = max(1, self.max_tokens - len(decodes))
+        lo = min(cfg.min_prefill_chunk, hi)
+        if not self.cost.knows_prefill:
+            return lo
+        plain_attn = sum(attention_work(1, r.num_computed_tokens) for r in decodes)
+        target = (cfg.target_itl_ms / 1000 if cfg.target_itl_ms > 0 else
+                  cfg.auto_itl_factor * self.cost.predict(len(decodes), plain_attn))
+        return self.cost.max_prefill_tokens(target, len(decodes), plain_attn, start, lo, hi)
+
     def prefill_budget(self, running: Sequence[Request], waiting: Sequence[Request],
                        drafts: Mapping[str, int] | None = None) -> int | None:
         """The prefill token budget for the next iteration; None: the static budget

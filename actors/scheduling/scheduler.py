@@ -224,13 +224,13 @@ class Scheduler:
     def _tier_queries(self) -> list[TierQuery]:
         """The pending arrivals' lookups, each with the prefill cost at the current load."""
         pending, self.tier_pending = self.tier_pending, []
-        decodes = [r for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
+        decodes = [r for r in self.running if r.is_decode]
         from tokenloom.actors.kv.tiers.planner import RecomputeCost
         cost = RecomputeCost(
             coef=None if not self.cost.knows_prefill else tuple(float(c) for c in self.cost.coef),
             decode_tokens=len(decodes),
             decode_reads=sum(r.num_computed_tokens for r in decodes) / 1e6,
-            chunk_tokens=self.chunks.last_budget or self.limits.max_num_batched_tokens,
+            chunk_tokens=self.chunks.steady_budget(self.running),
             # Before the model is fitted: the prefill speed measured so far (the engine's
             # warm-up is one), else the configured prior.
             prior_s_per_token=self.observer.prefill_s_per_token or self.recompute_prior)

@@ -116,3 +116,35 @@ def test_prediction_log_median():
     for predicted, actual in ((1.0, 1.0), (1.2, 1.0), (0.5, 1.0)):
         log.add(predicted, actual)
     assert log.median() == pytest.approx(0.2)
+
+
+def test_the_chunk_a_recompute_would_get_shrinks_under_load():
+    """What the planner prices a recompute with (ChunkSizer.steady_budget): the whole budget
+    on an idle engine, the SLO chunk beside decoding streams (smaller with more of them)."""
+    from tokenloom.actors.sampling_params import SamplingParams
+    from tokenloom.actors.scheduling.chunk_sizing import ChunkSizer
+    from tokenloom.actors.scheduling.cost_model import StepCostModel
+    from tokenloom.actors.scheduling.request import Request
+    from tokenloom.config.schema import SchedulerConfig
+
+    cost = StepCostModel()
+    for decodes in range(1, 33):       # exact steps: 10 ms + 0.5 ms a token + 0.3 ms a row
+        for chunk in (0, 128):
+            tokens = decodes + chunk
+            cost.observe(tokens, 0.0, 0.010 + 0.0005 * tokens + 0.0003 * decodes,
+                         prefill_tokens=chunk, rows=decodes)
+
+    def decoding(n):
+        out = []
+        for i in range(n):
+            r = Request(f"d{i}", list(range(3, 53)), SamplingParams(max_tokens=64))
+            r.append_token(7, 0.0)
+            r.num_computed_tokens = r.num_tokens - 1
+            out.append(r)
+        return out
+
+    sizer = ChunkSizer(SchedulerConfig(chunking="slo", target_itl_ms=60.0, min_prefill_chunk=8),
+                       2048, cost)
+    assert sizer.steady_budget([]) == 2048
+    two, eight = sizer.steady_budget(decoding(2)), sizer.steady_budget(decoding(8))
+    assert 8 <= eight < two < 2048

@@ -170,13 +170,13 @@ def test_remote_killed_mid_restore_falls_back_and_recovers(model_dir, tmp_path, 
         llm.generate(PROMPTS, SP)
         llm.wait_for_idle()
         time.sleep(0.3)
-    # A slow link (40 ms a call, emulated on the client), killed while the restore runs;
-    # the planner thinks the link is fast, so it restores.
+    # A slow link (300 ms a call, emulated on the client), killed while the first restore
+    # runs; the planner thinks the link is fast, so it restores.
     with _llm(model_dir, tmp_path, host_bytes=0, remote_url=redis_server.url,
-              remote_shaping=[40.0, 1000.0], remote_prior_mb_s=1000.0,
+              remote_shaping=[300.0, 1000.0], remote_prior_mb_s=1000.0,
               remote_prior_latency_ms=0.1, recompute_prior_ms_per_token=20.0,
-              remote_retry_after_s=0.2) as llm:
-        killer = threading.Timer(0.1, redis_server.kill)
+              remote_retry_after_s=0.2, remote_write="through") as llm:
+        killer = threading.Timer(0.15, redis_server.kill)
         killer.start()
         outs = llm.generate(PROMPTS[:3], SP)
         killer.join()
@@ -189,4 +189,5 @@ def test_remote_killed_mid_restore_falls_back_and_recovers(model_dir, tmp_path, 
         llm.generate(PROMPTS[3:4], SP)      # writes through to the restarted server
         llm.wait_for_idle()
         time.sleep(0.3)
+        llm.engine.tiers.drain_writes()
         assert not llm.kv_stats().tiers.tiers[0].degraded
