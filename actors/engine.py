@@ -47,9 +47,13 @@ from tokenloom.actors.scheduling.scheduler_actor import SchedulerActor
 from tokenloom.actors.scheduling.swap import SwapSpace
 from tokenloom.actors.speculation.controller import SpecController
 from tokenloom.actors.speculation.proposers import NgramProposer
+from tokenloom.arith import cdiv
 from tokenloom.config.schema import ConfigError, EngineConfig, resolve_cache_dir
 from tokenloom.kernels.device import pick_device, pick_dtype, select_decode_backend
+from tokenloom.kernels.kv_quality_check import KVQualityCheck
+from tokenloom.kernels.kv_quant import kv_dtype_name, kv_format, quantized_bytes_per_block
 from tokenloom.kernels.kv_store import HostKVPool, KVCache
+from tokenloom.kernels.models.kv_quality_gate import apply_kv_gate
 from tokenloom.kernels.models.loader import load_model, load_spec, resolve_model_dir, weights_digest
 from tokenloom.kernels.models.model_spec import ModelSpec
 from tokenloom.kernels.models.weights import apply_weight_dtype
@@ -58,12 +62,27 @@ from tokenloom.startup_log import startup_log
 log = structlog.get_logger("tokenloom.engine")
 
 
+def kv_block_bytes(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes a block takes from the budget, bytes per token of the block itself). A
+    quantized pool's blocks are 1-byte values plus scales; the runtime check's promotable
+    layers reserve their model-dtype copies too, so a promotion never overcommits."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    bs = cfg.cache.block_size
+    if not cfg.cache.kv_quantized:
+        per_token = spec.kv_bytes_per_token(elem)
+        return per_token * bs, per_token
+    block = quantized_bytes_per_block(spec.num_layers, bs, spec.num_kv_heads, spec.head_dim)
+    promotable = min(cfg.cache.kv_promote_layers, spec.num_layers)
+    reserve = 0
+    if cfg.cache.kv_check_fraction > 0:
+        reserve = promotable * 2 * bs * spec.num_kv_heads * spec.head_dim * elem
+    return block + reserve, cdiv(block, bs)
+
+
 def size_kv_pool(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype,
                  device: torch.device) -> tuple[int, int]:
     """Number of blocks from the budget (bytes on CPU, fraction of free memory on CUDA)."""
-    elem = torch.tensor([], dtype=dtype).element_size()
-    per_token = spec.kv_bytes_per_token(elem)
-    per_block = per_token * cfg.cache.block_size
+    per_block, per_token = kv_block_bytes(cfg, spec, dtype)
     if cfg.cache.num_blocks:
         return cfg.cache.num_blocks, per_token
     if device.type == "cuda":
@@ -142,8 +161,11 @@ class Engine(EngineFront):
                               block_size=info.block_size, num_blocks=info.num_blocks)
         eos = tuple(sorted(set(info.spec.eos_token_ids) | _tokenizer_eos(tokenizer)))
         self.info = info = msgspec.structs.replace(info, eos_token_ids=eos)
+        cc = config.cache
         kv = KVCache.allocate(info.spec.num_layers, info.num_blocks, info.block_size,
-                              info.spec.num_kv_heads, info.spec.head_dim, dtype, device)
+                              info.spec.num_kv_heads, info.spec.head_dim, dtype, device,
+                              kv_format(cc.side_dtype("k")), kv_format(cc.side_dtype("v")))
+        self.kv = kv
         # Structured output: one compiler (and cache of compiled grammars) for the tokenizer
         # actor, which compiles and validates constraints off the loop, and the runner.
         self.guided = GuidedCompiler(tokenizer, info.spec.vocab_size, eos)
@@ -161,7 +183,7 @@ class Engine(EngineFront):
                     f"scheduler.preemption_mode {sc.preemption_mode!r} needs swap space: "
                     f"cache.swap_space_bytes must be >= one KV block ({block_bytes} bytes), "
                     f"got {config.cache.swap_space_bytes}", key="cache.swap_space_bytes")
-            host_pool = HostKVPool(kv.pool, slots)
+            host_pool = HostKVPool(kv.pool, slots, kv.scales)
             swap = SwapSpace(slots)
             startup_log.info(f"swap space: {slots} blocks of host memory "
                              f"({slots * block_bytes / 2**20:.0f} MiB), "
@@ -182,8 +204,10 @@ class Engine(EngineFront):
                                             config.kv_tiers.recompute_prior_ms_per_token / 1e3))
         publisher = build_kv_event_publisher(config, info.model_dir)
         self.tiers = build_tiers(config.kv_tiers, KVLayout(
-            info.dtype, (info.spec.num_layers, 2, info.block_size, info.spec.num_kv_heads,
-                         info.spec.head_dim), kv.pool.element_size(), info.fingerprint),
+            info.dtype if info.kv_dtype == "auto" else info.kv_dtype,
+            (info.spec.num_layers, 2, info.block_size, info.spec.num_kv_heads,
+             info.spec.head_dim), kv.pool.element_size(), info.fingerprint,
+            scale_bytes=0 if kv.scales is None else kv.scales[:, :, 0].numel() * 4),
             info.block_size, prefix_caching=caching, speculative_method=config.speculative.method)
         self.scheduler.core.tiers = self.tiers if caching else None
         self.kv_manager = KVManagerActor(KVCacheManager(info.num_blocks, info.block_size,
@@ -205,6 +229,7 @@ class Engine(EngineFront):
                                               host_pool=host_pool, proposer=proposer,
                                               guided=self.guided, piecewise=piecewise))
         self.runner.model_runner.tiers = self.tiers
+        self._start_kv_check(model, kv)
         # Wiring: tokenizer -> router -> scheduler <-> {KV manager, runner}.
         self.tokenizer_actor.next_inbox = self.router.inbox
         self.router.next_inbox = self.scheduler.inbox
@@ -213,6 +238,27 @@ class Engine(EngineFront):
         self.kv_manager.scheduler_inbox = self.scheduler.inbox
         self.runner.scheduler_inbox = self.scheduler.inbox
         self.loop: asyncio.AbstractEventLoop | None = None
+
+    def _start_kv_check(self, model, kv: KVCache) -> None:
+        """The runtime quality check of a quantized KV cache (cache.kv_check_fraction)."""
+        cc, info = self.config.cache, self.info
+        runner = self.runner.model_runner
+        if kv.quantized and cc.kv_check_fraction > 0:
+            check = KVQualityCheck(
+                info.spec.num_layers, info.block_size, info.spec.num_kv_heads,
+                info.spec.head_dim, info.torch_device, fraction=cc.kv_check_fraction,
+                max_kl=cc.kv_check_max_kl, max_error=cc.kv_check_max_error,
+                max_promotions=min(cc.kv_promote_layers, info.spec.num_layers),
+                seed=self.config.model.seed)
+            runner.kv_check = check
+            model.set_kv_check(check)
+            startup_log.info(
+                f"KV quality check: {cc.kv_check_fraction:.1%} of decode steps compared with "
+                f"a full-precision shadow (budgets: attention KL {cc.kv_check_max_kl} nats, "
+                f"K/V error {cc.kv_check_max_error}); up to {check.max_promotions} layers may "
+                "be promoted", fraction=cc.kv_check_fraction)
+        self.runner.kv_quant_labels = (info.kv_dtype, info.kv_bytes_per_token)
+        self.runner.kv_quant_snapshot = runner.kv_quant_stats(*self.runner.kv_quant_labels)
 
     @property
     def actors(self) -> tuple:
@@ -252,7 +298,8 @@ class Engine(EngineFront):
         model.plan_cache_dir = resolve_cache_dir(config)   # the CPU kernel choice, remembered
         backend = select_decode_backend(model, config.model.attention_backend, device,
                                         max_model_len=max_len,
-                                        block_size=config.cache.block_size)
+                                        block_size=config.cache.block_size,
+                                        kv_quantized=config.cache.kv_quantized)
         num_blocks, per_token = size_kv_pool(config, spec, dtype, device)
         capacity = num_blocks * config.cache.block_size
         if capacity < max_len:
@@ -266,11 +313,13 @@ class Engine(EngineFront):
         # model.weight_dtype int8: quantize, then pass the quality gate or refuse to start.
         apply_weight_dtype(model, model_dir, config.model, dtype, device, tokenizer, digest,
                            resolve_cache_dir(config))
+        # cache.kv_dtype quantized: pass the KV quality gate or refuse to start.
+        apply_kv_gate(model, config.cache, tokenizer, digest, dtype, resolve_cache_dir(config))
         info = RuntimeInfo(model_dir=str(model_dir), spec=spec, device=str(device),
                            dtype=str(dtype).removeprefix("torch."), num_blocks=num_blocks,
                            block_size=config.cache.block_size, kv_bytes_per_token=per_token,
                            max_model_len=max_len, attention_backend=backend,
-                           weights_digest=digest,
+                           weights_digest=digest, kv_dtype=kv_dtype_name(config.cache),
                            fingerprint=model_fingerprint(digest, str(dtype),
                                                          config.cache.block_size))
         seconds = time.perf_counter() - t0
@@ -278,12 +327,15 @@ class Engine(EngineFront):
                          f"({str(dtype).removeprefix('torch.')}, {device}) "
                          f"loaded in {seconds:.1f}s",
                          model_dir=str(model_dir), seconds=round(seconds, 1))
+        elem = (f"{torch.tensor([], dtype=dtype).element_size()} bytes"
+                if info.kv_dtype == "auto" else f"1 byte ({info.kv_dtype}) + scales")
         startup_log.info(
             f"KV cache: {num_blocks} blocks x {info.block_size} tokens = {capacity} tokens, "
             f"{per_token} bytes/token ({spec.num_layers} layers x 2 x {spec.num_kv_heads} kv heads "
-            f"x {spec.head_dim} head dim x {torch.tensor([], dtype=dtype).element_size()} bytes), "
+            f"x {spec.head_dim} head dim x {elem}), "
             f"{num_blocks * per_token * info.block_size / 2**20:.0f} MiB",
-            num_blocks=num_blocks, block_size=info.block_size, capacity_tokens=capacity)
+            num_blocks=num_blocks, block_size=info.block_size, capacity_tokens=capacity,
+            kv_dtype=info.kv_dtype)
         return cls(config, info, model, tokenizer)
 
     # -- running -------------------------------------------------------------------------
@@ -323,7 +375,8 @@ class Engine(EngineFront):
         return EngineStats(scheduler=await self.ask(self.scheduler, GetSchedulerStats()),
                            kv=await self.ask(self.kv_manager, GetKVStats()),
                            router=await self.ask(self.router, GetRouterStats()),
-                           graphs=self.runner.graph_snapshot)
+                           graphs=self.runner.graph_snapshot,
+                           kv_quant=self.runner.kv_quant_snapshot)
 
     def stalled_seconds(self) -> float:
         """0.0 when the engine is idle or making progress, else the seconds since it last

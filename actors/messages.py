@@ -60,6 +60,9 @@ class RuntimeInfo(_Msg, frozen=True):
     weights_digest: str = ""
     fingerprint: str = ""           # the prefix-cache identity's model part (block hashes)
     eos_token_ids: tuple[int, ...] = ()
+    # How K/V are stored: "auto" (= dtype) or a 1-byte format per side, e.g. "int8" or
+    # "fp8_e4m3/int8" (K/V); kv_bytes_per_token then counts the 1-byte values and scales.
+    kv_dtype: str = "auto"
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -551,6 +554,35 @@ class RunnerState(_Msg):
     graphs: GraphStats = msgspec.field(default_factory=GraphStats)
 
 
+class KVQuantStats(_Msg):
+    """How the KV cache is stored and what its runtime quality check saw
+    (kernels/kv_quality_check.py; docs/kv-quantization.md)."""
+    kv_dtype: str = "auto"
+    bytes_per_token: Annotated[int, G("tokenloom:kv_cache_bytes_per_token",
+                                      "KV cache bytes per token (every layer's K and V, "
+                                      "with the scales of a quantized cache).")] = 0
+    check_fraction: float = 0.0
+    check_steps: Annotated[int, C("tokenloom:kv_quant_check_steps",
+                                  "Decode steps the runtime KV quality check compared.")] = 0
+    check_layer_comparisons: int = 0
+    check_alarms: Annotated[int, C("tokenloom:kv_quant_check_alarms",
+                                   "Layer comparisons of the runtime KV quality check over "
+                                   "budget (attention KL or K/V relative error).")] = 0
+    check_max_kl: Annotated[float, G("tokenloom:kv_quant_check_max_kl",
+                                     "Largest attention KL (nats) the runtime KV quality "
+                                     "check measured.")] = 0.0
+    check_last_kl: Annotated[float, G("tokenloom:kv_quant_check_last_kl",
+                                      "The last checked step's largest layer attention KL "
+                                      "(nats).")] = 0.0
+    check_max_error: Annotated[float, G("tokenloom:kv_quant_check_max_error",
+                                        "Largest relative error of shadowed K/V rows the "
+                                        "runtime KV quality check measured.")] = 0.0
+    promoted_layers: list[int] = []
+    num_promoted_layers: Annotated[int, G("tokenloom:kv_quant_promoted_layers",
+                                          "Layers promoted to the model dtype for new blocks "
+                                          "by the runtime KV quality check.")] = 0
+
+
 class EngineStats(_Msg):
     """Everything admin `stats` and `/metrics` show about the engine, read in one call. The
     admin reply nests it unchanged; /metrics exports its annotated fields."""
@@ -560,6 +592,7 @@ class EngineStats(_Msg):
     # The graph dispatcher's counters, as of the runner's latest snapshot (at most ~0.25 s
     # old while it works).
     graphs: GraphStats = msgspec.field(default_factory=GraphStats)
+    kv_quant: KVQuantStats = msgspec.field(default_factory=KVQuantStats)
 
 
 # -- worker processes: the front's router <- the worker pool (daemon/workers/) -----------

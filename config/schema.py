@@ -114,6 +114,42 @@ class CacheConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     enable_prefix_caching: bool = True
     # Host-memory pool for swap preemption (scheduler.preemption_mode swap/auto only).
     swap_space_bytes: Annotated[int, msgspec.Meta(ge=0)] = 256 * MiB
+    # How K and V are stored: "auto" = the model dtype; "int8", "fp8_e4m3", "fp8_e5m2" =
+    # one byte per value with a scale per block and KV head, computed as blocks are written
+    # (docs/kv-quantization.md). k_dtype / v_dtype override it per side ("" = kv_dtype);
+    # K and V are either both quantized or both in the model dtype.
+    kv_dtype: Literal["auto", "int8", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    k_dtype: Literal["", "auto", "int8", "fp8_e4m3", "fp8_e5m2"] = ""
+    v_dtype: Literal["", "auto", "int8", "fp8_e4m3", "fp8_e5m2"] = ""
+    # Start a quantized KV mode even when it fails its start-up quality gate (logged loudly).
+    force_kv_dtype: bool = False
+    # Runtime quality check of a quantized KV cache: the fraction of decode steps on which
+    # one row's attention is recomputed against a full-precision shadow of its last block
+    # (0 = off). Over budget (attention KL in nats, or the relative error of the shadowed
+    # rows) the layer is promoted: new blocks are kept in the model dtype too.
+    kv_check_fraction: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.02
+    kv_check_max_kl: Annotated[float, msgspec.Meta(gt=0.0, le=100.0)] = 0.02
+    kv_check_max_error: Annotated[float, msgspec.Meta(gt=0.0, le=100.0)] = 0.1
+    # Layers the check may promote; their model-dtype copies are reserved from the budget.
+    kv_promote_layers: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 2
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        quantized = [name for name in ("k_dtype", "v_dtype")
+                     if self.side_dtype(name[0]) != "auto"]
+        if len(quantized) == 1:
+            raise ConfigError(
+                f"cache.k_dtype and cache.v_dtype must both be quantized or both 'auto', got "
+                f"k_dtype {self.side_dtype('k')!r}, v_dtype {self.side_dtype('v')!r}",
+                key=f"cache.{quantized[0]}")
+
+    def side_dtype(self, side: str) -> str:
+        """The storage of K (`side` "k") or V ("v"): its override, else kv_dtype."""
+        return getattr(self, f"{side}_dtype") or self.kv_dtype
+
+    @property
+    def kv_quantized(self) -> bool:
+        return self.side_dtype("k") != "auto"
 
 
 class SchedulerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -154,8 +154,8 @@ def precompile_decode(model, kv: KVCache, *, max_num_seqs: int, width: int,
     variants = decode_fn.server_variants(max_num_seqs, width, graph_sizes)
     t0 = time.perf_counter()
     try:
-        decode_fn.precompile(variants, kv.key[0].dtype, kv.block_size, kv.key[0].device)
-        if kv.key[0].is_cuda:
+        decode_fn.precompile_for(variants, kv)   # a quantized cache's variants too
+        if kv.pool is not None and kv.pool.is_cuda:
             torch.cuda.synchronize()
     except Exception as e:  # a variant the smoke test did not cover failed to build or run
         reason = f"precompiling its variants failed: {type(e).__name__}: {e}"
@@ -189,6 +189,9 @@ def build_cpu_programs(cfg: GraphsConfig, model, kv: KVCache, *, max_num_seqs: i
         reason = "graphs.enforce_eager"
     elif not cfg.cpu_compile:
         reason = "graphs.cpu_compile is off"
+    elif kv.quantized:
+        # The programs take each layer's pool slice as one tensor in the model dtype.
+        reason = "the KV cache is quantized (cache.kv_dtype); the quantized kernels run eager"
     elif model.layers[0].self_attn.decode_fn is not paged_decode_cpu:
         reason = f"needs the C++ decode kernel ({cpu_kernel_status()})"
     sizes = tuple(s for s in sorted(set(cfg.cpu_capture_sizes)) if s <= max_num_seqs)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from tokenloom.arith import cdiv
 from tokenloom.kernels.forward_context import AttentionMetadata
+from tokenloom.kernels.kv_quant import QuantizedCache
 
 
 def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -41,7 +42,10 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     for seg in meta.prefills:
         rows = slice(seg.query_start, seg.query_start + seg.query_len)
         local = None
-        if seg.start_pos == 0 and key is not None:
+        # A quantized cache is read back even by a fresh prefill: attending to the chunk's
+        # own full-precision K/V instead would make a prompt's result depend on how it was
+        # chunked (later chunks can only read the quantized prefix).
+        if seg.start_pos == 0 and key is not None and not isinstance(key_cache, QuantizedCache):
             local = (key[rows], value[rows])
         out[rows] = prefill_attention(q[rows], key_cache, value_cache, seg.block_table,
                                       seg.start_pos, scale, local, seg.mask)
@@ -67,10 +71,13 @@ def chunk_mask(start_pos: int, n: int, dtype: torch.dtype, device: torch.device)
                       device=device).triu_(start_pos + 1)
 
 
-def gather_context(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """[num_blocks, bs, KVH, D] + block ids [..., nb] -> [..., nb * bs, KVH, D] (one copy)."""
+def gather_context(cache, block_table: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, bs, KVH, D] + block ids [..., nb] -> [..., nb * bs, KVH, D] (one copy;
+    a quantized cache is dequantized to the model dtype on the way)."""
     nb = block_table.shape[-1]
     bs, kvh, d = cache.shape[1:]
+    if isinstance(cache, QuantizedCache):
+        return cache.dequantize_blocks(block_table).view(*block_table.shape[:-1], nb * bs, kvh, d)
     flat = cache.index_select(0, block_table.reshape(-1))
     return flat.view(*block_table.shape[:-1], nb * bs, kvh, d)
 

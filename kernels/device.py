@@ -45,11 +45,12 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def select_decode_backend(model, wanted: str, device: torch.device,
-                          max_model_len: int = 0, block_size: int = 16) -> str:
+                          max_model_len: int = 0, block_size: int = 16,
+                          kv_quantized: bool = False) -> str:
     """Pick the decode-attention implementation; falls back to the torch reference with a
     stated reason when the wanted kernel is unavailable."""
     if device.type == "cuda":
-        return _select_cuda_backend(model, wanted, max_model_len, block_size)
+        return _select_cuda_backend(model, wanted, max_model_len, block_size, kv_quantized)
     if wanted == "triton":
         raise ConfigError("model.attention_backend 'triton' needs model.device cuda "
                           "(on CPU: auto, torch or cpu_kernel)", key="model.attention_backend")
@@ -89,7 +90,8 @@ def log_cpu_features(dtype: torch.dtype) -> None:
                             "may be faster", features=f.summary())
 
 
-def _select_cuda_backend(model, wanted: str, max_model_len: int, block_size: int) -> str:
+def _select_cuda_backend(model, wanted: str, max_model_len: int, block_size: int,
+                         kv_quantized: bool = False) -> str:
     """On CUDA: Triton kernels (paged decode attention for auto/triton; the graph-safe KV
     store and the fused RMSNorm, SiLU*mul and RoPE+store always) when every one of them
     passes a smoke test in the model's dtype and shapes; otherwise the torch reference for
@@ -116,9 +118,16 @@ def _select_cuda_backend(model, wanted: str, max_model_len: int, block_size: int
                             "run the torch reference", backend="torch", reason=reason)
         return "torch"
     pow2 = head_dim >= 16 and head_dim & (head_dim - 1) == 0
-    model.set_kv_store_kernel(store_kv_triton)
+    if kv_quantized:
+        # A quantized cache is written by its own graph-safe store (scales grow per block);
+        # the fused RoPE+store writes model-dtype rows, so RoPE runs unfused.
+        from tokenloom.kernels.gpu.triton_attention import store_kv_quant_triton
+        model.set_kv_store_kernel(store_kv_quant_triton)
+    else:
+        model.set_kv_store_kernel(store_kv_triton)
     model.set_fused_kernels(triton_fused.rms_norm_triton, triton_fused.silu_mul_triton,
-                            triton_fused.rope_store_triton if pow2 else None)
+                            triton_fused.rope_store_triton if pow2 and not kv_quantized
+                            else None)
     if wanted == "torch":
         return "torch"
     if not pow2:

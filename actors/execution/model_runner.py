@@ -28,6 +28,7 @@ from tokenloom.actors.messages import (
     PLACEHOLDER,
     ExecuteBatch,
     GraphStats,
+    KVQuantStats,
     NewSequence,
     SampledToken,
     SpecResult,
@@ -111,6 +112,8 @@ class ModelRunner:
         # KV tiers (actors/kv/tiers/manager.TierManager; None: off): blocks copied out of
         # the pool go to it, restored blocks come from the batch.
         self.tiers = None
+        # The runtime check of a quantized KV cache (kernels/kv_quality_check.py; None: off).
+        self.kv_check = None
 
     def offload(self, offloads: list) -> None:
         """Copy device blocks (block id, BlockMeta, committed) to the KV tiers. A failure
@@ -119,7 +122,7 @@ class ModelRunner:
             return
         try:
             t0 = time.perf_counter()
-            rows = gather_blocks(self.kv.pool, [b for b, _, _ in offloads]).numpy()
+            rows = gather_blocks(self.kv.pool, [b for b, _, _ in offloads], self.kv.scales).numpy()
             self.tiers.offer([m for _, m, _ in offloads], rows, [c for _, _, c in offloads],
                              seconds=time.perf_counter() - t0)
         except Exception as e:  # noqa: BLE001
@@ -128,11 +131,34 @@ class ModelRunner:
     def _restore(self, restores: list) -> None:
         t0 = time.perf_counter()
         rows = torch.from_numpy(np.stack([p for _, p in restores]))
-        scatter_blocks(self.kv.pool, [b for b, _ in restores], rows)
+        ids = [b for b, _ in restores]
+        scatter_blocks(self.kv.pool, ids, rows, self.kv.scales)
+        self.kv.refresh_promoted(ids)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if self.tiers is not None:
             self.tiers.observe_restore_copy(time.perf_counter() - t0)
+
+    def _begin_kv_check(self, meta) -> None:
+        check = self.kv_check
+        if check is None:
+            return
+        if meta.num_decodes:
+            check.begin(int(meta.slot_mapping[0]), meta.decode_block_tables[0],
+                        int(meta.decode_context_lens[0]))
+        else:
+            check.begin(None, None, 0)
+
+    def _end_kv_check(self) -> None:
+        """Promote the layers the check found over budget (between steps)."""
+        check = self.kv_check
+        if check is None:
+            return
+        for layer in check.take_promotions():
+            nbytes = self.kv.promote_layer(layer)
+            log.warning("KV quality check: layer promoted to the model dtype for new blocks",
+                        layer=layer, kl=round(check.stats.last_kl, 5),
+                        max_error=round(check.stats.max_error, 4), copy_mib=nbytes / 2**20)
 
     @property
     def num_tracked(self) -> int:
@@ -402,6 +428,20 @@ class ModelRunner:
         return self._forward(batch, None)[0].clone()
 
 
+    def kv_quant_stats(self, kv_dtype: str, bytes_per_token: int) -> KVQuantStats:
+        check = self.kv_check
+        if check is None:
+            return KVQuantStats(kv_dtype=kv_dtype, bytes_per_token=bytes_per_token,
+                                promoted_layers=self.kv.promoted_layers(),
+                                num_promoted_layers=len(self.kv.promoted_layers()))
+        s = check.stats
+        return KVQuantStats(kv_dtype=kv_dtype, bytes_per_token=bytes_per_token,
+                            check_fraction=check.fraction, check_steps=s.checks,
+                            check_layer_comparisons=s.layer_checks, check_alarms=s.alarms,
+                            check_max_kl=s.max_kl, check_last_kl=s.last_kl,
+                            check_max_error=s.max_error, promoted_layers=list(s.promoted),
+                            num_promoted_layers=len(s.promoted))
+
     def graph_stats(self) -> GraphStats:
         stats = self.dispatcher.stats()
         if self.graphs is not None:
@@ -453,8 +493,10 @@ class ModelRunner:
             h = self.piecewise.run_hidden(inputs.input_ids, inputs.positions, inputs.meta,
                                           decision.padded_size)
         else:
+            self._begin_kv_check(inputs.meta)
             h = self.model.forward_hidden(inputs.input_ids, inputs.positions, self.kv,
                                           inputs.meta)
+            self._end_kv_check()
         with torch.inference_mode():
             logits = self.model.logits(h, inputs.logits_indices)
         plan = prompt_logprobs.plan_rows(batch, self._seqs, self.device)

@@ -71,6 +71,10 @@ class RunnerActor(Actor):
         # Graph/eager counters for /metrics and admin stats, refreshed by the compute thread
         # (a reference swap: readers on the event loop never wait behind a step).
         self.graph_snapshot: GraphStats = runner.graph_stats()
+        # The KV storage and its runtime check, refreshed the same way (the engine sets
+        # kv_dtype and bytes per token once).
+        self.kv_quant_labels = ("auto", 0)
+        self.kv_quant_snapshot = runner.kv_quant_stats(*self.kv_quant_labels)
         self._snapshot_time = 0.0
 
     def send(self, msg: Any) -> None:
@@ -175,6 +179,7 @@ class RunnerActor(Actor):
         if now - self._snapshot_time > 0.25:
             self._snapshot_time = now
             self.graph_snapshot = self.model_runner.graph_stats()
+            self.kv_quant_snapshot = self.model_runner.kv_quant_stats(*self.kv_quant_labels)
 
     def _fail(self, batch: ExecuteBatch, e: Exception) -> None:
         self.model_runner.forget_failed(batch)

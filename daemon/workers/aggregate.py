@@ -55,4 +55,12 @@ def engine_stats(per_worker: list[EngineStats], router: RouterStats) -> EngineSt
     if sched.spec is not None and first.scheduler.spec is not None:
         sched = replace(sched, spec=replace(
             sched.spec, num_speculative_tokens=first.scheduler.spec.num_speculative_tokens))
-    return replace(total, kv=kv, scheduler=sched, router=router)
+    # The KV storage is a shared setting; the check's extremes are the workers' worst.
+    quant = replace(total.kv_quant, bytes_per_token=first.kv_quant.bytes_per_token,
+                    check_fraction=first.kv_quant.check_fraction,
+                    check_max_kl=max(s.kv_quant.check_max_kl for s in per_worker),
+                    check_max_error=max(s.kv_quant.check_max_error for s in per_worker),
+                    check_last_kl=max(s.kv_quant.check_last_kl for s in per_worker),
+                    promoted_layers=sorted({i for s in per_worker
+                                            for i in s.kv_quant.promoted_layers}))
+    return replace(total, kv=kv, scheduler=sched, router=router, kv_quant=quant)

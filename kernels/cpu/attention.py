@@ -16,6 +16,9 @@ from pathlib import Path
 import structlog
 import torch
 
+from tokenloom.kernels.attention import decode_attention
+from tokenloom.kernels.kv_quant import QuantizedCache
+
 log = structlog.get_logger("tokenloom.kernels")
 _SRC = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
 _lock = threading.Lock()
@@ -54,4 +57,15 @@ def paged_decode_cpu(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
                      mask: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, H, D] -> [B, H, D]; the same signature as attention.decode_attention
     (max_context and mask are not needed: the kernel stops at each context length)."""
+    if isinstance(key_cache, QuantizedCache):
+        if key_cache.promoted or value_cache.promoted:
+            # A promoted layer reads its model-dtype copy (mixed K/V: the reference).
+            if key_cache.promoted and value_cache.promoted:
+                return _module.paged_decode(q, key_cache.full, value_cache.full, block_tables,
+                                            context_lens, scale)
+            return decode_attention(q, key_cache, value_cache, block_tables, context_lens,
+                                    max_context, scale, mask)
+        return _module.paged_decode_q(q, key_cache.data, value_cache.data, key_cache.scale,
+                                      value_cache.scale, key_cache.fmt.code,
+                                      value_cache.fmt.code, block_tables, context_lens, scale)
     return _module.paged_decode(q, key_cache, value_cache, block_tables, context_lens, scale)

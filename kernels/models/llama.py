@@ -51,13 +51,22 @@ class Attention(nn.Module):
         # None: rope_and_store + the KV store above; else a kernel that rotates q and k and
         # writes k and v into the cache in one launch (LlamaForCausalLM.set_fused_kernels).
         self.rope_store_fn = None
+        # The runtime check of a quantized KV cache (kernels/kv_quality_check.py) and this
+        # layer's index in it; None: off (LlamaForCausalLM.set_kv_check).
+        self.kv_check = None
+        self.layer_index = 0
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.project(x, cos, sin, key_cache, value_cache, meta.slot_mapping,
                                meta.has_skip_slots)
+        check = self.kv_check
+        if check is not None and check.recording:
+            check.record(self.layer_index, k, v)
         o = self.attend(q, key_cache, value_cache, meta, k, v)
+        if check is not None and check.checking:
+            check.check(self.layer_index, q, key_cache, value_cache, self.scale)
         return self.o_proj(o.reshape(x.shape[0], self.q_size))
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -164,6 +173,13 @@ class LlamaForCausalLM(nn.Module):
         """Route decode attention through `decode_fn` (same contract as decode_attention)."""
         for layer in self.layers:
             layer.self_attn.decode_fn = decode_fn
+
+    def set_kv_check(self, check) -> None:
+        """Route every layer's K/V and query through the runtime KV quality check (None:
+        off). Eager forwards only: a captured graph or compiled program runs without it."""
+        for i, layer in enumerate(self.layers):
+            layer.self_attn.kv_check = check
+            layer.self_attn.layer_index = i
 
     def set_kv_store_kernel(self, store_fn) -> None:
         """Route the KV store through `store_fn(key, value, key_cache, value_cache, slots)`,

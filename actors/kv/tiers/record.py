@@ -46,19 +46,23 @@ class KVLayout(msgspec.Struct, frozen=True, gc=False):
     shape: tuple[int, ...]
     itemsize: int
     fingerprint: str = ""
+    # A quantized pool's per-block scales, appended to the values (kernels/kv_store.py).
+    scale_bytes: int = 0
 
     @property
     def block_bytes(self) -> int:
         n = self.itemsize
         for d in self.shape:
             n *= d
-        return n
+        return n + self.scale_bytes
 
     @property
     def tag(self) -> str:
         """16 hex digits naming the layout, used in on-disk paths and remote keys."""
         text = (f"{self.dtype}:{','.join(map(str, self.shape))}:{self.itemsize}:v{VERSION}:"
                 f"{self.fingerprint}")
+        if self.scale_bytes:
+            text += f":scales{self.scale_bytes}"
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

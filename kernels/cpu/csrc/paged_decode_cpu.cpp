@@ -124,6 +124,125 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor key_cache, torch::Tens
   return out;
 }
 
+
+// ---- Quantized KV (kernels/kv_quant.py): 1-byte values, one fp32 scale per (token, kv head).
+// Values are decoded to fp32 a row at a time (branch-free, so the loops vectorize) and the
+// scales are folded in where they cost least: a key's scale multiplies its dot products
+// (one multiply per head, not per element), a value's scale multiplies the softmax weight.
+
+// fmt: 0 int8, 1 fp8 e4m3 (bias 7), 2 fp8 e5m2 (bias 15). NaN/inf codes never occur: the
+// store clamps to the format's largest finite value.
+static inline void decode_row(const uint8_t* src, float* dst, int64_t n, int fmt) {
+  if (fmt == 0) {
+    const int8_t* s = reinterpret_cast<const int8_t*>(src);
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(s[i]);
+  } else if (fmt == 1) {
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t b = src[i], em = b & 0x7f;
+      uint32_t bits = (em << 20) + (120u << 23);            // normal: exponent rebiased
+      float normal;
+      std::memcpy(&normal, &bits, 4);
+      const float mag = em >= 8 ? normal : static_cast<float>(em) * 0.001953125f;  // 2^-9
+      dst[i] = (b & 0x80) ? -mag : mag;
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t b = src[i], em = b & 0x7f;
+      uint32_t bits = (em << 21) + (112u << 23);
+      float normal;
+      std::memcpy(&normal, &bits, 4);
+      const float mag = em >= 4 ? normal : static_cast<float>(em) * 1.52587890625e-05f;  // 2^-16
+      dst[i] = (b & 0x80) ? -mag : mag;
+    }
+  }
+}
+
+template <typename T>
+static void decode_kernel_q(const T* q, const uint8_t* kc, const uint8_t* vc, const float* ks,
+                            const float* vs, int kfmt, int vfmt, const int64_t* tables,
+                            const int64_t* lens, T* out, int64_t B, int64_t H, int64_t KVH,
+                            int64_t D, int64_t BS, int64_t max_blocks, float scale) {
+  const int64_t G = H / KVH, row_stride = KVH * D, blk_stride = BS * row_stride;
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(H * D), acc(H * D), scores, row(row_stride), pv(KVH);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t ctx = lens[b];
+      const int64_t* table = tables + b * max_blocks;
+      for (int64_t i = 0; i < H * D; ++i) qf[i] = to_f(q[b * H * D + i]) * scale;
+      scores.assign(H * ctx, 0.f);
+      for (int64_t t = 0; t < ctx; ++t) {
+        const int64_t blk = table[t / BS];
+        if (t + BS < ctx) prefetch_row(kc + table[t / BS + 1] * blk_stride + (t % BS) * row_stride, row_stride);
+        decode_row(kc + blk * blk_stride + (t % BS) * row_stride, row.data(), row_stride, kfmt);
+        const float* sc = ks + (blk * BS + t % BS) * KVH;
+        for (int64_t h = 0; h < H; ++h) {
+          const float* qh = &qf[h * D];
+          const float* kh = row.data() + (h / G) * D;
+          float s = 0.f;
+          for (int64_t d = 0; d < D; ++d) s += qh[d] * kh[d];
+          scores[h * ctx + t] = s * sc[h / G];
+        }
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        float* s = &scores[h * ctx];
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < ctx; ++t) m = s[t] > m ? s[t] : m;
+        float sum = 0.f;
+        for (int64_t t = 0; t < ctx; ++t) { s[t] = std::exp(s[t] - m); sum += s[t]; }
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < ctx; ++t) s[t] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < ctx; ++t) {
+        const int64_t blk = table[t / BS];
+        if (t + BS < ctx) prefetch_row(vc + table[t / BS + 1] * blk_stride + (t % BS) * row_stride, row_stride);
+        decode_row(vc + blk * blk_stride + (t % BS) * row_stride, row.data(), row_stride, vfmt);
+        const float* sc = vs + (blk * BS + t % BS) * KVH;
+        for (int64_t h = 0; h < H; ++h) {
+          const float p = scores[h * ctx + t] * sc[h / G];
+          const float* vh = row.data() + (h / G) * D;
+          float* a = &acc[h * D];
+          for (int64_t d = 0; d < D; ++d) a[d] += p * vh[d];
+        }
+      }
+      for (int64_t i = 0; i < H * D; ++i) out[b * H * D + i] = static_cast<T>(acc[i]);
+    }
+  });
+}
+
+torch::Tensor paged_decode_q(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
+                             torch::Tensor key_scale, torch::Tensor value_scale, int64_t kfmt,
+                             int64_t vfmt, torch::Tensor block_tables, torch::Tensor context_lens,
+                             double scale) {
+  TORCH_CHECK(q.dim() == 3, "q must be [B, H, D]");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.scalar_type() == torch::kUInt8 &&
+              value_cache.scalar_type() == torch::kUInt8,
+              "quantized caches must be uint8 [num_blocks, block_size, kv_heads, D]");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() &&
+              key_scale.is_contiguous() && value_scale.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(key_scale.scalar_type() == torch::kFloat32 && value_scale.scalar_type() == torch::kFloat32,
+              "scales must be float32 [num_blocks, block_size, kv_heads]");
+  TORCH_CHECK(kfmt >= 0 && kfmt <= 2 && vfmt >= 0 && vfmt <= 2, "format must be 0, 1 or 2");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && context_lens.scalar_type() == torch::kInt64,
+              "block_tables and context_lens must be int64");
+  q = q.contiguous();
+  block_tables = block_tables.contiguous();
+  context_lens = context_lens.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t BS = key_cache.size(1), KVH = key_cache.size(2);
+  TORCH_CHECK(H % KVH == 0, "heads must be a multiple of kv_heads");
+  auto out = torch::empty_like(q);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_q", [&] {
+    decode_kernel_q<scalar_t>(q.data_ptr<scalar_t>(), key_cache.data_ptr<uint8_t>(),
+                              value_cache.data_ptr<uint8_t>(), key_scale.data_ptr<float>(),
+                              value_scale.data_ptr<float>(), static_cast<int>(kfmt),
+                              static_cast<int>(vfmt), block_tables.data_ptr<int64_t>(),
+                              context_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), B, H,
+                              KVH, D, BS, block_tables.size(1), static_cast<float>(scale));
+  });
+  return out;
+}
+
 // How many threads at::parallel_for spreads `n` one-item tasks over: 1 if the module was
 // built without OpenMP, whatever torch's thread setting (tested).
 int64_t parallel_threads(int64_t n) {
@@ -177,6 +296,7 @@ TORCH_LIBRARY_IMPL(tokenloom, CPU, m) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged-attention decode over the block pool (CPU)");
+  m.def("paged_decode_q", &paged_decode_q, "paged-attention decode over a quantized pool (CPU)");
   m.def("store_kv", &store_kv, "write K/V rows into their cache slots, skipping slot < 0");
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for uses for n items");
 }
