@@ -50,7 +50,7 @@ from tokenloom.actors.speculation.proposers import NgramProposer
 from tokenloom.arith import cdiv
 from tokenloom.config.schema import ConfigError, EngineConfig, resolve_cache_dir
 from tokenloom.kernels.device import pick_device, pick_dtype, select_decode_backend
-from tokenloom.kernels.kv_quality_check import KVQualityCheck
+from tokenloom.kernels.kv_quality_check import KVQualityCheck, auto_budgets
 from tokenloom.kernels.kv_quant import kv_dtype_name, kv_format, quantized_bytes_per_block
 from tokenloom.kernels.kv_store import HostKVPool, KVCache
 from tokenloom.kernels.models.kv_quality_gate import apply_kv_gate
@@ -244,18 +244,20 @@ class Engine(EngineFront):
         cc, info = self.config.cache, self.info
         runner = self.runner.model_runner
         if kv.quantized and cc.kv_check_fraction > 0:
+            max_kl, max_error = auto_budgets(cc.side_dtype("k"), cc.side_dtype("v"),
+                                             cc.kv_check_max_kl, cc.kv_check_max_error)
             check = KVQualityCheck(
                 info.spec.num_layers, info.block_size, info.spec.num_kv_heads,
                 info.spec.head_dim, info.torch_device, fraction=cc.kv_check_fraction,
-                max_kl=cc.kv_check_max_kl, max_error=cc.kv_check_max_error,
+                max_kl=max_kl, max_error=max_error,
                 max_promotions=min(cc.kv_promote_layers, info.spec.num_layers),
                 seed=self.config.model.seed)
             runner.kv_check = check
             model.set_kv_check(check)
             startup_log.info(
                 f"KV quality check: {cc.kv_check_fraction:.1%} of decode steps compared with "
-                f"a full-precision shadow (budgets: attention KL {cc.kv_check_max_kl} nats, "
-                f"K/V error {cc.kv_check_max_error}); up to {check.max_promotions} layers may "
+                f"a full-precision shadow (budgets: attention KL {max_kl} nats, K/V error "
+                f"{max_error}); up to {check.max_promotions} layers may "
                 "be promoted", fraction=cc.kv_check_fraction)
         self.runner.kv_quant_labels = (info.kv_dtype, info.kv_bytes_per_token)
         self.runner.kv_quant_snapshot = runner.kv_quant_stats(*self.runner.kv_quant_labels)

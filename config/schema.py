@@ -126,12 +126,13 @@ class CacheConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     # Runtime quality check of a quantized KV cache: the fraction of decode steps on which
     # one row's attention is recomputed against a full-precision shadow of its last block
     # (0 = off). Over budget (attention KL in nats, or the relative error of the shadowed
-    # rows) the layer is promoted: new blocks are kept in the model dtype too.
+    # rows; 0 = the format's own budget, kernels/kv_quality_check.py) the layer is
+    # promoted: new blocks are kept in the model dtype too.
     kv_check_fraction: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.02
-    kv_check_max_kl: Annotated[float, msgspec.Meta(gt=0.0, le=100.0)] = 0.02
-    kv_check_max_error: Annotated[float, msgspec.Meta(gt=0.0, le=100.0)] = 0.1
+    kv_check_max_kl: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] = 0.0
+    kv_check_max_error: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] = 0.0
     # Layers the check may promote; their model-dtype copies are reserved from the budget.
-    kv_promote_layers: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 2
+    kv_promote_layers: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
