@@ -123,8 +123,12 @@ def request_observations(num_prompt_tokens: int, num_output_tokens: int, max_tok
 def cache_config_labels(cache) -> dict[str, str]:
     """vllm:cache_config_info's labels that come from the configuration (config.cache), in
     vLLM's spelling: Python reprs, swap space in GiB, the block-count override "None" when
-    the count is derived from the memory budget."""
-    return {"enable_prefix_caching": str(cache.enable_prefix_caching),
+    the count is derived from the memory budget; cache_dtype as cache.kv_dtype ("int8",
+    "fp8_e4m3"... , "fp8_e4m3/int8" when K and V differ)."""
+    from tokenloom.kernels.kv_quant import kv_dtype_name
+
+    return {"cache_dtype": kv_dtype_name(cache),
+            "enable_prefix_caching": str(cache.enable_prefix_caching),
             "gpu_memory_utilization": str(cache.gpu_memory_utilization),
             "num_gpu_blocks_override": str(cache.num_blocks or None),
             "swap_space": str(cache.swap_space_bytes / (1 << 30))}
@@ -186,6 +190,12 @@ class _EngineCollector:
                                                   "waiting_lora_adapters"])
         lora.add_metric(value + ["0", "", ""], self.updated_at)
         yield lora
+        dtype = GaugeMetricFamily("tokenloom:kv_cache_dtype_info",
+                                  "How the KV cache stores K and V (cache.kv_dtype: auto = the "
+                                  "model dtype; else the 1-byte format, K/V when they differ).",
+                                  labels=labels + ["kv_dtype"])
+        dtype.add_metric(value + [s.kv_quant.kv_dtype], 1.0)
+        yield dtype
         # Scheduling promises (see docs/scheduling.md).
         by_mode = CounterMetricFamily("tokenloom:preemptions",
                                       "Preemptions by mode (recompute or swap).",

@@ -159,6 +159,18 @@ def _render_drain(p: P.DrainProgress) -> str:
     return ", ".join(parts)
 
 
+def _kv_quant_row(q) -> str:
+    """The KV dtype, its bytes per token and what the runtime quality check saw."""
+    text = f"{q.kv_dtype}, {q.bytes_per_token} bytes/token"
+    if q.check_fraction:
+        text += (f"; quality check every {round(1 / q.check_fraction)} decode steps: "
+                 f"{q.check_steps} checked, {q.check_alarms} alarms, max attention KL "
+                 f"{q.check_max_kl:.4f} nats, max K/V error {q.check_max_error:.3f}")
+    if q.promoted_layers:
+        text += f"; layers promoted to the model dtype: {q.promoted_layers}"
+    return text
+
+
 def _tier_rows(tiers) -> list[tuple[str, str]]:
     """One row per KV tier (docs/kv-tiers.md): usage, health, hits, traffic. `tiers` is the
     TiersStats, or its plain form when it came over the socket."""
@@ -199,6 +211,7 @@ def _render_stats(r: P.StatsReply) -> str:
         ("KV blocks: used / free / total", f"{kv.used} / {kv.free} / {kv.num_blocks} "
                                            f"({100 * kv.usage:.1f}% used)"),
         ("KV blocks cached", kv.cached_blocks),
+        ("KV storage", _kv_quant_row(e.kv_quant)),
         ("prefix cache hit rate", f"{100 * pc.hit_rate:.1f}% ({pc.hit_tokens} / "
                                   f"{pc.queried_tokens} tokens)"),
         ("hit rate after preemption", f"{100 * pc.preempted_hit_rate:.1f}%"),

@@ -127,5 +127,7 @@ def test_cache_config_info_carries_vllm_labels():
     assert labels == {"model_name": "m", "block_size": "16", "num_gpu_blocks": "100",
                       "enable_prefix_caching": "True", "engine": "0",
                       "gpu_memory_utilization": "0.9", "num_gpu_blocks_override": "100",
-                      "swap_space": "0.25"}
+                      "swap_space": "0.25", "cache_dtype": "auto"}
     assert line.endswith(" 1.0")
+    quantized = cache_config_labels(CacheConfig(kv_dtype="int8", k_dtype="fp8_e4m3"))
+    assert quantized["cache_dtype"] == "fp8_e4m3/int8"
