@@ -181,14 +181,14 @@ def start_tokenloom(model: str, settings=(), *, args=(), command=None, timeout: 
 
 
 def start_llama_server(binary: Path, gguf: Path, slots: int, ctx: int, threads: int,
-                       log_path: Path) -> Server:
+                       log_path: Path, extra=()) -> Server:
     """llama.cpp's llama-server with `slots` parallel slots sharing one `ctx`-token KV cache
     (continuous batching, prompt cache on); ready when /health is 200 (503 while the model
-    loads)."""
+    loads). `extra`: more flags (e.g. the KV cache type, -ctk q8_0)."""
     port = free_port()
     cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
            "-t", str(threads), "-np", str(slots), "-c", str(ctx), "--kv-unified",
-           "--cont-batching", "--no-webui"]
+           "--cont-batching", "--no-webui", *extra]
     return Server("llama-server", cmd, f"http://127.0.0.1:{port}", "/health", timeout=300,
                   log_path=log_path)
 
