@@ -51,7 +51,13 @@ from tokenloom.arith import cdiv
 from tokenloom.config.schema import ConfigError, EngineConfig, resolve_cache_dir
 from tokenloom.kernels.device import pick_device, pick_dtype, select_decode_backend
 from tokenloom.kernels.kv_quality_check import KVQualityCheck, auto_budgets
-from tokenloom.kernels.kv_quant import kv_dtype_name, kv_format, quantized_bytes_per_block
+from tokenloom.kernels.kv_quant import (
+    hadamard,
+    kv_dtype_name,
+    kv_format,
+    quantized_bytes_per_block,
+    resolve_rotation,
+)
 from tokenloom.kernels.kv_store import HostKVPool, KVCache
 from tokenloom.kernels.models.kv_quality_gate import apply_kv_gate
 from tokenloom.kernels.models.loader import load_model, load_spec, resolve_model_dir, weights_digest
@@ -204,7 +210,8 @@ class Engine(EngineFront):
                                             config.kv_tiers.recompute_prior_ms_per_token / 1e3))
         publisher = build_kv_event_publisher(config, info.model_dir)
         self.tiers = build_tiers(config.kv_tiers, KVLayout(
-            info.dtype if info.kv_dtype == "auto" else info.kv_dtype,
+            info.dtype if info.kv_dtype == "auto" else (
+                info.kv_dtype + ("" if info.kv_rotation == "none" else f"+{info.kv_rotation}")),
             (info.spec.num_layers, 2, info.block_size, info.spec.num_kv_heads,
              info.spec.head_dim), kv.pool.element_size(), info.fingerprint,
             scale_bytes=0 if kv.scales is None else kv.scales[:, :, 0].numel() * 4),
@@ -259,7 +266,8 @@ class Engine(EngineFront):
                 f"a full-precision shadow (budgets: attention KL {max_kl} nats, K/V error "
                 f"{max_error}); up to {check.max_promotions} layers may "
                 "be promoted", fraction=cc.kv_check_fraction)
-        self.runner.kv_quant_labels = (info.kv_dtype, info.kv_bytes_per_token)
+        self.runner.kv_quant_labels = (info.kv_dtype, info.kv_bytes_per_token,
+                                       info.kv_rotation)
         self.runner.kv_quant_snapshot = runner.kv_quant_stats(*self.runner.kv_quant_labels)
 
     @property
@@ -315,13 +323,19 @@ class Engine(EngineFront):
         # model.weight_dtype int8: quantize, then pass the quality gate or refuse to start.
         apply_weight_dtype(model, model_dir, config.model, dtype, device, tokenizer, digest,
                            resolve_cache_dir(config))
-        # cache.kv_dtype quantized: pass the KV quality gate or refuse to start.
-        apply_kv_gate(model, config.cache, tokenizer, digest, dtype, resolve_cache_dir(config))
+        # cache.kv_dtype quantized: rotate q/k/v if asked, then pass the KV quality gate
+        # (measured with the rotation) or refuse to start.
+        rotation = resolve_rotation(config.cache, spec.head_dim)
+        if rotation == "hadamard":
+            model.set_kv_rotation(hadamard(spec.head_dim, torch.float32, device))
+        apply_kv_gate(model, config.cache, tokenizer, digest, dtype, resolve_cache_dir(config),
+                      rotation)
         info = RuntimeInfo(model_dir=str(model_dir), spec=spec, device=str(device),
                            dtype=str(dtype).removeprefix("torch."), num_blocks=num_blocks,
                            block_size=config.cache.block_size, kv_bytes_per_token=per_token,
                            max_model_len=max_len, attention_backend=backend,
                            weights_digest=digest, kv_dtype=kv_dtype_name(config.cache),
+                           kv_rotation=rotation,
                            fingerprint=model_fingerprint(digest, str(dtype),
                                                          config.cache.block_size))
         seconds = time.perf_counter() - t0

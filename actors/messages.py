@@ -63,6 +63,7 @@ class RuntimeInfo(_Msg, frozen=True):
     # How K/V are stored: "auto" (= dtype) or a 1-byte format per side, e.g. "int8" or
     # "fp8_e4m3/int8" (K/V); kv_bytes_per_token then counts the 1-byte values and scales.
     kv_dtype: str = "auto"
+    kv_rotation: str = "none"       # "hadamard": q/k/v rotated before the quantized cache
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -558,6 +559,7 @@ class KVQuantStats(_Msg):
     """How the KV cache is stored and what its runtime quality check saw
     (kernels/kv_quality_check.py; docs/kv-quantization.md)."""
     kv_dtype: str = "auto"
+    rotation: str = "none"
     bytes_per_token: Annotated[int, G("tokenloom:kv_cache_bytes_per_token",
                                       "KV cache bytes per token (every layer's K and V, "
                                       "with the scales of a quantized cache).")] = 0

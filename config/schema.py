@@ -121,6 +121,10 @@ class CacheConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     kv_dtype: Literal["auto", "int8", "fp8_e4m3", "fp8_e5m2"] = "auto"
     k_dtype: Literal["", "auto", "int8", "fp8_e4m3", "fp8_e5m2"] = ""
     v_dtype: Literal["", "auto", "int8", "fp8_e4m3", "fp8_e5m2"] = ""
+    # Rotate q, k and v by a Walsh-Hadamard matrix before a quantized cache (spreads an
+    # outlier channel over the head before it sets the row's scale): "auto" = on for a
+    # quantized cache with a power-of-two head dim; "none"; "hadamard" (quantized only).
+    kv_rotation: Literal["auto", "none", "hadamard"] = "auto"
     # Start a quantized KV mode even when it fails its start-up quality gate (logged loudly).
     force_kv_dtype: bool = False
     # Runtime quality check of a quantized KV cache: the fraction of decode steps on which
@@ -143,6 +147,10 @@ class CacheConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tru
                 f"cache.k_dtype and cache.v_dtype must both be quantized or both 'auto', got "
                 f"k_dtype {self.side_dtype('k')!r}, v_dtype {self.side_dtype('v')!r}",
                 key=f"cache.{quantized[0]}")
+        if self.kv_rotation == "hadamard" and not quantized:
+            raise ConfigError("cache.kv_rotation 'hadamard' applies to a quantized cache only: "
+                              "set cache.kv_dtype too (int8, fp8_e4m3, fp8_e5m2)",
+                              key="cache.kv_rotation")
 
     def side_dtype(self, side: str) -> str:
         """The storage of K (`side` "k") or V ("v"): its override, else kv_dtype."""

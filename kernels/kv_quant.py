@@ -69,6 +69,21 @@ def kv_dtype_name(cache_cfg) -> str:
     return k if k == v else f"{k}/{v}"
 
 
+def resolve_rotation(cache_cfg, head_dim: int) -> str:
+    """`cache.kv_rotation` for this model: "hadamard" or "none". "auto" rotates a quantized
+    cache whose head dim is a power of two (measured to help every format: see
+    docs/kv-quantization.md)."""
+    pow2 = head_dim >= 1 and head_dim & (head_dim - 1) == 0
+    if cache_cfg.kv_rotation == "auto":
+        return "hadamard" if cache_cfg.kv_quantized and pow2 else "none"
+    if cache_cfg.kv_rotation == "hadamard" and not pow2:
+        from tokenloom.config.schema import ConfigError
+        raise ConfigError(f"cache.kv_rotation 'hadamard' needs a power-of-two head dim; this "
+                          f"model's is {head_dim} (use 'auto' or 'none')",
+                          key="cache.kv_rotation")
+    return cache_cfg.kv_rotation
+
+
 @dataclasses.dataclass
 class QuantizedCache:
     """One layer's K or V cache in a 1-byte format (see the module docstring)."""
@@ -148,6 +163,17 @@ def quantize_into(cache: QuantizedCache, x: torch.Tensor, slots: torch.Tensor) -
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     cache.data.view(-1, kvh, d).index_copy_(0, slots, cache.fmt.encode(xf / safe[..., None]))
     cache.scale.view(-1, kvh).index_copy_(0, slots, scale)
+
+
+def hadamard(d: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """The orthonormal Walsh-Hadamard matrix of size d (a power of two): every output channel
+    mixes every input channel with equal weight, so one outlier channel is spread evenly."""
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"a Hadamard rotation needs a power-of-two head dim, got {d}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < d:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return (h / d ** 0.5).to(dtype=dtype, device=device)
 
 
 def make_caches(pool: torch.Tensor, scales: torch.Tensor, k_fmt: KVFormat, v_fmt: KVFormat,

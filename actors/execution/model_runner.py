@@ -428,15 +428,17 @@ class ModelRunner:
         return self._forward(batch, None)[0].clone()
 
 
-    def kv_quant_stats(self, kv_dtype: str, bytes_per_token: int) -> KVQuantStats:
+    def kv_quant_stats(self, kv_dtype: str, bytes_per_token: int,
+                       rotation: str = "none") -> KVQuantStats:
         check = self.kv_check
         if check is None:
             return KVQuantStats(kv_dtype=kv_dtype, bytes_per_token=bytes_per_token,
+                                rotation=rotation,
                                 promoted_layers=self.kv.promoted_layers(),
                                 num_promoted_layers=len(self.kv.promoted_layers()))
         s = check.stats
         return KVQuantStats(kv_dtype=kv_dtype, bytes_per_token=bytes_per_token,
-                            check_fraction=check.fraction, check_steps=s.checks,
+                            rotation=rotation, check_fraction=check.fraction, check_steps=s.checks,
                             check_layer_comparisons=s.layer_checks, check_alarms=s.alarms,
                             check_max_kl=s.max_kl, check_last_kl=s.last_kl,
                             check_max_error=s.max_error, promoted_layers=list(s.promoted),

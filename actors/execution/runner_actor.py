@@ -73,7 +73,7 @@ class RunnerActor(Actor):
         self.graph_snapshot: GraphStats = runner.graph_stats()
         # The KV storage and its runtime check, refreshed the same way (the engine sets
         # kv_dtype and bytes per token once).
-        self.kv_quant_labels = ("auto", 0)
+        self.kv_quant_labels = ("auto", 0, "none")
         self.kv_quant_snapshot = runner.kv_quant_stats(*self.kv_quant_labels)
         self._snapshot_time = 0.0
 

@@ -162,6 +162,8 @@ def _render_drain(p: P.DrainProgress) -> str:
 def _kv_quant_row(q) -> str:
     """The KV dtype, its bytes per token and what the runtime quality check saw."""
     text = f"{q.kv_dtype}, {q.bytes_per_token} bytes/token"
+    if q.rotation != "none":
+        text += f", {q.rotation} rotation"
     if q.check_fraction:
         text += (f"; quality check every {round(1 / q.check_fraction)} decode steps: "
                  f"{q.check_steps} checked, {q.check_alarms} alarms, max attention KL "

@@ -141,13 +141,13 @@ class KVQualityGateError(ConfigError):
 
 
 def apply_kv_gate(model, cache_cfg, tokenizer, digest: str, dtype: torch.dtype,
-                  cache_dir: Path | None) -> KVGateResult | None:
+                  cache_dir: Path | None, rotation: str = "none") -> KVGateResult | None:
     """Gate `cache.kv_dtype` at start-up (None when K/V stay in the model dtype): refuse to
     start on a failure unless `cache.force_kv_dtype`. The verdict is remembered in
     cache_dir/quality_gate.json, keyed by what could change it."""
     if not cache_cfg.kv_quantized:
         return None
-    mode = kv_dtype_name(cache_cfg)
+    mode = kv_dtype_name(cache_cfg) + ("" if rotation == "none" else f"+{rotation}")
     k_fmt, v_fmt = kv_format(cache_cfg.side_dtype("k")), kv_format(cache_cfg.side_dtype("v"))
     memo_path = Path(cache_dir) / "quality_gate.json" if cache_dir else None
     key = "|".join(["kv", f"v{GATE_VERSION}", digest, mode, str(dtype), torch.__version__,
@@ -171,7 +171,8 @@ def apply_kv_gate(model, cache_cfg, tokenizer, digest: str, dtype: torch.dtype,
     if not result.passed:
         if not cache_cfg.force_kv_dtype:
             raise KVQualityGateError(
-                f"cache.kv_dtype {mode!r} fails its quality gate: {result.summary()}; set "
+                f"cache.kv_dtype {kv_dtype_name(cache_cfg)!r} fails its quality gate: "
+                f"{result.summary()}; set "
                 "cache.force_kv_dtype = true to serve it anyway", key="cache.kv_dtype")
         startup_log.warning("serving a quantized KV cache that FAILED its quality gate "
                             "(cache.force_kv_dtype)", summary=result.summary())

@@ -55,6 +55,9 @@ class Attention(nn.Module):
         # layer's index in it; None: off (LlamaForCausalLM.set_kv_check).
         self.kv_check = None
         self.layer_index = 0
+        # cache.kv_rotation: an orthonormal [D, D] rotation applied to q, k and v before the
+        # (quantized) cache and undone on the attention output; None: off.
+        self.kv_rotation: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -67,7 +70,12 @@ class Attention(nn.Module):
         o = self.attend(q, key_cache, value_cache, meta, k, v)
         if check is not None and check.checking:
             check.check(self.layer_index, q, key_cache, value_cache, self.scale)
-        return self.o_proj(o.reshape(x.shape[0], self.q_size))
+        return self.o_proj(self.unrotate(o).reshape(x.shape[0], self.q_size))
+
+    def unrotate(self, o: torch.Tensor) -> torch.Tensor:
+        """Attention's output [..., D] back from the rotated basis (identity when off)."""
+        r = self.kv_rotation
+        return o if r is None else _rotate(o.reshape(-1, self.head_dim), r.T).view(o.shape)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -81,6 +89,12 @@ class Attention(nn.Module):
             return self.rope_store_fn(qkv, cos, sin, h, kvh, d, key_cache, value_cache,
                                       slot_mapping)
         q, k, v = rope_and_store(qkv, cos, sin, h, kvh, d)
+        r = self.kv_rotation
+        if r is not None:
+            # q.k and p.v are unchanged by an orthonormal rotation of all three, but an
+            # outlier channel of k or v is spread over the whole head before it sets the
+            # row's quantization scale.
+            q, k, v = _rotate(q, r), _rotate(k, r), _rotate(v, r)
         if self.store_fn is None:
             store_kv(k, v, key_cache, value_cache, slot_mapping, has_skip_slots)
         else:
@@ -94,6 +108,11 @@ class Attention(nn.Module):
         The one part of a layer whose work depends on the batch's contexts: a piecewise
         graph runs it eagerly between its captured pieces."""
         return paged_attention(q, key_cache, value_cache, meta, self.scale, k, v, self.decode_fn)
+
+
+def _rotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """x [..., D] @ r [D, D] (fp32), in x's dtype: bf16 values are rotated in fp32."""
+    return x @ r if x.dtype == r.dtype else (x.float() @ r).to(x.dtype)
 
 
 class MLP(nn.Module):
@@ -144,7 +163,10 @@ def layer_before_attention(layer: DecoderLayer, m: torch.Tensor, h: torch.Tensor
 def layer_after_attention(layer: DecoderLayer, o: torch.Tensor, h: torch.Tensor,
                           add_norm) -> tuple[torch.Tensor, torch.Tensor]:
     """`decoder_layer_step` from attention's output o [T, H * D]: (MLP output, residual)."""
-    x, h = add_norm(layer.self_attn.o_proj(o), h, layer.post_attention_layernorm)
+    attn = layer.self_attn
+    if attn.kv_rotation is not None:
+        o = attn.unrotate(o.view(o.shape[0], -1, attn.head_dim)).reshape(o.shape)
+    x, h = add_norm(attn.o_proj(o), h, layer.post_attention_layernorm)
     return layer.mlp(x), h
 
 
@@ -180,6 +202,11 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             layer.self_attn.kv_check = check
             layer.self_attn.layer_index = i
+
+    def set_kv_rotation(self, rotation: torch.Tensor | None) -> None:
+        """Rotate q, k and v of every layer by `rotation` (cache.kv_rotation; None: off)."""
+        for layer in self.layers:
+            layer.self_attn.kv_rotation = rotation
 
     def set_kv_store_kernel(self, store_fn) -> None:
         """Route the KV store through `store_fn(key, value, key_cache, value_cache, slots)`,

@@ -48,5 +48,6 @@ async def test_metrics_and_admin_stats_show_the_kv_storage(server, tiny_model_di
     reply = admin_cli.send(server.engine.config.admin.socket_path, P.Stats(), timeout=30)
     assert reply.engine.kv_quant.kv_dtype == "int8"
     rendered = admin_cli._render_stats(reply)
-    assert re.search(rf"KV storage\s+int8, {per_token} bytes/token; quality check every 2 "
+    assert re.search(rf"KV storage\s+int8, {per_token} bytes/token, hadamard rotation; "
+                     r"quality check every 2 "
                      r"decode steps: \d+ checked, 0 alarms", rendered), rendered

@@ -189,3 +189,50 @@ def test_mixed_formats_read_back_each_with_its_own_scale():
     v = gather_context(kv.value[0], torch.tensor([0]))
     assert not torch.equal(k, v)
     assert (v - x).abs().max() <= BOUNDS["int8"] * x.abs().max()
+
+
+def test_hadamard_rotation_is_orthonormal_and_spreads_an_outlier():
+    from tokenloom.kernels.kv_quant import hadamard
+    r = hadamard(D, torch.float32, "cpu")
+    assert torch.allclose(r @ r.T, torch.eye(D), atol=1e-6)
+    with pytest.raises(ValueError, match="power-of-two"):
+        hadamard(80, torch.float32, "cpu")
+    x = _rows(64, 9)              # channel 3 is 20x the others
+    kv_plain, kv_rot = _kv("int8"), _kv("int8")
+    store_kv(x, x, kv_plain.key[0], kv_plain.value[0], torch.arange(64))
+    store_kv(x @ r, x @ r, kv_rot.key[0], kv_rot.value[0], torch.arange(64))
+    back = gather_context(kv_rot.key[0], torch.arange(8)) @ r.T
+    plain = gather_context(kv_plain.key[0], torch.arange(8))
+    err_rot, err_plain = (back - x).norm(), (plain - x).norm()
+    assert err_rot < 0.5 * err_plain, (err_rot, err_plain)
+
+
+def test_rotation_setting_resolves_per_model_and_mode():
+    from tokenloom.kernels.kv_quant import resolve_rotation
+    assert resolve_rotation(CacheConfig(kv_dtype="int8"), 64) == "hadamard"
+    assert resolve_rotation(CacheConfig(kv_dtype="int8"), 80) == "none"
+    assert resolve_rotation(CacheConfig(), 64) == "none"
+    assert resolve_rotation(CacheConfig(kv_dtype="int8", kv_rotation="none"), 64) == "none"
+    with pytest.raises(ConfigError, match="power-of-two head dim; this model's is 80"):
+        resolve_rotation(CacheConfig(kv_dtype="int8", kv_rotation="hadamard"), 80)
+    with pytest.raises(ConfigError, match=r"cache\.kv_rotation 'hadamard' applies to a "
+                                          r"quantized cache only"):
+        CacheConfig(kv_rotation="hadamard")
+
+
+def test_rotation_leaves_the_model_unchanged_over_a_full_precision_cache():
+    """q.k and p.v are invariant under a rotation of q, k and v (undone on the output): the
+    forward with it over a model-dtype cache is the forward without it, up to rounding."""
+    from tokenloom.kernels.kv_quant import hadamard
+    from tokenloom.kernels.models.kv_quality_gate import chunked_logits
+    from tokenloom.kernels.models.random_model import SHAPES, random_model
+
+    spec = SHAPES["tiny"]
+    model = random_model(spec, torch.float32, "cpu", max_positions=256, seed=2)
+    ids = torch.randint(3, spec.vocab_size, (50,),
+                        generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.inference_mode():
+        plain = chunked_logits(model, ids, None, None, chunk=16)
+        model.set_kv_rotation(hadamard(spec.head_dim, torch.float32, "cpu"))
+        rotated = chunked_logits(model, ids, None, None, chunk=16)
+    assert torch.allclose(plain, rotated, atol=1e-4)
