@@ -2,7 +2,7 @@
 every figure against the model-dtype cache measured in the same run.
 
     python benchmarks/kv_quant.py [--quick] [--json out.json] [--md out.md]
-                                  [--parts quality,capacity,decode,check,peer]
+                                  [--parts quality,capacity,decode,kernel,check,peer]
 
 1. quality: per mode, teacher-forced over the start-up gate's texts: greedy agreement, mean
    and p99 KL against the model-dtype cache, perplexity and its change (the gate's own
@@ -14,10 +14,12 @@ every figure against the model-dtype cache measured in the same run.
 3. decode: one decode step of 16 sequences at 1,024 and 4,096 tokens of context (K/V
    reads dominate there), the C++ kernels, median of --steps: tokens/s and the ratio to
    the model-dtype cache.
-4. check: the runtime quality check on every decode step of a clean run (alarms: the
+4. kernel: decode attention alone, 16 x 1,024, the modes interleaved round by round.
+5. check: the runtime quality check on every decode step of a clean run (alarms: the
    false-alarm rate) and with a wrong K scale injected into one layer (steps until it is
    caught at the default fraction).
-5. peer: 16 streams over HTTP with 1,024-token prompts and 64 output tokens, same load
+6. peer (not in the default parts: see docs/kv-quantization.md): 16 streams over HTTP
+   with 1,024-token prompts and 64 output tokens, same load
    generator, one server at a time: tokenloom fp32 with the fp32 / int8 cache against
    llama-server (F32 GGUF, flash attention on) with -ctk/-ctv f16 and q8_0; decode speed
    as 16 / ITL p50. Needs shared/peers/build-llama-server.sh.
@@ -40,6 +42,7 @@ from harness import (
     PEERS,
     VOCAB_HI,
     VOCAB_LO,
+    PeerStream,
     resolve_dir,
     run_async,
     run_load,
@@ -65,24 +68,31 @@ def fmt(mode):
 
 def part_quality(model, tokenizer, out: dict) -> None:
     from tokenloom.kernels.models import kv_quality_gate as g
+    from tokenloom.kernels.models.quality_gate import HELD_OUT_TEXT
     from tokenloom.kernels.models.weights import held_out_ids
 
     gate_ids = held_out_ids(tokenizer, model.spec.vocab_size, 256)
     ppl_ids = list(tokenizer(g.PERPLEXITY_TEXT)["input_ids"])[:256]
+    from tokenloom.kernels.kv_quant import hadamard
     rows = {}
     for mode in MODES[1:]:
-        r = g.measure(model, gate_ids, ppl_ids, fmt(mode), fmt(mode), mode)
-        rows[mode] = {"agreement": r.agreement, "mean_kl": r.mean_kl, "p99_kl": r.p99_kl,
-                      "ppl": r.ppl_quantized, "ppl_reference": r.ppl_reference,
-                      "ppl_change": r.ppl_increase, "passed": r.passed}
-        print(f"quality {mode}: {r.summary()}", flush=True)
+        for rotation in ("none", "hadamard"):
+            model.set_kv_rotation(hadamard(model.spec.head_dim, torch.float32, "cpu")
+                                  if rotation == "hadamard" else None)
+            name = mode if rotation == "none" else f"{mode}+hadamard"
+            r = g.measure(model, gate_ids, ppl_ids, fmt(mode), fmt(mode), name)
+            rows[name] = {"agreement": r.agreement, "mean_kl": r.mean_kl, "p99_kl": r.p99_kl,
+                          "ppl": r.ppl_quantized, "ppl_reference": r.ppl_reference,
+                          "ppl_change": r.ppl_increase, "passed": r.passed}
+            print(f"quality {name}: {r.summary()}", flush=True)
+    model.set_kv_rotation(None)
     out["quality"] = rows
     ppl = PEERS / "llama-perplexity"
     if not ppl.exists():
         out["quality_llama_cpp"] = "llama-perplexity not built (shared/peers)"
         return
     text = Path(tempfile.mkstemp(suffix=".txt")[1])
-    text.write_text((g.HELD_OUT_TEXT + "\n\n" + g.PERPLEXITY_TEXT) * 1)
+    text.write_text(HELD_OUT_TEXT + "\n\n" + g.PERPLEXITY_TEXT)
     peer = {}
     for cache in ("f16", "q8_0"):
         cmd = [str(ppl), "-m", str(PEERS / "SmolLM2-135M-Instruct.F32.gguf"), "-f", str(text),
@@ -151,19 +161,66 @@ def decode_step_seconds(model, spec, mode: str, ctx: int, batch: int, steps: int
 
 def part_decode(model, spec, out: dict, steps: int, contexts: list[int]) -> None:
     from tokenloom.kernels.cpu.attention import load_cpu_decode_kernel, paged_decode_cpu
+    from tokenloom.kernels.kv_quant import hadamard
     if load_cpu_decode_kernel() is not None:
         model.set_decode_kernel(paged_decode_cpu)
     rows = {}
     for ctx in contexts:
         base = None
         for mode in MODES:
+            # As served by default: a quantized cache with its rotation.
+            model.set_kv_rotation(None if mode == "auto" else
+                                  hadamard(spec.head_dim, torch.float32, "cpu"))
             s = decode_step_seconds(model, spec, mode, ctx, 16, steps)
             base = base or s
             rows[f"{mode}@{ctx}"] = {"step_ms": s * 1e3, "tokens_per_s": 16 / s,
                                      "speed_ratio": base / s}
             print(f"decode 16 x {ctx} {mode}: {s * 1e3:.1f} ms/step, {16 / s:.0f} tok/s "
                   f"({base / s:.2f}x the fp32 cache)", flush=True)
+    model.set_kv_rotation(None)
     out["decode"] = rows
+
+
+def part_kernel(spec, out: dict, rounds: int) -> None:
+    """Decode attention alone (the C++ kernel, 16 x 1,024, 8 layers a call), the modes
+    interleaved round by round so that the machine's drift hits them all alike."""
+    from tokenloom.kernels.cpu.attention import load_cpu_decode_kernel, paged_decode_cpu
+    from tokenloom.kernels.kv_store import KVCache, store_kv
+    if load_cpu_decode_kernel() is None:
+        out["kernel"] = "the C++ kernel did not build"
+        return
+    batch, ctx, bs, layers = 16, 1024, 16, 8
+    per = ctx // bs
+    kvh, d = spec.num_kv_heads, spec.head_dim
+    caches = {}
+    for mode in MODES:
+        kv = KVCache.allocate(layers, batch * per, bs, kvh, d, torch.float32, "cpu", fmt(mode),
+                              fmt(mode))
+        n = batch * per * bs
+        for layer in range(layers):
+            store_kv(torch.randn(n, kvh, d), torch.randn(n, kvh, d), kv.key[layer],
+                     kv.value[layer], torch.arange(n))
+        caches[mode] = kv
+    tables = torch.arange(batch * per).view(batch, per)
+    lens = torch.full((batch,), ctx)
+    q = torch.randn(batch, spec.num_heads, d)
+    times = {m: [] for m in MODES}
+    for _ in range(rounds):
+        for mode, kv in caches.items():
+            t0 = time.perf_counter()
+            for layer in range(layers):
+                paged_decode_cpu(q, kv.key[layer], kv.value[layer], tables, lens, ctx, 0.125)
+            times[mode].append((time.perf_counter() - t0) / layers)
+    base = statistics.median(times["auto"])
+    rows = {}
+    for mode, ts in times.items():
+        m = statistics.median(ts)
+        kv_bytes = batch * ctx * 2 * kvh * (d * 4 if mode == "auto" else d + 4)
+        rows[mode] = {"ms_per_layer": m * 1e3, "speed_ratio": base / m,
+                      "gb_per_s": kv_bytes / m / 1e9}
+        print(f"kernel 16 x {ctx} {mode}: {m * 1e3:.2f} ms a layer ({base / m:.2f}x fp32, "
+              f"{kv_bytes / m / 1e9:.1f} GB/s of KV)", flush=True)
+    out["kernel"] = rows
 
 
 def part_check(out: dict, quick: bool) -> None:
@@ -229,8 +286,10 @@ def part_peer(out: dict, quick: bool) -> None:
 
     def measure(name, server, tokenloom):
         try:
-            run_async(run_load(server.url, "m", prompts[:4], 8, 4, 0, 0, tokenloom))  # warm
-            res, elapsed = run_async(run_load(server.url, "m", prompts, 64, 16, 0, 1, tokenloom))
+            protocol = None if tokenloom else PeerStream
+            run_async(run_load(server.url, "m", prompts[:4], 8, 4, 0, 0, tokenloom, protocol))
+            res, elapsed = run_async(run_load(server.url, "m", prompts, 64, 16, 0, 1, tokenloom,
+                                              protocol))
             s = summarise(res, elapsed)
             itl = s["itl_ms"]["p50"]
             rows[name] = {"itl_p50_ms": itl, "itl_p99_ms": s["itl_ms"]["p99"],
@@ -264,7 +323,7 @@ def markdown(out: dict) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for mode in MODES:
         cap = out.get("capacity", {}).get(mode, {})
-        q = out.get("quality", {}).get(mode, {})
+        q = out.get("quality", {}).get(mode if mode == "auto" else f"{mode}+hadamard", {})
         d1 = out.get("decode", {}).get(f"{mode}@1024", {})
         d4 = out.get("decode", {}).get(f"{mode}@4096", {})
 
@@ -281,7 +340,7 @@ def markdown(out: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--parts", default="quality,capacity,decode,check,peer")
+    ap.add_argument("--parts", default="quality,capacity,decode,kernel,check")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--json")
     ap.add_argument("--md")
@@ -297,6 +356,8 @@ def main() -> None:
     if "decode" in parts:
         part_decode(model, spec, out, 2 if args.quick else args.steps,
                     [256] if args.quick else [1024, 4096])
+    if "kernel" in parts:
+        part_kernel(spec, out, 3 if args.quick else 15)
     del model
     if "check" in parts:
         part_check(out, args.quick)

@@ -20,6 +20,7 @@ from tokenloom.kernels.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     add_rms_norm,
+    apply_rope,
     rope_and_store,
     silu_and_mul,
 )
@@ -58,6 +59,7 @@ class Attention(nn.Module):
         # cache.kv_rotation: an orthonormal [D, D] rotation applied to q, k and v before the
         # (quantized) cache and undone on the attention output; None: off.
         self.kv_rotation: torch.Tensor | None = None
+        self.kv_unrotation: torch.Tensor | None = None   # its transpose, contiguous
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -74,8 +76,8 @@ class Attention(nn.Module):
 
     def unrotate(self, o: torch.Tensor) -> torch.Tensor:
         """Attention's output [..., D] back from the rotated basis (identity when off)."""
-        r = self.kv_rotation
-        return o if r is None else _rotate(o.reshape(-1, self.head_dim), r.T).view(o.shape)
+        r = self.kv_unrotation
+        return o if r is None else _rotate(o.reshape(-1, self.head_dim), r).view(o.shape)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -88,13 +90,20 @@ class Attention(nn.Module):
         if self.rope_store_fn is not None:
             return self.rope_store_fn(qkv, cos, sin, h, kvh, d, key_cache, value_cache,
                                       slot_mapping)
-        q, k, v = rope_and_store(qkv, cos, sin, h, kvh, d)
         r = self.kv_rotation
-        if r is not None:
+        if r is None:
+            q, k, v = rope_and_store(qkv, cos, sin, h, kvh, d)
+        else:
             # q.k and p.v are unchanged by an orthonormal rotation of all three, but an
             # outlier channel of k or v is spread over the whole head before it sets the
-            # row's quantization scale.
-            q, k, v = _rotate(q, r), _rotate(k, r), _rotate(v, r)
+            # row's quantization scale. (After RoPE, which it does not commute with; q and
+            # k heads as one contiguous product: per-tensor products of the strided views
+            # cost ~25x more.)
+            t, qk_size = qkv.shape[0], (h + kvh) * d
+            qk = apply_rope(qkv[:, :qk_size].view(t, h + kvh, d), cos, sin)
+            qk = _rotate(qk.reshape(-1, d), r).view(t, h + kvh, d)
+            v = _rotate(qkv[:, qk_size:].reshape(-1, d), r).view(t, kvh, d)
+            q, k = qk[:, :h], qk[:, h:]
         if self.store_fn is None:
             store_kv(k, v, key_cache, value_cache, slot_mapping, has_skip_slots)
         else:
@@ -205,8 +214,10 @@ class LlamaForCausalLM(nn.Module):
 
     def set_kv_rotation(self, rotation: torch.Tensor | None) -> None:
         """Rotate q, k and v of every layer by `rotation` (cache.kv_rotation; None: off)."""
+        back = None if rotation is None else rotation.T.contiguous()
         for layer in self.layers:
             layer.self_attn.kv_rotation = rotation
+            layer.self_attn.kv_unrotation = back
 
     def set_kv_store_kernel(self, store_fn) -> None:
         """Route the KV store through `store_fn(key, value, key_cache, value_cache, slots)`,

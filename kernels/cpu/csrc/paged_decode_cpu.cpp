@@ -132,28 +132,42 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor key_cache, torch::Tens
 
 // fmt: 0 int8, 1 fp8 e4m3 (bias 7), 2 fp8 e5m2 (bias 15). NaN/inf codes never occur: the
 // store clamps to the format's largest finite value.
-static inline void decode_row(const uint8_t* src, float* dst, int64_t n, int fmt) {
+static inline float bits_to_float(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
+static inline uint32_t float_to_bits(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  return b;
+}
+
+// fp8 -> fp32 with integer selects only (no branches, so the loop vectorizes): a normal
+// code's exponent is rebiased into fp32's; a subnormal one is its mantissa times the
+// smallest step; the sign bit moves to bit 31.
+template <int MANT, int BIAS>
+static inline void decode_fp8(const uint8_t* __restrict src, float* __restrict dst, int64_t n) {
+  constexpr uint32_t rebias = static_cast<uint32_t>(127 - BIAS) << 23;
+  constexpr float step = 1.0f / static_cast<float>(1 << (BIAS - 1 + MANT));
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t b = src[i], em = b & 0x7f, sign = (b & 0x80) << 24;
+    const uint32_t normal = ((em << (23 - MANT)) + rebias) | sign;
+    const uint32_t sub = float_to_bits(static_cast<float>(em) * step) | sign;
+    dst[i] = bits_to_float(em >= (1u << MANT) ? normal : sub);
+  }
+}
+
+static inline void decode_row(const uint8_t* __restrict src, float* __restrict dst, int64_t n,
+                              int fmt) {
   if (fmt == 0) {
     const int8_t* s = reinterpret_cast<const int8_t*>(src);
     for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(s[i]);
   } else if (fmt == 1) {
-    for (int64_t i = 0; i < n; ++i) {
-      const uint32_t b = src[i], em = b & 0x7f;
-      uint32_t bits = (em << 20) + (120u << 23);            // normal: exponent rebiased
-      float normal;
-      std::memcpy(&normal, &bits, 4);
-      const float mag = em >= 8 ? normal : static_cast<float>(em) * 0.001953125f;  // 2^-9
-      dst[i] = (b & 0x80) ? -mag : mag;
-    }
+    decode_fp8<3, 7>(src, dst, n);
   } else {
-    for (int64_t i = 0; i < n; ++i) {
-      const uint32_t b = src[i], em = b & 0x7f;
-      uint32_t bits = (em << 21) + (112u << 23);
-      float normal;
-      std::memcpy(&normal, &bits, 4);
-      const float mag = em >= 4 ? normal : static_cast<float>(em) * 1.52587890625e-05f;  // 2^-16
-      dst[i] = (b & 0x80) ? -mag : mag;
-    }
+    decode_fp8<2, 15>(src, dst, n);
   }
 }
 
