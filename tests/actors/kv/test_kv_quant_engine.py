@@ -146,3 +146,39 @@ def test_runtime_check_raises_no_alarm_on_a_clean_run(model_dir, tmp_path):
         assert s.checks >= 60 and s.layer_checks >= 4 * 60
         assert s.alarms == 0, s
         assert not llm.engine.kv.promoted_layers()
+
+
+def test_speculative_rollback_over_a_quantized_cache(model_dir, tmp_path, reference):
+    """Prompt-lookup speculation writes draft rows into the quantized cache and rolls the
+    rejected ones back (they are overwritten): the output stays the engine's own."""
+    prompts = [p * 3 for p in PROMPTS]      # repetitive: drafts are proposed
+    with _llm(model_dir, tmp_path, kv_dtype="int8") as llm:
+        plain = llm.generate(prompts, SP)
+    with _llm(model_dir, tmp_path, kv_dtype="int8", **{"speculative.method": "ngram",
+                                                       "speculative.mode": "on"}) as llm:
+        spec = llm.generate(prompts, SP)
+        stats = llm.scheduler_stats().spec
+        # (The random model does not follow its prompt, so drafts are rejected: every one
+        # is a rollback of rows written into the quantized cache.)
+        assert stats.num_draft_tokens > stats.num_accepted_tokens
+        llm.check_integrity()
+        assert llm.kv_stats().used == 0
+    _same_or_near_tie(spec, plain)
+
+
+def test_kv_tiers_store_and_restore_the_quantized_form(model_dir, tmp_path):
+    """Evicted quantized blocks go to host memory as 1-byte values plus scales and come
+    back into the pool as they left it."""
+    prompts = [[5 + (i * 11 + k) % 150 for k in range(40)] for i in range(6)]
+    opts = dict(kv_dtype="int8", num_blocks=24, max_num_seqs=2,
+                **{"kv_tiers.enabled": True, "kv_tiers.host_bytes": 1 << 22})
+    with _llm(model_dir, tmp_path, **opts) as llm:
+        first = llm.generate(prompts, SP)
+        again = llm.generate(prompts, SP)
+        host = sum((o.outputs[0].timings.cached_tokens_by_tier or {}).get("host", 0)
+                   for o in again)
+        assert host >= 64
+        layout = llm.engine.tiers.layout
+        assert layout.dtype == "int8+hadamard" and layout.scale_bytes == 4 * 2 * 8 * 2 * 4
+        _same_or_near_tie(again, first)
+        llm.check_integrity()
