@@ -283,6 +283,8 @@ class ScheduledSequence(_Msg):
     # The scheduler still lacks some of this request's prompt logprobs: the runner returns
     # those of the prompt tokens after this chunk's positions (StepOutput.prompt_logprobs).
     prompt_logprobs: bool = False
+    # The LoRA slot this request's rows run with (kernels/lora/stacks.py); -1: base model.
+    lora_slot: int = -1
 
 
 class ExecuteBatch(_Msg):

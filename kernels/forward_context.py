@@ -41,3 +41,6 @@ class AttentionMetadata:
     # True when slot_mapping may hold -1 (padded rows of a graph bucket): the reference
     # store must then filter (a host sync), a store kernel skips them in place.
     has_skip_slots: bool = False
+    # Which LoRA adapter slot each row runs with (kernels/lora/stacks.LoRABatch); None: every
+    # row runs the base model. Carried here because it is per step, like the rest.
+    lora: object | None = None

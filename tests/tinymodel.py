@@ -89,3 +89,37 @@ def hf_greedy(hf, prompt: list[int], max_new_tokens: int) -> list[int]:
                           eos_token_id=None, pad_token_id=0,
                           attention_mask=torch.ones_like(ids))
     return out[0, len(prompt):].tolist()
+
+
+def build_random_adapter(base_dir: Path, path: Path, rank: int, seed: int,
+                         targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj",
+                                                     "gate_proj", "up_proj", "down_proj"),
+                         alpha: float = 16.0, use_rslora: bool = False,
+                         scale: float = 0.3) -> Path:
+    """A PEFT LoRA adapter for the model at `base_dir`, written by PEFT itself
+    (adapter_config.json + adapter_model.safetensors), with random A and B (PEFT starts B at
+    zero, which would make every adapter the base model)."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    peft_model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=alpha,
+                                                 target_modules=list(targets),
+                                                 use_rslora=use_rslora, lora_dropout=0.0))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(scale * torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+    peft_model.save_pretrained(path)
+    return path
+
+
+def peft_oracle(base_dir: Path, adapter_dir: Path | None):
+    """transformers' model with the adapter applied by PEFT (None: the base model), eval mode."""
+    import transformers
+    from peft import PeftModel
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = base if adapter_dir is None else PeftModel.from_pretrained(base, adapter_dir)
+    return model.eval()

@@ -22,6 +22,7 @@ import torch
 from tokenloom.arith import cdiv
 from tokenloom.kernels.attention import decode_mask
 from tokenloom.kernels.forward_context import AttentionMetadata, PrefillSegment
+from tokenloom.kernels.lora.stacks import lora_batch
 
 if TYPE_CHECKING:  # torch-only at run time: the GPU check imports this without msgspec
     from tokenloom.actors.messages import ExecuteBatch
@@ -103,6 +104,10 @@ def build_batch_inputs(batch: ExecuteBatch, block_size: int, device: torch.devic
                 sample_ids.append(s.request_id)
 
     one = len(ids_parts) == 1
+    # LoRA: each token row's adapter slot (getattr: plain sequence-like objects have none).
+    lora = None
+    if any(getattr(s, "lora_slot", -1) >= 0 for s in seqs):
+        lora = lora_batch([s.lora_slot for s in seqs for _ in s.token_ids], device)
     meta = AttentionMetadata(
         slot_mapping=_tensor(dec_slots if one else np.concatenate(slot_parts), device),
         num_decodes=nd,
@@ -113,6 +118,7 @@ def build_batch_inputs(batch: ExecuteBatch, block_size: int, device: torch.devic
         # Built once per step, shared by every layer.
         decode_mask=(decode_mask(decode_lens, cdiv(max_ctx, block_size) * block_size)
                      if nd and with_decode_mask else None),
+        lora=lora,
     )
     return BatchInputs(
         input_ids=_tensor(dec_ids if one else np.concatenate(ids_parts), device),

@@ -60,19 +60,26 @@ class Attention(nn.Module):
         # (quantized) cache and undone on the attention output; None: off.
         self.kv_rotation: torch.Tensor | None = None
         self.kv_unrotation: torch.Tensor | None = None   # its transpose, contiguous
+        # LoRA deltas of the qkv and o projections (kernels/lora/stacks.LoRADelta); None:
+        # the engine serves no adapters (LlamaForCausalLM.enable_lora).
+        self.lora_qkv = None
+        self.lora_o = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
+        lora = meta.lora
         q, k, v = self.project(x, cos, sin, key_cache, value_cache, meta.slot_mapping,
-                               meta.has_skip_slots)
+                               meta.has_skip_slots, lora)
         check = self.kv_check
         if check is not None and check.recording:
             check.record(self.layer_index, k, v)
         o = self.attend(q, key_cache, value_cache, meta, k, v)
         if check is not None and check.checking:
             check.check(self.layer_index, q, key_cache, value_cache, self.scale)
-        return self.o_proj(self.unrotate(o).reshape(x.shape[0], self.q_size))
+        o = self.unrotate(o).reshape(x.shape[0], self.q_size)
+        out = self.o_proj(o)
+        return out if lora is None or self.lora_o is None else self.lora_o(o, out, lora)
 
     def unrotate(self, o: torch.Tensor) -> torch.Tensor:
         """Attention's output [..., D] back from the rotated basis (identity when off)."""
@@ -81,12 +88,15 @@ class Attention(nn.Module):
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                has_skip_slots: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                has_skip_slots: bool, lora=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v of the step's tokens, rotated; k and v also written into the cache at
         `slot_mapping` (slot -1: skipped). Everything before attention, and shape-static:
-        a piecewise graph captures it (graphs/piecewise.py)."""
+        a piecewise graph captures it (graphs/piecewise.py). `lora`: the step's LoRABatch
+        (None: no row has an adapter)."""
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)                                          # [T, q + 2kv]
+        if lora is not None and self.lora_qkv is not None:
+            qkv = self.lora_qkv(x, qkv, lora)
         if self.rope_store_fn is not None:
             return self.rope_store_fn(qkv, cos, sin, h, kvh, d, key_cache, value_cache,
                                       slot_mapping)
@@ -130,9 +140,14 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
         self.act_fn = silu_and_mul   # or a fused kernel (LlamaForCausalLM.set_fused_kernels)
+        self.lora_gate_up = None     # LoRA deltas (see Attention.lora_qkv)
+        self.lora_down = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
+        if lora is None or self.lora_gate_up is None:
+            return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        y = self.act_fn(self.lora_gate_up(x, self.gate_up_proj(x), lora))
+        return self.lora_down(y, self.down_proj(y), lora)
 
 
 class DecoderLayer(nn.Module):
@@ -155,7 +170,7 @@ def decoder_layer_step(layer: DecoderLayer, m: torch.Tensor, h: torch.Tensor, co
     x, h = add_norm(m, h, layer.input_layernorm)
     a = layer.self_attn(x, cos, sin, key_cache, value_cache, meta)
     x, h = add_norm(a, h, layer.post_attention_layernorm)
-    return layer.mlp(x), h
+    return layer.mlp(x, meta.lora), h
 
 
 def layer_before_attention(layer: DecoderLayer, m: torch.Tensor, h: torch.Tensor,
@@ -218,6 +233,16 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             layer.self_attn.kv_rotation = rotation
             layer.self_attn.kv_unrotation = back
+
+    def enable_lora(self, stacks, kernel=None) -> None:
+        """Give every projection its LoRA delta over `stacks`' resident slots
+        (kernels/lora/stacks.LoRAStacks); `kernel`: the CUDA delta kernel (None: torch)."""
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.lora_qkv, attn.lora_o = stacks.delta(i, "qkv"), stacks.delta(i, "o")
+            mlp.lora_gate_up, mlp.lora_down = stacks.delta(i, "gate_up"), stacks.delta(i, "down")
+            for d in (attn.lora_qkv, attn.lora_o, mlp.lora_gate_up, mlp.lora_down):
+                d.kernel = kernel
 
     def set_kv_store_kernel(self, store_fn) -> None:
         """Route the KV store through `store_fn(key, value, key_cache, value_cache, slots)`,

@@ -1,0 +1,1 @@
+"""LoRA adapters: reading PEFT directories, device slots, the per-row delta."""
