@@ -17,6 +17,7 @@ import torch
 from tokenloom.actors.engine_client import EngineFront, merge_traces
 from tokenloom.actors.execution.compute_thread import ComputeThread
 from tokenloom.actors.execution.guided import GuidedCompiler
+from tokenloom.actors.execution.lora_cache import LoRACache
 from tokenloom.actors.execution.model_runner import ModelRunner
 from tokenloom.actors.execution.runner_actor import RunnerActor
 from tokenloom.actors.front.router_actor import RouterActor
@@ -36,11 +37,13 @@ from tokenloom.actors.messages import (
     RequestFinished,
     RequestOutput,
     RuntimeInfo,
+    SetLoRAAdapter,
     Shutdown,
     WorkerStats,
     WorkerStatus,
 )
 from tokenloom.actors.output.output_processor import OutputProcessor
+from tokenloom.actors.scheduling.lora_slots import AdapterSlots
 from tokenloom.actors.scheduling.policy import PolicyLimits
 from tokenloom.actors.scheduling.prefix_tracker import PrefixTracker
 from tokenloom.actors.scheduling.scheduler_actor import SchedulerActor
@@ -59,6 +62,8 @@ from tokenloom.kernels.kv_quant import (
     resolve_rotation,
 )
 from tokenloom.kernels.kv_store import HostKVPool, KVCache
+from tokenloom.kernels.lora.peft_adapter import LoRAAdapterError, load_adapter
+from tokenloom.kernels.lora.stacks import LoRAStacks
 from tokenloom.kernels.models.kv_quality_gate import apply_kv_gate
 from tokenloom.kernels.models.loader import load_model, load_spec, resolve_model_dir, weights_digest
 from tokenloom.kernels.models.model_spec import ModelSpec
@@ -131,6 +136,33 @@ def build_kv_event_publisher(config: EngineConfig, model_dir: str):
     return publisher
 
 
+def build_lora(config: EngineConfig, spec: ModelSpec, model, dtype: torch.dtype,
+               device: torch.device) -> tuple[AdapterSlots, LoRACache] | None:
+    """`[lora]`: device slots for `max_loras` adapters attached to the model's projections,
+    and the start-up adapters checked (a bad one stops start-up, naming it)."""
+    cfg = config.lora
+    if not cfg.enabled:
+        return None
+    stacks = LoRAStacks(spec, cfg.max_loras, cfg.max_lora_rank, dtype, device)
+    kernel = None
+    if device.type == "cuda":
+        from tokenloom.kernels.gpu.triton_lora import lora_add_triton
+        kernel = lora_add_triton
+    model.enable_lora(stacks, kernel)
+    cache = LoRACache(stacks, cfg.max_cpu_loras)
+    for name, path in cfg.modules.items():
+        try:
+            cache.weights(name, path)
+        except LoRAAdapterError as e:
+            raise ConfigError(f"lora.modules: {e}", key="lora.modules") from e
+    startup_log.info(f"LoRA: {cfg.max_loras} device slots of rank {cfg.max_lora_rank} "
+                     f"({stacks.nbytes / 2**20:.0f} MiB), {len(cfg.modules)} adapters "
+                     f"from start-up" + (f": {', '.join(cfg.modules)}" if cfg.modules else ""),
+                     max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank,
+                     adapters=sorted(cfg.modules))
+    return AdapterSlots(cfg.max_loras, dict(cfg.modules)), cache
+
+
 def build_speculation(config: EngineConfig, info: RuntimeInfo):
     """(SpecController, proposer, KV lookahead slots) for `[speculative]`, or Nones."""
     cfg = config.speculative
@@ -156,7 +188,8 @@ class Engine(EngineFront):
     """Owns the actors; an EngineClient (actors/engine_client.py). Build with
     `Engine.build(config)`, then `await engine.run()`."""
 
-    def __init__(self, config: EngineConfig, info: RuntimeInfo, model, tokenizer):
+    def __init__(self, config: EngineConfig, info: RuntimeInfo, model, tokenizer,
+                 lora: tuple[AdapterSlots, LoRACache] | None = None):
         super().__init__()
         self.config = config
         self.tokenizer = tokenizer
@@ -207,7 +240,8 @@ class Engine(EngineFront):
                                         outputs=OutputProcessor(tokenizer), spec=spec_ctl,
                                         spec_lookahead=lookahead,
                                         recompute_prior_s_per_token=(
-                                            config.kv_tiers.recompute_prior_ms_per_token / 1e3))
+                                            config.kv_tiers.recompute_prior_ms_per_token / 1e3),
+                                        lora=lora[0] if lora is not None else None)
         publisher = build_kv_event_publisher(config, info.model_dir)
         self.tiers = build_tiers(config.kv_tiers, KVLayout(
             info.dtype if info.kv_dtype == "auto" else (
@@ -236,6 +270,11 @@ class Engine(EngineFront):
                                               host_pool=host_pool, proposer=proposer,
                                               guided=self.guided, piecewise=piecewise))
         self.runner.model_runner.tiers = self.tiers
+        self.runner.model_runner.lora = lora[1] if lora is not None else None
+        # The adapters a request may name (the front's list; the scheduler has its own
+        # registry, told of every change); None: LoRA serving is off.
+        self.lora_adapters: dict[str, str] | None = (
+            dict(config.lora.modules) if lora is not None else None)
         self._start_kv_check(model, kv)
         # Wiring: tokenizer -> router -> scheduler <-> {KV manager, runner}.
         self.tokenizer_actor.next_inbox = self.router.inbox
@@ -310,6 +349,8 @@ class Engine(EngineFront):
                                         max_model_len=max_len,
                                         block_size=config.cache.block_size,
                                         kv_quantized=config.cache.kv_quantized)
+        # (LoRA slots first: on a GPU the KV pool is sized from the memory left)
+        lora = build_lora(config, spec, model, dtype, device)
         num_blocks, per_token = size_kv_pool(config, spec, dtype, device)
         capacity = num_blocks * config.cache.block_size
         if capacity < max_len:
@@ -352,7 +393,7 @@ class Engine(EngineFront):
             f"{num_blocks * per_token * info.block_size / 2**20:.0f} MiB",
             num_blocks=num_blocks, block_size=info.block_size, capacity_tokens=capacity,
             kv_dtype=info.kv_dtype)
-        return cls(config, info, model, tokenizer)
+        return cls(config, info, model, tokenizer, lora)
 
     # -- running -------------------------------------------------------------------------
     async def run(self) -> None:
@@ -412,6 +453,23 @@ class Engine(EngineFront):
 
     async def set_draining(self, draining: bool) -> None:
         """Nothing below the front to tell: the HTTP layer stops admitting by itself."""
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """Check the adapter at `path` against the base model (LoRAAdapterError naming
+        it when it cannot be served) and let requests name it."""
+        if self.lora_adapters is None:
+            raise LoRAAdapterError("LoRA serving is off (lora.enable)")
+        spec, max_rank = self.info.spec, self.config.lora.max_lora_rank
+        await asyncio.to_thread(load_adapter, name, path, spec, max_rank)
+        await self.ask(self.scheduler, SetLoRAAdapter(name=name, path=str(path)))
+        self.lora_adapters[name] = str(path)
+
+    async def unload_lora_adapter(self, name: str) -> bool:
+        """Stop serving an adapter; whether it was loaded."""
+        if self.lora_adapters is None or self.lora_adapters.pop(name, None) is None:
+            return False
+        await self.ask(self.scheduler, SetLoRAAdapter(name=name, path=None))
+        return True
 
     async def ask(self, actor, query):
         """Send a typed query (messages.py, "control") to an actor and await its answer."""

@@ -69,6 +69,18 @@ class EngineClient(Protocol):
         """Stop (or resume) taking requests below the front (worker processes)."""
         ...
 
+    # LoRA adapters a request may name (name -> directory); None when [lora] is off.
+    lora_adapters: dict[str, str] | None
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """Check and start serving an adapter (kernels/lora/peft_adapter.LoRAAdapterError
+        naming it when it cannot be served), on every worker."""
+        ...
+
+    async def unload_lora_adapter(self, name: str) -> bool:
+        """Stop serving an adapter; whether it was loaded."""
+        ...
+
     async def run(self) -> None: ...
 
     def shutdown(self) -> None: ...

@@ -50,6 +50,7 @@ from tokenloom.config.schema import (
     ConfigError,
     EngineConfig,
     GraphsConfig,
+    LoRAConfig,
     ModelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -58,7 +59,7 @@ from tokenloom.config.schema import (
 from tokenloom.startup_log import STARTUP_LOGGER
 
 _SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-             "graphs": GraphsConfig, "speculative": SpeculativeConfig}
+             "graphs": GraphsConfig, "speculative": SpeculativeConfig, "lora": LoRAConfig}
 # Per thread of control, so that a quiet LLM built beside a chatty one stays quiet.
 _show_startup: contextvars.ContextVar[bool] = contextvars.ContextVar("tokenloom_show_startup",
                                                                      default=True)
@@ -173,20 +174,39 @@ class LLM:
     # -- public API ----------------------------------------------------------------------
     def generate(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 cache_salt: str | None = None) -> list[GenerationOutput]:
+                 cache_salt: str | None = None,
+                 lora: str | Sequence[str | None] | None = None) -> list[GenerationOutput]:
         """`cache_salt` isolates prefix-cache reuse: requests with different salts never
-        share KV blocks (e.g. one salt per tenant)."""
+        share KV blocks (e.g. one salt per tenant). `lora`: the LoRA adapter to run with
+        (a name from lora.modules or load_lora_adapter), one for all prompts or one per
+        prompt (None: the base model)."""
         items = _normalise_prompts(prompts)
         params = _per_prompt(sampling_params, len(items))
-        return self._wait(self._generate_all([(p, sp, None) for p, sp in zip(items, params)],
-                                             cache_salt))
+        adapters = [lora] * len(items) if lora is None or isinstance(lora, str) else list(lora)
+        if len(adapters) != len(items):
+            raise ValueError(f"lora: {len(adapters)} adapters for {len(items)} prompts")
+        known = self.engine.lora_adapters
+        for name in adapters:
+            if name is not None and (known is None or name not in known):
+                raise ValueError(f"lora: the adapter {name!r} is not loaded (loaded: "
+                                 f"{', '.join(sorted(known or {})) or 'none'})")
+        return self._wait(self._generate_all(
+            [(p, sp, None, a) for p, sp, a in zip(items, params, adapters)], cache_salt))
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter at `path` as `name` (needs lora.enable)."""
+        self._wait(self.engine.load_lora_adapter(name, path))
+
+    def unload_lora_adapter(self, name: str) -> bool:
+        return self._wait(self.engine.unload_lora_adapter(name))
 
     def chat(self, conversations: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None) -> list[GenerationOutput]:
         single = conversations and isinstance(conversations[0], dict)
         convs = [conversations] if single else conversations
         params = _per_prompt(sampling_params, len(convs))
-        return self._wait(self._generate_all([(None, sp, c) for c, sp in zip(convs, params)]))
+        return self._wait(self._generate_all([(None, sp, c, None)
+                                              for c, sp in zip(convs, params)]))
 
     def stream(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,
                messages: list[dict] | None = None) -> Iterator[str]:
@@ -293,14 +313,15 @@ class LLM:
 
     async def _generate_all(self, items, cache_salt: str | None = None) -> list[GenerationOutput]:
         tasks = []
-        for prompt, params, messages in items:
+        for prompt, params, messages, lora in items:
             rid = self.engine.new_request_id()
-            tasks.append(self._prompt(prompt, params, messages, rid, cache_salt))
+            tasks.append(self._prompt(prompt, params, messages, rid, cache_salt, lora))
         return list(await asyncio.gather(*tasks))
 
     async def _prompt(self, prompt, params: SamplingParams, messages, rid: str,
-                      cache_salt: str | None = None) -> GenerationOutput:
-        requests = fan_out(rid, [prompt], params, RequestMeta(cache_salt=cache_salt),
+                      cache_salt: str | None = None,
+                      lora: str | None = None) -> GenerationOutput:
+        requests = fan_out(rid, [prompt], params, RequestMeta(cache_salt=cache_salt, lora=lora),
                            messages=messages)
         prompt_out: list[RequestOutput] = []   # the output that carries the prompt's logprobs
         results = await asyncio.gather(*(self._choice(r, i, prompt_out=prompt_out)

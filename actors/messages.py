@@ -42,6 +42,9 @@ class RequestMeta(_Msg, frozen=True):
     # The client's own labels (OpenAI's `metadata`: up to 16 string pairs), kept in the
     # trace so that a cohort of requests can be found and compared by them.
     labels: dict[str, str] | None = None
+    # The LoRA adapter it runs with (the `model` field named one); None: the base model. Part
+    # of its prefix-cache identity: two adapters never share KV.
+    lora: str | None = None
 
 
 # -- measured at start-up: the engine's facts, for the front and the worker wire ------------
@@ -180,6 +183,8 @@ class KVCommit(_Msg):
     # Announced with the chain's first block (KV events' extra_keys, as vLLM does), so an
     # external index keys salted blocks apart.
     cache_salt: str | None = None
+    # KV events' lora_name: an external index keys each adapter's blocks apart.
+    lora_name: str | None = None
 
 
 class KVAdmission(_Msg):
@@ -301,6 +306,9 @@ class ExecuteBatch(_Msg):
     # overwrite an evicted block), and restored blocks written in LAST (after the swaps).
     kv_offloads: list[tuple[int, Any, bool]] = []    # (device block, BlockMeta, committed)
     kv_restores: list[tuple[int, Any]] = []          # (device block, its bytes)
+    # LoRA: (slot, adapter name, directory) to load into the device slots before the
+    # forward (actors/scheduling/lora_slots.py decided them; the runner reads or reuses them).
+    lora_loads: list[tuple[int, str, str]] = []
 
 
 class SampledToken(_Msg):
@@ -385,6 +393,14 @@ class GetKVStats(_Query):
     """-> KVStats"""
 
 
+class SetLoRAAdapter(_Query):
+    """-> bool (whether it was known): add an adapter (`path` its checked directory) to
+    the scheduler's registry, or remove it (`path` None): waiting requests of a removed one
+    fail, running ones finish on their slot."""
+    name: str
+    path: str | None = None
+
+
 class CheckIntegrity(_Query):
     """-> str | None: what is wrong with the block pool, None when it is sound"""
 
@@ -451,6 +467,23 @@ class SpecStats(_Msg):
                                    "speculation would not pay for the batch (kill switch).")] = 0
 
 
+class LoRAStats(_Msg):
+    """Multi-LoRA serving (when [lora] is on): vllm:lora_requests_info is built from it."""
+    max_loras: int
+    registered: list[str]                  # adapters a request may name
+    resident: list[str | None]             # what each device slot holds
+    running: list[str]                     # adapters of running requests
+    waiting: list[str]                     # adapters of waiting requests
+    num_loads: Annotated[int, C("tokenloom:lora_loads", "Adapters loaded into a device "
+                                "slot.")]
+    num_evictions: Annotated[int, C("tokenloom:lora_evictions", "Adapters evicted from a "
+                                    "device slot to make room for another.")]
+    num_slot_waits: Annotated[int, C("tokenloom:lora_slot_waits", "Times a waiting request "
+                                     "was left out of a step because no adapter slot was "
+                                     "free.")]
+    requests_by_adapter: dict[str, int] = {}   # admitted requests per adapter (cumulative)
+
+
 class SchedulerStats(_Msg):
     waiting: Annotated[int, G("vllm:num_requests_waiting",
                               "Number of requests waiting to be processed.")]
@@ -485,6 +518,7 @@ class SchedulerStats(_Msg):
                                         "(pool pressure).")] = 0
     timings: StepTimings = StepTimings()
     spec: SpecStats | None = None
+    lora: LoRAStats | None = None
 
 
 class KVStats(_Msg):

@@ -36,6 +36,7 @@ __all__ = [
     "SpeculativeConfig",
     "KVEventsConfig",
     "KVTiersConfig",
+    "LoRAConfig",
     "RecordConfig",
     "WorkersConfig",
     "check_field",
@@ -490,6 +491,53 @@ class WorkersConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
     start_timeout_seconds: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)] = 600.0
 
 
+class LoRAConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Multi-LoRA serving (docs/lora.md): PEFT adapters over the base model, picked per
+    request by the `model` field, several adapters in one batch. Off unless enabled or
+    `modules` names adapters (as vLLM's --enable-lora / --lora-modules)."""
+
+    section: ClassVar[str] = "lora"
+
+    enable: bool = False
+    # Adapters served from start-up: name -> PEFT directory (`serve --lora-modules name=path`).
+    modules: dict[str, str] = {}
+    # Adapters resident on the device at once (slots; one step may mix them all). Device
+    # memory is reserved for every slot at the largest rank.
+    max_loras: Annotated[int, msgspec.Meta(ge=1, le=256)] = 4
+    # Largest adapter rank accepted; slots are sized for it.
+    max_lora_rank: Annotated[int, msgspec.Meta(ge=1, le=512)] = 16
+    # Adapters kept parsed in host memory (an LRU); one evicted from it is read from disk.
+    max_cpu_loras: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 16
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING); off: 404, as in vLLM.
+    allow_runtime_updates: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"lora.max_cpu_loras must be >= lora.max_loras "
+                              f"({self.max_loras}), got {self.max_cpu_loras}",
+                              key="lora.max_cpu_loras")
+        for name, path in self.modules.items():
+            if not _ADAPTER_NAME.fullmatch(name):
+                raise ConfigError(f"lora.modules: adapter name {name!r} must be 1-128 letters, "
+                                  "digits, '.', '_', '-' or '/'", key="lora.modules")
+            if not path:
+                raise ConfigError(f"lora.modules: adapter {name!r} needs a directory",
+                                  key="lora.modules")
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable or bool(self.modules)
+
+
+_ADAPTER_NAME = re.compile(r"[A-Za-z0-9._/-]{1,128}")
+
+
+def valid_adapter_name(name: str) -> bool:
+    return bool(_ADAPTER_NAME.fullmatch(name))
+
+
 DEFAULT_ADMIN_SOCKET = "/run/tokenloom/admin.sock"
 
 
@@ -560,6 +608,7 @@ class EngineConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     kv_tiers: KVTiersConfig = KVTiersConfig()
     workers: WorkersConfig = WorkersConfig()
     record: RecordConfig = RecordConfig()
+    lora: LoRAConfig = LoRAConfig()
 
 
 def resolve_cache_dir(

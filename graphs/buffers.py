@@ -11,8 +11,9 @@ rows and pads the rest of the bucket with rows that are harmless:
   only ever receive real block ids), so the attention kernel reads one real (irrelevant) key
   and produces a finite result instead of a 0/0 over an empty context.
 
-The four per-row vectors share one [4, max_size] tensor so a step costs two host-to-device
-copies (vectors, block tables) whatever the batch size.
+The five per-row vectors (the fifth: each row's LoRA slot, -1 for the base model and for
+padding) share one [5, max_size] tensor so a step costs two host-to-device copies (vectors,
+block tables) whatever the batch size.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenloom.kernels.forward_context import AttentionMetadata
+from tokenloom.kernels.lora.stacks import LoRABatch
 
 if TYPE_CHECKING:  # torch-only at run time (the GPU check runs with just torch + triton)
     from tokenloom.actors.messages import ScheduledSequence
@@ -30,7 +32,8 @@ PAD_TOKEN = 0
 PAD_SLOT = -1
 PAD_CONTEXT = 1
 
-_IDS, _POS, _SLOTS, _LENS = range(4)
+_IDS, _POS, _SLOTS, _LENS, _LORA = range(5)
+PAD_LORA_SLOT = -1
 
 
 class DecodeBuffers:
@@ -40,20 +43,25 @@ class DecodeBuffers:
         self.max_blocks = max_blocks_per_seq
         self.block_size = block_size
         self.device = torch.device(device)
-        vec = torch.zeros((4, max_size), dtype=torch.int64, device=device)
+        vec = torch.zeros((5, max_size), dtype=torch.int64, device=device)
         vec[_SLOTS] = PAD_SLOT
         vec[_LENS] = PAD_CONTEXT
+        vec[_LORA] = PAD_LORA_SLOT
         self._vectors = vec
         self.input_ids = vec[_IDS]           # [max_size]
         self.positions = vec[_POS]           # [max_size]
         self.slot_mapping = vec[_SLOTS]      # [max_size]
         self.context_lens = vec[_LENS]       # [max_size]
+        self.lora_slots = vec[_LORA]         # [max_size]
+        # The model applies LoRA deltas: every program reads lora_slots (static path: all
+        # resident slots, masked per row), so one program serves any mix of adapters.
+        self.lora = False
         self.block_tables = torch.zeros((max_size, max_blocks_per_seq), dtype=torch.int64,
                                         device=device)
         self.logits_indices = torch.arange(max_size, dtype=torch.int64, device=device)
         self.logits = torch.zeros((max_size, vocab_size), dtype=torch.float32, device=device)
         # Host staging for the per-row vectors (pinned on CUDA so the copy is asynchronous).
-        self._host = torch.zeros((4, max_size), dtype=torch.int64,
+        self._host = torch.zeros((5, max_size), dtype=torch.int64,
                                  pin_memory=self.device.type == "cuda")
         # The staging buffer is rewritten only after the previous step's copy has left it.
         self._copied = torch.cuda.Event() if self.device.type == "cuda" else None
@@ -80,13 +88,15 @@ class DecodeBuffers:
             assert len(s.block_table) <= self.max_blocks, (
                 f"{s.request_id}: {len(s.block_table)} blocks exceed the graph table width "
                 f"{self.max_blocks}")
-            rows.append((s.token_ids[0], pos, s.block_table[pos // bs] * bs + pos % bs, pos + 1))
+            rows.append((s.token_ids[0], pos, s.block_table[pos // bs] * bs + pos % bs, pos + 1,
+                         getattr(s, "lora_slot", PAD_LORA_SLOT)))
             widest = max(widest, len(s.block_table))
         host[:, :n] = torch.tensor(rows, dtype=torch.int64).T
         host[_IDS, n:padded] = PAD_TOKEN
         host[_POS, n:padded] = 0
         host[_SLOTS, n:padded] = PAD_SLOT
         host[_LENS, n:padded] = PAD_CONTEXT
+        host[_LORA, n:padded] = PAD_LORA_SLOT
         self._vectors[:, :padded].copy_(host[:, :padded], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
@@ -108,4 +118,5 @@ class DecodeBuffers:
             prefills=[],
             decode_mask=None,          # built inside the graph by the reference, if used
             has_skip_slots=True,
+            lora=LoRABatch(self.lora_slots[:size], None) if self.lora else None,
         )

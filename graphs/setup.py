@@ -76,6 +76,7 @@ def build_decode_graphs(cfg: GraphsConfig, model, kv: KVCache, *, max_num_seqs: 
     sizes = resolve_capture_sizes(cfg, max_num_seqs)
     buffers = DecodeBuffers(max(sizes), cdiv(max_model_len, kv.block_size), kv.block_size,
                             model.spec.vocab_size, device)
+    buffers.lora = has_lora(model)
     graphs = DecodeGraphs(model, kv, buffers)
     try:
         graphs.capture(sizes, cfg.memory_budget_bytes)
@@ -89,6 +90,11 @@ def build_decode_graphs(cfg: GraphsConfig, model, kv: KVCache, *, max_num_seqs: 
     # The buckets actually captured (the memory budget may stop capture early), so that a
     # batch without a graph is dispatched, and counted, as eager with its reason.
     return Dispatcher(PaddedSizeTable(graphs.sizes)), graphs
+
+
+def has_lora(model) -> bool:
+    """The model applies LoRA deltas ([lora] on): its programs read per-row slots."""
+    return model.layers[0].self_attn.lora_qkv is not None
 
 
 def resolve_token_sizes(cfg: GraphsConfig, max_num_batched_tokens: int) -> tuple[int, ...]:
@@ -120,6 +126,9 @@ def build_piecewise_graphs(cfg: GraphsConfig, model, kv: KVCache, dispatcher: Di
         reason = "graphs.piecewise is off"
     elif model.layers[0].self_attn.store_fn is None:
         reason = "no graph-safe KV store kernel (Triton unavailable)"
+    elif has_lora(model):
+        # (the pieces' static buffers carry no per-row adapter slots yet)
+        reason = "LoRA adapters are served"
     if reason is not None:
         dispatcher.piecewise_reason = f"prefill in batch ({reason})"
         startup_log.info(f"piecewise CUDA graphs off ({reason}); steps with prefill tokens "
@@ -223,6 +232,7 @@ def build_cpu_programs(cfg: GraphsConfig, model, kv: KVCache, *, max_num_seqs: i
         use_cache_dir(Path(cache_dir) / "cpu_programs" / cache_key(model, kv))
     buffers = DecodeBuffers(max(sizes), cdiv(max_model_len, kv.block_size), kv.block_size,
                             model.spec.vocab_size, "cpu")
+    buffers.lora = has_lora(model)
     programs = CompiledDecode(model, kv, buffers)
     programs.compile(sizes)
     if not programs.sizes:

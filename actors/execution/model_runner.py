@@ -114,6 +114,8 @@ class ModelRunner:
         self.tiers = None
         # The runtime check of a quantized KV cache (kernels/kv_quality_check.py; None: off).
         self.kv_check = None
+        # Multi-LoRA serving (actors/execution/lora_cache.LoRACache; None: off).
+        self.lora = None
 
     def offload(self, offloads: list) -> None:
         """Copy device blocks (block id, BlockMeta, committed) to the KV tiers. A failure
@@ -277,6 +279,10 @@ class ModelRunner:
             swap_seconds = time.perf_counter() - t_swap
         if batch.kv_restores:   # KV tiers: restored blocks, into blocks granted this step
             self._restore(batch.kv_restores)
+        if self.lora is not None:
+            for slot, name, path in batch.lora_loads:   # adapters into the slots assigned
+                self.lora.load(slot, name, path)
+            self.lora.check(batch.sequences)
         launched = LaunchedStep(batch=batch, t0=t0, swap_seconds=swap_seconds)
         if not batch.sequences:
             return launched

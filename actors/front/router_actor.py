@@ -147,7 +147,7 @@ class WorkerRouterActor(Actor):
         self.prefix_caching = prefix_caching
         self.fingerprint = fingerprint
         self.clock = clock
-        self._identities: dict[str | None, bytes] = {}
+        self._identities: dict[tuple[str | None, str | None], bytes] = {}
         self._requests: dict[str, _Routed] = {}
         self._affinity: dict[str, int] = {}     # affinity key -> worker it last went to
         self.num_rejected = 0
@@ -155,12 +155,15 @@ class WorkerRouterActor(Actor):
     def hashes(self, msg: AddRequest) -> list[bytes]:
         if not self.prefix_caching:
             return []
-        salt = msg.meta.cache_salt
-        ident = self._identities.get(salt)
+        # The workers' identity (salt and LoRA adapter): an adapter's prompts score only
+        # against blocks computed with that adapter, which routes them to a worker holding it.
+        key = (msg.meta.cache_salt, msg.meta.lora)
+        ident = self._identities.get(key)
         if ident is None:
-            ident = CacheIdentity(model_fingerprint=self.fingerprint, cache_salt=salt).encode()
+            ident = CacheIdentity(model_fingerprint=self.fingerprint, cache_salt=key[0],
+                                  adapter=key[1]).encode()
             if len(self._identities) < 4096:
-                self._identities[salt] = ident
+                self._identities[key] = ident
         return hash_request_blocks(msg.prompt_token_ids, self.block_size, ident)
 
     def _add(self, msg: AddRequest) -> None:

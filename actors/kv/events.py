@@ -43,7 +43,7 @@ class BlockStored(KVCacheEvent):
     entry per block: what besides the tokens went into its hash that an external indexer
     must fold into its own keys (vLLM's rule: the request's ``cache_salt`` in the first
     block of a sequence, ``None`` for a block with none). ``lora_name`` names the adapter
-    (``None`` until LoRA serving exists)."""
+    (``None`` for the base model)."""
     block_hashes: list[bytes]
     parent_block_hash: bytes | None
     token_ids: list[int]

@@ -65,7 +65,8 @@ class KVManagerActor(Actor):
         # Commits first: a request finishing this step caches its last blocks, then frees.
         for c in update.commits:
             m.commit_full_blocks(c.request_id, c.num_computed_tokens, c.block_hashes,
-                                 c.token_ids, c.content_hashes, cache_salt=c.cache_salt)
+                                 c.token_ids, c.content_hashes, cache_salt=c.cache_salt,
+                                 lora_name=c.lora_name)
         swap_out = [pair for rid, slots in update.swap_outs
                     for pair in zip(m.block_table(rid), slots)]
         freed = sum(m.free(rid) for rid in update.frees)

@@ -396,7 +396,7 @@ class KVCacheManager:
     def commit_full_blocks(self, request_id: str, num_computed_tokens: int,
                            block_hashes: Sequence[BlockHash], token_ids: Sequence[int],
                            content_hashes: Sequence[BlockHash] | None = None, *,
-                           cache_salt: str | None = None) -> int:
+                           cache_salt: str | None = None, lora_name: str | None = None) -> int:
         """Offer the request's blocks that are full and computed (the first
         ``num_computed_tokens // block_size``) to the cache; return how many became cached.
 
@@ -404,7 +404,8 @@ class KVCacheManager:
         cover those blocks; ``token_ids`` all its tokens). Blocks offered before are
         skipped, so calling it every step costs only the new blocks. A request that holds
         no table (freed meanwhile) commits nothing. A no-op when caching is off.
-        ``cache_salt`` (the request's) is announced with a chain's first block.
+        ``cache_salt`` (the request's) is announced with a chain's first block;
+        ``lora_name`` (its adapter) with every stored run.
 
         A new run's parent must be cached when the run is announced, or a KV event
         subscriber could not place it (llm-d and Dynamo drop a store whose parent they do
@@ -435,7 +436,7 @@ class KVCacheManager:
             block_hashes[start - 1] if start > 0 else None,
             [token_ids[i * bs:(i + 1) * bs] for i in range(start, num_full)],
             content_hashes[start:num_full] if content_hashes is not None else None,
-            cache_salt=cache_salt)
+            cache_salt=cache_salt, lora_name=lora_name)
         self._committed[request_id] = num_full
         return stored
 

@@ -253,7 +253,7 @@ class PrefixCache:
                      parent_hash: BlockHash | None,
                      token_ids_per_block: Sequence[Sequence[int]],
                      content_hashes: Sequence[BlockHash] | None = None, *,
-                     cache_salt: str | None = None) -> int:
+                     cache_salt: str | None = None, lora_name: str | None = None) -> int:
         """Register consecutive full, computed blocks of one chain; return how many became
         cached. ``parent_hash`` is the hash of the block before ``block_ids[0]`` (``None``
         at the start of a sequence). A block already cached under the same hash is left as
@@ -293,11 +293,11 @@ class PrefixCache:
                 run.append(h)
                 run_tokens.extend(tokens)
             elif run:
-                self._publish_stored(run, run_parent, run_tokens, cache_salt)
+                self._publish_stored(run, run_parent, run_tokens, cache_salt, lora_name)
                 run, run_tokens = [], []
             parent = h
         if run:
-            self._publish_stored(run, run_parent, run_tokens, cache_salt)
+            self._publish_stored(run, run_parent, run_tokens, cache_salt, lora_name)
         self._stats.stored_blocks += stored
         return stored
 
@@ -404,7 +404,8 @@ class PrefixCache:
             self._evicted.popitem(last=False)
 
     def _publish_stored(self, hashes: list[BlockHash], parent: BlockHash | None,
-                        token_ids: list[int], cache_salt: str | None) -> None:
+                        token_ids: list[int], cache_salt: str | None,
+                        lora_name: str | None = None) -> None:
         # vLLM's extra keys: one entry per block, the salt only in a sequence's first block
         # (the chain carries it into every later hash).
         extra_keys: list[tuple[str, ...] | None] = [None] * len(hashes)
@@ -412,7 +413,8 @@ class PrefixCache:
             extra_keys[0] = (cache_salt,)
         self.events.publish(BlockStored(block_hashes=hashes, parent_block_hash=parent,
                                         token_ids=token_ids, block_size=self._block_size,
-                                        medium=self._medium, extra_keys=extra_keys))
+                                        medium=self._medium, extra_keys=extra_keys,
+                                        lora_name=lora_name))
 
     def __repr__(self) -> str:
         return f"PrefixCache(cached={len(self._block_of)}, evicted_memory={len(self._evicted)})"

@@ -1,7 +1,8 @@
 """The scheduler's side of prefix caching: hash a request's blocks once, build its lookup
 query at admission and its commits after each step. Pure (no asyncio, no torch).
 
-A request's identity is the engine's model fingerprint plus its `cache_salt`; its block
+A request's identity is the engine's model fingerprint plus its `cache_salt` and its LoRA
+adapter (two adapters never share KV; requests of one adapter do); its block
 hashes are extended as tokens are computed, so every block is hashed exactly once over the
 request's life (preemption and re-admission included).
 """
@@ -19,23 +20,27 @@ class PrefixTracker:
         self.fingerprint = model_fingerprint
         self.block_size = block_size
         self.enabled = enabled
-        self._identities: dict[str | None, tuple[bytes, bytes | None]] = {}
+        self._identities: dict[tuple[str | None, str | None], tuple[bytes, bytes | None]] = {}
 
-    def _identity(self, salt: str | None) -> tuple[bytes, bytes | None]:
-        """(identity bytes, salt-free identity bytes or None) — computed once per salt."""
-        ids = self._identities.get(salt)
+    def _identity(self, salt: str | None,
+                  adapter: str | None = None) -> tuple[bytes, bytes | None]:
+        """(identity bytes, salt-free identity bytes or None) — computed once per salt and
+        adapter."""
+        key = (salt, adapter)
+        ids = self._identities.get(key)
         if ids is None:
-            ident = CacheIdentity(model_fingerprint=self.fingerprint, cache_salt=salt)
+            ident = CacheIdentity(model_fingerprint=self.fingerprint, cache_salt=salt,
+                                  adapter=adapter)
             ids = (ident.encode(), ident.without_salt().encode() if salt is not None else None)
             if len(self._identities) < 4096:  # bounded: tenants are few, salts may not be
-                self._identities[salt] = ids
+                self._identities[key] = ids
         return ids
 
     def _extend(self, req: Request, num_tokens: int) -> None:
         """Hash req's full blocks among its first num_tokens tokens (only the new ones)."""
         if num_tokens // self.block_size <= len(req.block_hashes):
             return
-        ident, content = self._identity(req.cache_salt)
+        ident, content = self._identity(req.cache_salt, req.lora_name)
         upto = req.token_ids[:num_tokens]
         extend_block_hashes(req.block_hashes, upto, self.block_size, ident)  # appends in place
         if content is not None:
@@ -67,4 +72,4 @@ class PrefixTracker:
         return KVCommit(request_id=req.request_id, num_computed_tokens=num_computed_tokens,
                         block_hashes=req.block_hashes, token_ids=req.token_ids,
                         content_hashes=req.content_hashes if req.cache_salt else None,
-                        cache_salt=req.cache_salt)
+                        cache_salt=req.cache_salt, lora_name=req.lora_name)

@@ -67,6 +67,7 @@ class Request:
     tenant = property(lambda self: self.meta.tenant)
     cache_salt = property(lambda self: self.meta.cache_salt)
     group_id = property(lambda self: self.meta.group_id)
+    lora_name = property(lambda self: self.meta.lora)   # its LoRA adapter (None: base)
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
                  sampling_params: SamplingParams, eos_token_ids: Sequence[int] = (),
@@ -98,6 +99,8 @@ class Request:
         # (messages.RequestMeta); arrival_seq breaks ties in arrival order.
         self.meta = meta
         self.arrival_seq = arrival_seq
+        # The device slot of its LoRA adapter while admitted (actors/scheduling/lora_slots.py).
+        self.lora_slot = -1
         # Swap preemption: host-pool slots holding this request's KV (in table order)
         # while it waits to be swapped back in; None when its KV is on the device or gone.
         self.swapped_slots: list[int] | None = None

@@ -37,6 +37,7 @@ from tokenloom.actors.messages import (
     KVCommit,
     KVGrant,
     KVUpdate,
+    LoRAStats,
     RequestOutput,
     SampledToken,
     SchedulerStats,
@@ -49,6 +50,7 @@ from tokenloom.actors.scheduling.chunk_sizing import ChunkSizer
 from tokenloom.actors.scheduling.cost_model import StepCostModel
 from tokenloom.actors.scheduling.fairness import FairShare
 from tokenloom.actors.scheduling.kv_view import KVView
+from tokenloom.actors.scheduling.lora_slots import AdapterSlots
 from tokenloom.actors.scheduling.policy import AdmissionParams, Decision, PolicyLimits, schedule
 from tokenloom.actors.scheduling.preemption import Preemptor
 from tokenloom.actors.scheduling.prefix_tracker import PrefixTracker
@@ -76,7 +78,8 @@ class Scheduler:
                  config: SchedulerConfig | None = None, swap: SwapSpace | None = None,
                  block_bytes: int = 0, outputs: OutputProcessor | None = None,
                  spec: SpecController | None = None, spec_lookahead: int = 0,
-                 tiers=None, recompute_prior_s_per_token: float = 5e-4):
+                 tiers=None, recompute_prior_s_per_token: float = 5e-4,
+                 lora: AdapterSlots | None = None):
         self.log = structlog.get_logger("tokenloom.scheduler").bind(actor="scheduler")
         self.prefix = prefix or PrefixTracker("", limits.block_size, enabled=False)
         self.limits = limits
@@ -125,6 +128,8 @@ class Scheduler:
         self.tier_cancels: list[str] = []
         self.pending_offloads: list = []
         self.tier_released = False   # a held request became admissible since the last plan
+        # Multi-LoRA serving (None: off): the registry and the device slots' occupants.
+        self.lora = lora
 
     @property
     def has_work(self) -> bool:
@@ -144,11 +149,15 @@ class Scheduler:
                       arrival_seq=self._arrivals)
         req.trace = RequestTrace(req.request_id, msg.arrival_time, msg.routed_time, msg.meta,
                                  tokenized=msg.tokenized_time)
-        if self.spec is not None:
+        # A draft model knows nothing of the target's adapter: its proposals would be
+        # drafted for the base model, so adapter requests do not speculate with one.
+        if self.spec is not None and not (req.lora_name and self.spec.method == "draft"):
             req.spec = self.spec.new_state(msg.sampling_params.speculative)
             if req.spec is not None:
                 req.trace.speculation = (self.spec.method, req.spec)
         self.traces.add(req.trace)
+        if self.lora is not None:
+            self.lora.arrived(req)
         self.requests[req.request_id] = req
         self.waiting.append(req)
         self.outputs.start(req)
@@ -161,6 +170,17 @@ class Scheduler:
         req = self.requests.get(request_id)
         if req is not None:  # aborts are idempotent
             self.finish(req, S.CANCELLED, FinishReason.ABORT)
+
+    def set_lora_adapter(self, name: str, path: str | None) -> bool:
+        """Register (path) or unregister (None) an adapter; whether it was known."""
+        if self.lora is None:
+            return False
+        known = name in self.lora.paths
+        if path is None:
+            self.lora.unregister(name)
+        else:
+            self.lora.register(name, path)
+        return known
 
     def cancel_all(self, why: str) -> None:
         for req in list(self.waiting) + list(self.running):
@@ -175,6 +195,14 @@ class Scheduler:
         admissible = siblings.admissible(self.waiting, self.requests, self.prefix.enabled)
         if self.tiers is not None and any(r.tier_hold for r in admissible):
             admissible = [r for r in admissible if not r.tier_hold]
+        slot_plan = None
+        if self.lora is not None:
+            slot_plan = self.lora.admissible(admissible, self.lora.touch(self.running))
+            for req in slot_plan.unknown:
+                self.finish(req, S.FINISHED, FinishReason.ERROR,
+                            error=f"the LoRA adapter {req.lora_name!r} has been unloaded",
+                            error_kind=ERROR_INVALID)
+            admissible = slot_plan.admissible
         waiting = self.fair.order(admissible, time.monotonic())
         drafts = self.spec.plan_step(self.running) if self.spec is not None else None
         d = schedule(self.running, waiting, self.view.num_free_blocks, self.view.held,
@@ -192,6 +220,8 @@ class Scheduler:
             self.finish(req, S.FINISHED, FinishReason.ERROR, error=why, error_kind=ERROR_INVALID)
         swap_ins = self.preemptor.swap_ins(d)   # (their slots are released here)
         self._admit(d)
+        if slot_plan is not None:
+            self.lora.admit(d.admitted, slot_plan)
         return d, swap_outs, swap_ins
 
     def _admission_params(self) -> AdmissionParams:
@@ -306,7 +336,8 @@ class Scheduler:
         batch, works, starts, epochs = build_batch(d, grant.tables, ExecuteBatch(
             step=self._step, sequences=[], num_decodes=len(d.decodes), finished_ids=finished,
             block_copies=copies, swap_out=grant.swap_out, swap_in=grant.swap_in,
-            kv_offloads=offloads, kv_restores=restores), self.spec)
+            kv_offloads=offloads, kv_restores=restores,
+            lora_loads=self.lora.take_loads() if self.lora is not None else []), self.spec)
         serial = any(s.num_draft or s.propose for s in batch.sequences)
         return InFlightStep(d, batch, works, starts, epochs, time.perf_counter() - t0,
                             kv_seconds, continues, serial)
@@ -508,4 +539,17 @@ class Scheduler:
             swap_free_slots=None if p.swap is None else p.swap.num_free,
             num_slo_evaluated=o.num_slo_evaluated, num_slo_good=o.num_slo_good,
             num_kv_plan_waits=self.num_kv_plan_waits, timings=o.timings(),
-            spec=self.spec.stats() if self.spec is not None else None)
+            spec=self.spec.stats() if self.spec is not None else None,
+            lora=self._lora_stats())
+
+    def _lora_stats(self) -> LoRAStats | None:
+        slots = self.lora
+        if slots is None:
+            return None
+        return LoRAStats(max_loras=slots.max_loras, registered=sorted(slots.paths),
+                         resident=list(slots.names),
+                         running=slots.running_adapters(self.running),
+                         waiting=slots.running_adapters(self.waiting),
+                         num_loads=slots.num_loads, num_evictions=slots.num_evictions,
+                         num_slot_waits=slots.num_slot_waits,
+                         requests_by_adapter=dict(slots.requests_by_adapter))

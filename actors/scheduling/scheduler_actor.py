@@ -44,6 +44,7 @@ from tokenloom.actors.messages import (
     KVGrant,
     OffloadKV,
     SchedulerStats,
+    SetLoRAAdapter,
     Shutdown,
     StepOutput,
     TierReady,
@@ -88,6 +89,8 @@ class SchedulerActor(Actor):
                 resolve(reply, self.stats())
             case IsIdle(reply=reply):
                 resolve(reply, not self._has_work)
+            case SetLoRAAdapter(reply=reply, name=name, path=path):
+                resolve(reply, self.core.set_lora_adapter(name, path))
             case GetTrace(reply=reply, request_id=rid):
                 resolve(reply, [t.as_dict() for t in self.core.traces.find(rid)])
             case Shutdown():

@@ -177,7 +177,8 @@ def build_batch(d: Decision, tables: Mapping[str, list[int]], batch: ExecuteBatc
             request_id=req.request_id, token_ids=ids, start_pos=start,
             block_table=tables[req.request_id], sample=sample, new=new,
             num_draft=num_draft, propose=propose,
-            prompt_logprobs=req.wants_prompt_logprobs and start < req.num_prompt_tokens - 1))
+            prompt_logprobs=req.wants_prompt_logprobs and start < req.num_prompt_tokens - 1,
+            lora_slot=req.lora_slot))
         starts.append(start)
         epochs.append(req.num_preemptions)
         req.num_computed_tokens = end
