@@ -271,6 +271,7 @@ class Engine(EngineFront):
                                               guided=self.guided, piecewise=piecewise))
         self.runner.model_runner.tiers = self.tiers
         self.runner.model_runner.lora = lora[1] if lora is not None else None
+        self.runner.lora_snapshot = self.runner.model_runner.lora_stats()
         # The adapters a request may name (the front's list; the scheduler has its own
         # registry, told of every change); None: LoRA serving is off.
         self.lora_adapters: dict[str, str] | None = (
@@ -433,7 +434,8 @@ class Engine(EngineFront):
                            kv=await self.ask(self.kv_manager, GetKVStats()),
                            router=await self.ask(self.router, GetRouterStats()),
                            graphs=self.runner.graph_snapshot,
-                           kv_quant=self.runner.kv_quant_snapshot)
+                           kv_quant=self.runner.kv_quant_snapshot,
+                           lora_loads=self.runner.lora_snapshot)
 
     def stalled_seconds(self) -> float:
         """0.0 when the engine is idle or making progress, else the seconds since it last

@@ -621,6 +621,20 @@ class KVQuantStats(_Msg):
                                           "by the runtime KV quality check.")] = 0
 
 
+class LoRALoadStats(_Msg):
+    """The runner's adapter loads into device slots (when [lora] is on)."""
+    from_disk: Annotated[int, C("tokenloom:lora_loads_from_disk", "Adapter slot loads that "
+                                "read the adapter from disk (not in the host LRU).")] = 0
+    from_host: Annotated[int, C("tokenloom:lora_loads_from_host", "Adapter slot loads served "
+                                "from the host LRU of parsed adapters.")] = 0
+    disk_seconds: Annotated[float, C("tokenloom:lora_load_disk_seconds", "Time spent loading "
+                                     "adapters from disk into slots.")] = 0.0
+    host_seconds: Annotated[float, C("tokenloom:lora_load_host_seconds", "Time spent copying "
+                                     "adapters from host memory into slots.")] = 0.0
+    host_evictions: Annotated[int, C("tokenloom:lora_host_evictions", "Adapters dropped from "
+                                     "the host LRU (lora.max_cpu_loras).")] = 0
+
+
 class EngineStats(_Msg):
     """Everything admin `stats` and `/metrics` show about the engine, read in one call. The
     admin reply nests it unchanged; /metrics exports its annotated fields."""
@@ -631,6 +645,7 @@ class EngineStats(_Msg):
     # old while it works).
     graphs: GraphStats = msgspec.field(default_factory=GraphStats)
     kv_quant: KVQuantStats = msgspec.field(default_factory=KVQuantStats)
+    lora_loads: LoRALoadStats | None = None
 
 
 # -- worker processes: the front's router <- the worker pool (daemon/workers/) -----------
@@ -654,6 +669,7 @@ class WorkerReport(_Msg):
     worker: int
     free_blocks: int
     kv_usage: float
+    lora_adapters: list[str] | None = None   # the LoRA adapters in its device slots
 
 
 class WorkerKVEvents(_Msg):

@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, help="TCP port (default: server.port, 8000; 0 = any free)")
     s.add_argument("--workers", type=int, metavar="N",
                    help="engine worker processes (default: workers.count, 1 = in-process)")
+    s.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", default=[],
+                   help="LoRA adapters (PEFT directories) a request names in `model`")
+    s.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (also implied by --lora-modules)")
     _common(s)
     from tokenloom.daemon.admin import cli as admin_cli
     admin_cli.add_parser(sub)
@@ -112,6 +116,17 @@ def cmd_serve(args) -> int:
         overrides["server.port"] = args.port
     if args.workers is not None:
         overrides["workers.count"] = args.workers
+    if args.enable_lora:
+        overrides["lora.enable"] = True
+    if args.lora_modules:
+        modules = {}
+        for item in args.lora_modules:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                print(f"tokenloom: --lora-modules wants NAME=PATH, got {item!r}", file=sys.stderr)
+                return 2
+            modules[name] = path
+        overrides["lora.modules"] = modules
     config = load_config(args.config, overrides=overrides)  # ConfigError: exit 2, before loading
     from tokenloom.daemon.connections import bind_problem
     problem = bind_problem(config.server.host, config.server.port)

@@ -192,7 +192,8 @@ async def _start_engine(state: ServerState):
                           model_names=frozenset({state.model_name, state.config.model.model}),
                           max_model_len=engine.info.max_model_len,
                           max_tokens=state.config.server.max_tokens,
-                          max_logprobs=state.config.server.max_logprobs)
+                          max_logprobs=state.config.server.max_logprobs,
+                          lora_adapters=getattr(engine, "lora_adapters", None))
     state.metrics = Metrics(state.model_name, engine.info.max_model_len)
     state.token_text = endpoints.token_text_cache(engine.tokenizer)
     startup_log.info("warming up")
@@ -264,6 +265,9 @@ def create_app(config: EngineConfig, engine=None, notifier: Notifier | None = No
     app.router.add_post("/v1/completions/render", render.render_completion)
     app.router.add_post("/v1/chat/completions/render", render.render_chat)
     app.router.add_get("/v1/models", endpoints.models)
+    if config.lora.allow_runtime_updates:   # vLLM: 404 unless runtime updates are allowed
+        app.router.add_post("/v1/load_lora_adapter", endpoints.load_lora_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", endpoints.unload_lora_adapter)
     app.router.add_get("/v1/requests/{request_id}/trace", endpoints.request_trace)
     app.router.add_post("/tokenize", endpoints.tokenize)
     app.router.add_post("/detokenize", endpoints.detokenize)

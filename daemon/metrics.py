@@ -174,7 +174,7 @@ class _EngineCollector:
         # The inference gateway's model-server protocol (Gateway API Inference Extension,
         # llm-d): older endpoint pickers read KV usage under vLLM's previous name; the
         # prefix-cache scorer reads the block geometry from cache_config_info; the LoRA
-        # affinity filter reads lora_requests_info (no adapters are served here: max_lora 0).
+        # affinity filter reads lora_requests_info (max_lora 0 when [lora] is off).
         yield gauge("vllm:gpu_cache_usage_perc", "KV-cache usage (vLLM's earlier name of "
                     "vllm:kv_cache_usage_perc). 1 means 100 percent usage.", kv.usage)
         # vLLM's labels where we hold the value (CacheConfig.metrics_info() + engine).
@@ -188,8 +188,26 @@ class _EngineCollector:
                                  "(the value is the time of the last update).",
                                  labels=labels + ["max_lora", "running_lora_adapters",
                                                   "waiting_lora_adapters"])
-        lora.add_metric(value + ["0", "", ""], self.updated_at)
+        ls = sched.lora
+        if ls is None:
+            lora.add_metric(value + ["0", "", ""], self.updated_at)
+        else:
+            lora.add_metric(value + [str(ls.max_loras), ",".join(ls.running),
+                                     ",".join(ls.waiting)], self.updated_at)
         yield lora
+        if ls is not None:
+            by_adapter = CounterMetricFamily("tokenloom:lora_requests", "Requests that named "
+                                             "each LoRA adapter.", labels=labels + ["lora_name"])
+            for name, n in sorted(ls.requests_by_adapter.items()):
+                by_adapter.add_metric(value + [name], n)
+            yield by_adapter
+            resident = GaugeMetricFamily("tokenloom:lora_resident_info", "1 for each LoRA "
+                                         "adapter in a device slot now.",
+                                         labels=labels + ["lora_name"])
+            for name in ls.resident:
+                if name:
+                    resident.add_metric(value + [name], 1.0)
+            yield resident
         dtype = GaugeMetricFamily("tokenloom:kv_cache_dtype_info",
                                   "How the KV cache stores K and V (cache.kv_dtype: auto = the "
                                   "model dtype; else the 1-byte format, K/V when they differ).",

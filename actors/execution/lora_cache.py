@@ -9,21 +9,12 @@ Synchronous: called on the compute thread before the step's forward.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import OrderedDict
 
+from tokenloom.actors.messages import LoRALoadStats
 from tokenloom.kernels.lora.peft_adapter import LoRAWeights, load_adapter
 from tokenloom.kernels.lora.stacks import LoRAStacks
-
-
-@dataclasses.dataclass
-class LoRALoadStats:
-    from_disk: int = 0
-    from_host: int = 0
-    disk_seconds: float = 0.0
-    host_seconds: float = 0.0
-    host_evictions: int = 0
 
 
 class LoRACache:

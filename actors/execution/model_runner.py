@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import msgspec
 import numpy as np
 import structlog
 import torch
@@ -449,6 +450,10 @@ class ModelRunner:
                             check_max_kl=s.max_kl, check_last_kl=s.last_kl,
                             check_max_error=s.max_error, promoted_layers=list(s.promoted),
                             num_promoted_layers=len(s.promoted))
+
+    def lora_stats(self):
+        """A copy of the adapter-load counters (None: [lora] off)."""
+        return None if self.lora is None else msgspec.structs.replace(self.lora.stats)
 
     def graph_stats(self) -> GraphStats:
         stats = self.dispatcher.stats()

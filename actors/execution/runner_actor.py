@@ -75,6 +75,7 @@ class RunnerActor(Actor):
         # kv_dtype and bytes per token once).
         self.kv_quant_labels = ("auto", 0, "none")
         self.kv_quant_snapshot = runner.kv_quant_stats(*self.kv_quant_labels)
+        self.lora_snapshot = runner.lora_stats()
         self._snapshot_time = 0.0
 
     def send(self, msg: Any) -> None:
@@ -180,6 +181,7 @@ class RunnerActor(Actor):
             self._snapshot_time = now
             self.graph_snapshot = self.model_runner.graph_stats()
             self.kv_quant_snapshot = self.model_runner.kv_quant_stats(*self.kv_quant_labels)
+            self.lora_snapshot = self.model_runner.lora_stats()
 
     def _fail(self, batch: ExecuteBatch, e: Exception) -> None:
         self.model_runner.forget_failed(batch)

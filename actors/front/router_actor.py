@@ -180,7 +180,7 @@ class WorkerRouterActor(Actor):
                                      self.core.indexes[w].overlap(hashes, now))
         else:
             decision = self.core.choose(hashes, need, now, self._affinity.get(key)
-                                        if key is not None else None)
+                                        if key is not None else None, adapter=meta.lora)
         if decision is None:
             self.num_rejected += 1
             self.emit(RequestOutput(request_id=msg.request_id, new_token_ids=[], finished=True,
@@ -188,7 +188,8 @@ class WorkerRouterActor(Actor):
                                     error="no engine worker is up (restarting); retry later"))
             return
         self._requests[msg.request_id] = _Routed(decision.worker,
-                                                 self.core.routed(decision, hashes, now))
+                                                 self.core.routed(decision, hashes, now,
+                                                                  meta.lora))
         if key is not None:
             self._affinity.pop(key, None)
             self._affinity[key] = decision.worker
@@ -236,8 +237,9 @@ class WorkerRouterActor(Actor):
                     index = self.core.indexes[w]
                     for event in events:
                         index.apply(event)
-                case WorkerReport(worker=w, free_blocks=free, kv_usage=usage):
-                    self.core.reported(w, free, usage)
+                case WorkerReport(worker=w, free_blocks=free, kv_usage=usage,
+                                  lora_adapters=adapters):
+                    self.core.reported(w, free, usage, adapters)
                     self.core.indexes[w].expire(self.clock())
                 case WorkerUp(worker=w):
                     self.core.worker_up(w)

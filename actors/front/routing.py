@@ -8,6 +8,8 @@ Prefix-aware routing (policy "prefix") prices each worker in prefill blocks:
             + decode_weight * requests decoding on w
             + blocks the request needs beyond w's free blocks (it would evict or preempt)
 
+            + ADAPTER_MISS_BLOCKS when the request names a LoRA adapter w does not hold
+
 and takes the cheapest. Equal costs go to the worker named by the request's affinity key
 (`user` / tenant: the same client keeps its worker), then to the worker with fewer requests
 in flight, then in turn, so a cold start spreads groups instead of piling onto worker 0.
@@ -30,6 +32,12 @@ from collections.abc import Sequence
 from tokenloom.actors.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 POLICIES = ("prefix", "round_robin", "least_load")
+# A worker without the request's LoRA adapter must load it into a slot first (and may evict
+# one another request wants): priced as one prompt block, so between equally loaded workers
+# with the same prefix the one holding the adapter wins, while a real prefix or load
+# difference still decides. (The adapter's prefix blocks already count: its block hashes
+# include the adapter, so only a worker that ran it holds them.)
+ADAPTER_MISS_BLOCKS = 1.0
 
 
 class PrefixIndex:
@@ -109,6 +117,8 @@ class WorkerLoad:
     decoding: int = 0                   # first token seen, not finished
     free_blocks: int | None = None      # reported; None until the first report
     kv_usage: float = 0.0               # reported
+    # LoRA adapters it holds: as last reported, plus those routed to it since.
+    adapters: set[str] = dataclasses.field(default_factory=set)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +163,7 @@ class RoutingCore:
 
     # -- choosing ------------------------------------------------------------------------
     def cost(self, w: int, hashes: Sequence[bytes], need_blocks: int, now: float,
-             prefix_aware: bool = True) -> tuple[float, int]:
+             prefix_aware: bool = True, adapter: str | None = None) -> tuple[float, int]:
         """(cost in blocks, expected overlap) of sending a request to worker `w`."""
         load = self.loads[w]
         overlap = self.indexes[w].overlap(hashes, now) if prefix_aware else 0
@@ -162,10 +172,13 @@ class RoutingCore:
             + self.decode_weight * load.decoding
         if load.free_blocks is not None:
             cost += max(0, to_compute - load.free_blocks)
+        if adapter is not None and adapter not in load.adapters:
+            cost += ADAPTER_MISS_BLOCKS
         return cost, overlap
 
     def choose(self, hashes: Sequence[bytes], need_blocks: int, now: float,
-               affinity: int | None = None) -> RouteDecision | None:
+               affinity: int | None = None,
+               adapter: str | None = None) -> RouteDecision | None:
         """The worker for a request whose full prompt blocks hash to `hashes` and that needs
         `need_blocks` blocks in all; `affinity`: the worker its affinity key last went to.
         None when no worker is up."""
@@ -181,7 +194,8 @@ class RoutingCore:
         costs: list[float | None] = [None] * self.num_workers
         overlaps = [0] * self.num_workers
         for w in up:
-            costs[w], overlaps[w] = self.cost(w, hashes, need_blocks, now, prefix_aware)
+            costs[w], overlaps[w] = self.cost(w, hashes, need_blocks, now, prefix_aware,
+                                              adapter)
         best = min(costs[w] for w in up)
         tied = [w for w in up if costs[w] <= best + 1e-9]
         if len(tied) == 1:
@@ -199,7 +213,8 @@ class RoutingCore:
         return candidates[next(self._turn) % len(candidates)]
 
     # -- the account ---------------------------------------------------------------------
-    def routed(self, d: RouteDecision, hashes: Sequence[bytes], now: float) -> int:
+    def routed(self, d: RouteDecision, hashes: Sequence[bytes], now: float,
+               adapter: str | None = None) -> int:
         """Record a decision; returns the prefill blocks charged to the worker (pass them
         back to `first_token`/`finished`)."""
         load = self.loads[d.worker]
@@ -210,6 +225,8 @@ class RoutingCore:
         self.prompt_blocks[d.worker] += d.prompt_blocks
         self.expected_hit_blocks[d.worker] += d.expected_hit_blocks
         self.indexes[d.worker].note_routed(hashes, now)
+        if adapter is not None:
+            load.adapters.add(adapter)
         return charged
 
     def first_token(self, w: int, charged: int) -> None:
@@ -238,6 +255,9 @@ class RoutingCore:
         self.loads[w] = WorkerLoad(up=False)
         self.indexes[w].clear()
 
-    def reported(self, w: int, free_blocks: int, kv_usage: float) -> None:
+    def reported(self, w: int, free_blocks: int, kv_usage: float,
+                 adapters: list[str] | None = None) -> None:
         self.loads[w].free_blocks = free_blocks
         self.loads[w].kv_usage = kv_usage
+        if adapters is not None:   # what its slots hold now (routing adds between reports)
+            self.loads[w].adapters = set(adapters)

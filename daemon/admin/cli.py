@@ -159,6 +159,18 @@ def _render_drain(p: P.DrainProgress) -> str:
     return ", ".join(parts)
 
 
+def _lora_row(lo, loads) -> str:
+    resident = [n for n in lo.resident if n]
+    row = (f"{len(lo.registered)} served, {len(resident)} / {lo.max_loras} slots held "
+           f"({', '.join(resident) or 'none'}); running: {', '.join(lo.running) or 'none'}; "
+           f"waiting: {', '.join(lo.waiting) or 'none'}; {lo.num_loads} loads, "
+           f"{lo.num_evictions} evictions, {lo.num_slot_waits} slot waits")
+    if loads is not None:
+        row += (f"; from disk {loads.from_disk} ({1000 * loads.disk_seconds:.0f} ms), "
+                f"from host {loads.from_host} ({1000 * loads.host_seconds:.0f} ms)")
+    return row
+
+
 def _kv_quant_row(q) -> str:
     """The KV dtype, its bytes per token and what the runtime quality check saw."""
     text = f"{q.kv_dtype}, {q.bytes_per_token} bytes/token"
@@ -240,6 +252,8 @@ def _render_stats(r: P.StatsReply) -> str:
                                  f"{p.slow_readers_cut} slow readers cut"),
         ]
     rows += _tier_rows(kv.tiers)
+    if sched.lora is not None:
+        rows.append(("LoRA adapters", _lora_row(sched.lora, e.lora_loads)))
     for w in r.workers:
         rows.append((f"worker {w.worker}", (
             f"up, pid {w.pid}" if w.up else f"DOWN (last exit {w.last_exit_code})")

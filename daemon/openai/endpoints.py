@@ -76,14 +76,59 @@ async def models(request: web.Request) -> web.Response:
     model = R.Model(id=state.model_name, object="model", created=state.started,
                     owned_by="tokenloom", root=str(engine.info.model_dir) if engine else None,
                     parent=None, max_model_len=engine.info.max_model_len if engine else None)
-    return struct_response(R.ModelList(object="list", data=[model]))
+    # LoRA adapters, each with the base model as its parent (as vLLM lists them).
+    adapters = [R.Model(id=name, object="model", created=state.started, owned_by="tokenloom",
+                        root=path, parent=state.model_name, max_model_len=model.max_model_len)
+                for name, path in sorted((getattr(engine, "lora_adapters", None) or {}).items())]
+    return struct_response(R.ModelList(object="list", data=[model, *adapters]))
+
+
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    """POST /v1/load_lora_adapter {"lora_name", "lora_path"} (vLLM's runtime LoRA update;
+    registered only with lora.allow_runtime_updates). The adapter is checked against the
+    base model before any request may name it; a bad one is a 400 naming it."""
+    from tokenloom.config.schema import valid_adapter_name
+    from tokenloom.kernels.lora.peft_adapter import LoRAAdapterError
+
+    state = request.app[STATE]
+    check_serving(state)
+    req = protocol.decode(await read_body(request, state), protocol.LoadLoRAAdapterRequest)
+    name = req.lora_name
+    if not valid_adapter_name(name):
+        raise APIError(400, f"lora_name {name[:140]!r} must be 1-128 letters, digits, '.', '_', "
+                            "'-' or '/'", param="lora_name")
+    if name in state.limits.model_names:
+        raise APIError(400, f"lora_name {name!r} is the base model's name", param="lora_name")
+    engine = state.engine
+    if engine.lora_adapters is None:
+        raise APIError(400, "LoRA serving is off: set lora.enable = true", param="lora_name")
+    if name in engine.lora_adapters:
+        raise APIError(400, f"The lora adapter '{name}' has already been loaded.",
+                       param="lora_name", code="lora_adapter_exists")
+    try:
+        await engine.load_lora_adapter(name, req.lora_path)
+    except LoRAAdapterError as e:
+        raise APIError(400, str(e), param="lora_path", code="invalid_lora_adapter") from None
+    return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    """POST /v1/unload_lora_adapter {"lora_name"}: new requests may no longer name it;
+    running ones finish with it, waiting ones fail."""
+    state = request.app[STATE]
+    check_serving(state)
+    req = protocol.decode(await read_body(request, state), protocol.UnloadLoRAAdapterRequest)
+    if not await state.engine.unload_lora_adapter(req.lora_name):
+        raise APIError(404, f"The lora adapter '{req.lora_name}' cannot be found.",
+                       param="lora_name", code="lora_adapter_not_found")
+    return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
 
 async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     check_serving(state)
     req = protocol.decode(await read_body(request, state), protocol.TokenizeRequest)
-    if req.model is not None and req.model not in state.limits.model_names:
+    if req.model is not None and not state.limits.accepts(req.model):
         raise APIError(404, f"the model `{req.model}` does not exist", param="model",
                        code="model_not_found")
     tok = state.engine.tokenizer

@@ -87,8 +87,12 @@ def _apply_limits(components: dict, limits: Q.Limits | None, max_tokens: int | N
         _set_bounds(props["temperature"], minimum=0)
         _set_bounds(props["top_p"], exclusiveMinimum=0, maximum=1)
         _set_bounds(props["priority"], minimum=-(2**31), maximum=2**31 - 1)
-        if limits is not None:
+        if limits is not None and limits.lora_adapters is None:
             props["model"] = {"type": "string", "enum": sorted(limits.model_names)}
+        elif limits is not None:   # LoRA adapters come and go at run time: names, not an enum
+            props["model"] = {"type": "string", "description": "the base model ("
+                              + ", ".join(sorted(limits.model_names))
+                              + ") or a LoRA adapter listed by /v1/models"}
     # `prompt` is decoded as `str | list[Any]` (msgspec unions allow one array type) and
     # checked by hand (prompt_inputs.completion_prompts); the document states what is accepted.
     ids = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}

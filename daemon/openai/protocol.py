@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -121,6 +122,16 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
     tokens: list[int]
 
 
+class LoadLoRAAdapterRequest(msgspec.Struct, forbid_unknown_fields=True):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(msgspec.Struct, forbid_unknown_fields=True):
+    lora_name: str
+    lora_int_id: int | None = None   # vLLM's body may carry it; names are what count here
+
+
 @dataclasses.dataclass(frozen=True)
 class Limits:
     max_n: int
@@ -129,6 +140,18 @@ class Limits:
     max_model_len: int
     max_tokens: int = 0                     # server.max_tokens: most per choice (0: no cap)
     max_logprobs: int = MAX_LOGPROBS        # server.max_logprobs
+    # LoRA adapters a request may name in `model` (the engine's live name -> directory
+    # map: adapters come and go at run time); None: [lora] is off.
+    lora_adapters: Mapping[str, str] | None = None
+
+    def adapter(self, model: str | None) -> str | None:
+        """The LoRA adapter `model` names, or None (the base model)."""
+        if model is None or model in self.model_names or not self.lora_adapters:
+            return None
+        return model if model in self.lora_adapters else None
+
+    def accepts(self, model: str) -> bool:
+        return model in self.model_names or model in (self.lora_adapters or ())
 
 
 @dataclasses.dataclass
@@ -187,9 +210,12 @@ def _check_model(req, limits: Limits) -> str:
     omission when one model is served)."""
     if req.model is None:
         return limits.served_name
-    if req.model not in limits.model_names:
+    if not limits.accepts(req.model):
+        adapters = sorted(limits.lora_adapters or ())
         raise APIError(404, f"the model `{req.model}` does not exist (served: "
-                            f"{limits.served_name})",
+                            f"{limits.served_name}"
+                            + (f"; LoRA adapters: {', '.join(adapters)}" if adapters else "")
+                            + ")",
                        param="model", code="model_not_found")
     return req.model
 
@@ -296,7 +322,9 @@ def parse_completion(body: bytes, limits: Limits, headers=None,
                          stream=req.stream, include_usage=_include_usage(req),
                          return_metrics=req.return_metrics, logprobs=req.logprobs,
                          model=model,
-                         meta=request_meta(req, headers or {}, priority_classes or {}),
+                         meta=msgspec.structs.replace(
+                             request_meta(req, headers or {}, priority_classes or {}),
+                             lora=limits.adapter(model)),
                          continuous_usage=_continuous_usage(req), cache_salt=req.cache_salt,
                          echo=req.echo, prompt_logprobs=req.prompt_logprobs,
                          prompt_only=prompt_only,
@@ -349,7 +377,9 @@ def parse_chat(body: bytes, limits: Limits, headers=None,
                          fit_max_tokens=max_tokens is None, stream=req.stream,
                          include_usage=_include_usage(req), return_metrics=req.return_metrics,
                          logprobs=logprobs, model=model, max_tokens_field=field,
-                         meta=request_meta(req, headers or {}, priority_classes or {}),
+                         meta=msgspec.structs.replace(
+                             request_meta(req, headers or {}, priority_classes or {}),
+                             lora=limits.adapter(model)),
                          tools=tools, continuous_usage=_continuous_usage(req),
                          cache_salt=req.cache_salt)
 

@@ -63,4 +63,12 @@ def engine_stats(per_worker: list[EngineStats], router: RouterStats) -> EngineSt
                     check_last_kl=max(s.kv_quant.check_last_kl for s in per_worker),
                     promoted_layers=sorted({i for s in per_worker
                                             for i in s.kv_quant.promoted_layers}))
+    loras = [s.scheduler.lora for s in per_worker if s.scheduler.lora is not None]
+    if loras:   # the same slots on every worker: the adapters are the union, not a sum
+
+        def union(field: str) -> list[str]:
+            return sorted({n for x in loras for n in getattr(x, field) if n})
+        sched = replace(sched, lora=replace(
+            sched.lora, max_loras=loras[0].max_loras, registered=union("registered"),
+            resident=union("resident"), running=union("running"), waiting=union("waiting")))
     return replace(total, kv=kv, scheduler=sched, router=router, kv_quant=quant)

@@ -96,6 +96,9 @@ class WorkerPool(EngineFront):
         self.loop: asyncio.AbstractEventLoop | None = None
         # Set by _build_front from worker 0's Hello:
         self.info = self.tokenizer = self.router = None
+        # LoRA adapters a request may name (every worker serves them); None: [lora] off.
+        self.lora_adapters: dict[str, str] | None = (
+            dict(config.lora.modules) if config.lora.enabled else None)
 
     # -- start-up ------------------------------------------------------------------------
     @classmethod
@@ -182,6 +185,7 @@ class WorkerPool(EngineFront):
                 if not first.done():
                     first.set_result(slot.hello.result())
                 else:
+                    await self._restore_adapters(slot.index)
                     self.router.send(WorkerUp(worker=slot.index))
                     log.warning("worker restarted", worker=slot.index, pid=slot.proc.pid,
                                 incarnation=slot.incarnation)
@@ -256,7 +260,8 @@ class WorkerPool(EngineFront):
                     if self.router is not None:
                         self.router.send(WorkerReport(worker=msg.worker,
                                                       free_blocks=msg.free_blocks,
-                                                      kv_usage=msg.kv_usage))
+                                                      kv_usage=msg.kv_usage,
+                                                      lora_adapters=msg.lora_adapters))
                 case wire.Reply(id=qid):
                     reply = slot.replies.pop(qid, None)
                     if reply is not None and not reply.done():
@@ -338,6 +343,35 @@ class WorkerPool(EngineFront):
     async def set_draining(self, draining: bool) -> None:
         """Drain (or resume) every worker up; the front has stopped routing already."""
         await self.ask_all(wire.DrainQuery(draining=draining))
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """Checked here first (a LoRAAdapterError naming it), then served by every worker."""
+        from tokenloom.kernels.lora.peft_adapter import LoRAAdapterError, load_adapter
+        if self.lora_adapters is None:
+            raise LoRAAdapterError("LoRA serving is off (lora.enable)")
+        await asyncio.to_thread(load_adapter, name, path, self.info.spec,
+                                self.config.lora.max_lora_rank)
+        await self.ask_all(wire.LoRAQuery(name=name, path=str(path)))
+        self.lora_adapters[name] = str(path)
+
+    async def unload_lora_adapter(self, name: str) -> bool:
+        if self.lora_adapters is None or self.lora_adapters.pop(name, None) is None:
+            return False
+        await self.ask_all(wire.LoRAQuery(name=name))
+        return True
+
+    async def _restore_adapters(self, w: int) -> None:
+        """A restarted worker serves the adapters loaded at run time before it takes
+        requests again (the start-up ones come with its config)."""
+        started = self.config.lora.modules
+        for name, path in (self.lora_adapters or {}).items():
+            if started.get(name) == path:
+                continue
+            try:
+                await self.ask_worker(w, wire.LoRAQuery(name=name, path=path))
+            except Exception as e:  # noqa: BLE001 - its requests fail by name instead
+                log.error("restarted worker could not load a LoRA adapter", worker=w,
+                          adapter=name, error=str(e))
 
     async def trace(self, request_id: str) -> dict | None:
         """A recent request's trace from the worker that ran it, with the routing decision

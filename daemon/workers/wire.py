@@ -64,7 +64,15 @@ class DrainQuery(_Query):
     draining: bool
 
 
-WorkerQuery = StatsQuery | FlushQuery | TraceQuery | DrainQuery
+class LoRAQuery(_Query):
+    """Serve the adapter at `path` as `name` (None: stop serving it) -> bool: it was
+    served before."""
+    reply_type = bool
+    name: str
+    path: str | None = None
+
+
+WorkerQuery = StatsQuery | FlushQuery | TraceQuery | DrainQuery | LoRAQuery
 
 
 class Control(_Wire):
@@ -115,6 +123,7 @@ class Report(_FromWorker):
     kv_usage: float
     stalled_seconds: float
     draining: bool
+    lora_adapters: list[str] | None = None   # in its device slots (None: [lora] off)
 
 
 class Reply(_FromWorker):

@@ -99,11 +99,13 @@ class WorkerServer:
             try:
                 kv = await asyncio.wait_for(self.engine.stats(), 5.0)
                 free, total, usage = kv.kv.free, kv.kv.num_blocks, kv.kv.usage
+                lora = kv.scheduler.lora
+                adapters = None if lora is None else [n for n in lora.resident if n]
             except asyncio.TimeoutError:   # a wedged engine still reports its stall
-                free, total, usage = 0, self.engine.info.num_blocks, 1.0
+                free, total, usage, adapters = 0, self.engine.info.num_blocks, 1.0, None
             await self.send(wire.Report, free_blocks=free, num_blocks=total, kv_usage=usage,
                             stalled_seconds=self.engine.stalled_seconds(),
-                            draining=self.draining)
+                            draining=self.draining, lora_adapters=adapters)
             await asyncio.sleep(REPORT_SECONDS)
 
     # -- control -------------------------------------------------------------------------
@@ -127,6 +129,12 @@ class WorkerServer:
             case wire.DrainQuery(draining=draining):
                 was, self.draining = self.draining, draining
                 return was
+            case wire.LoRAQuery(name=name, path=None):
+                return await engine.unload_lora_adapter(name)
+            case wire.LoRAQuery(name=name, path=path):
+                known = name in (engine.lora_adapters or {})
+                await engine.load_lora_adapter(name, path)
+                return known
         raise ValueError(f"unknown control query {c.query!r}")
 
     async def receive(self, pull: zmq.asyncio.Socket, parent: int) -> None:

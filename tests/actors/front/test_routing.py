@@ -165,3 +165,28 @@ def test_choice_is_a_cheapest_up_worker(prefix_groups):
         up_costs = [x for x in d.costs if x is not None]
         assert d.costs[d.worker] == min(up_costs)
         c.routed(d, hs, 0.0)
+
+
+def test_lora_adapter_routing():
+    """1. the worker holding the request's adapter wins between equal workers; 2. a real
+    load difference still beats it; 3. its prefix counts only under the same adapter;
+    4. routing there counts as holding it until the next report says otherwise."""
+    c = core()
+    hs = hashes(list(range(16)))
+    c.reported(0, free_blocks=100, kv_usage=0.1, adapters=[])
+    c.reported(1, free_blocks=100, kv_usage=0.1, adapters=["sql"])
+    assert c.choose(hs, 8, 0.0, adapter="sql").worker == 1
+    assert c.choose(hs, 8, 0.0, affinity=0).worker == 0      # base requests: no preference
+    c.loads[1].decoding = 3
+    assert c.choose(hs, 8, 0.0, adapter="sql").worker == 0
+    c.loads[1].decoding = 0
+    sql = hashes(list(range(16)), ident=CacheIdentity(model_fingerprint="fp",
+                                                      adapter="sql").encode())
+    assert sql != hs
+    c.indexes[0].apply(stored(sql))                          # worker 0 ran sql's prompt
+    d = c.choose(sql, 8, 0.0, adapter="sql")
+    assert d.worker == 0 and d.expected_hit_blocks == 4
+    c.routed(c.choose(hs, 8, 0.0, adapter="chat", affinity=0), [], 0.0, "chat")
+    assert "chat" in c.loads[0].adapters
+    c.reported(0, free_blocks=100, kv_usage=0.1, adapters=["sql"])
+    assert c.loads[0].adapters == {"sql"}
