@@ -140,7 +140,8 @@ async def openapi_json(request: web.Request) -> web.Response:
     if state.config.server.max_tokens:
         cap = min(cap or state.config.server.max_tokens, state.config.server.max_tokens)
     return web.json_response(document(limits, max_tokens=cap,
-                                      max_logprobs=state.config.server.max_logprobs))
+                                      max_logprobs=state.config.server.max_logprobs,
+                                      lora_updates=state.config.lora.allow_runtime_updates))
 
 
 async def metrics(request: web.Request) -> web.Response:

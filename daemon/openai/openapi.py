@@ -110,13 +110,15 @@ def _apply_limits(components: dict, limits: Q.Limits | None, max_tokens: int | N
 
 
 def document(limits: Q.Limits | None = None, max_tokens: int | None = None,
-             max_logprobs: int = 20, title: str = "tokenloom") -> dict:
+             max_logprobs: int = 20, title: str = "tokenloom",
+             lora_updates: bool = False) -> dict:
     """The OpenAPI 3.1 document. `limits`: the running server's (None: no server bounds);
-    `max_tokens`: the most tokens one choice may ask for (None: unbounded here)."""
+    `max_tokens`: the most tokens one choice may ask for (None: unbounded here);
+    `lora_updates`: the runtime LoRA endpoints are served (lora.allow_runtime_updates)."""
     types = [Q.CompletionRequest, Q.ChatCompletionRequest, Q.TokenizeRequest,
              Q.DetokenizeRequest, R.CompletionResponse, R.ChatCompletionResponse, R.ModelList,
              R.TokenizeResponse, R.DetokenizeResponse, R.ReadyResponse, R.ErrorResponse,
-             R.RenderedPrompt]
+             R.RenderedPrompt, Q.LoadLoRAAdapterRequest, Q.UnloadLoRAAdapterRequest]
     _, components = msgspec.json.schema_components(types, ref_template=REF)
     _apply_limits(components, limits, max_tokens, max_logprobs)
     json_ok = lambda t: {"description": "OK", "content": {JSON: {"schema": _ref(t)}}}  # noqa
@@ -154,6 +156,14 @@ def document(limits: Q.Limits | None = None, max_tokens: int | None = None,
         "/openapi.json": _get("This document", {"description": "OpenAPI 3.1", "content": {
             JSON: {"schema": {"type": "object"}}}}),
     }
+    if lora_updates:
+        text_ok = {"description": "done", "content": {"text/plain": {"schema": {
+            "type": "string"}}}}
+        paths["/v1/load_lora_adapter"] = _post(
+            "Serve a PEFT LoRA adapter under a name (vLLM's runtime LoRA update)",
+            Q.LoadLoRAAdapterRequest, text_ok)
+        paths["/v1/unload_lora_adapter"] = _post(
+            "Stop serving a LoRA adapter", Q.UnloadLoRAAdapterRequest, text_ok)
     for item in paths.values():
         for op in item.values():
             op["responses"].setdefault("405", _error("the wrong method"))

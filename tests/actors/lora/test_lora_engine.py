@@ -68,6 +68,9 @@ SCHEDULES = {
     "one-slot": {"lora.max_loras": 1, "lora.max_cpu_loras": 1},
     "preempt": dict(num_blocks=10, max_num_seqs=6, admission_lookahead_tokens=0,
                     kv_watermark=0.0, kv_resume_watermark=0.0),
+    # Prompt-lookup speculation: drafts are verified by the target with each row's adapter.
+    "ngram": {"speculative.method": "ngram", "speculative.mode": "on",
+              "speculative.ngram_min": 1},
 }
 
 
@@ -92,6 +95,8 @@ def test_greedy_per_adapter_matches_peft(world, tmp_path, schedule):
         assert lora.num_evictions >= 2 and lora.num_loads >= 3
     if schedule == "preempt":
         assert stats.num_preemptions > 0
+    if schedule == "ngram":
+        assert stats.spec.num_draft_tokens > 0, "no draft was verified"
 
 
 def test_prefix_cache_is_per_adapter(world, tmp_path):
