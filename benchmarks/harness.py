@@ -434,8 +434,13 @@ class Connections:
 
 
 async def one_request(conns: Connections, model, prompt, output_len, tokenloom=True) -> dict:
+    """`prompt`: token ids or text; or (model, prompt, extra body fields) to give each
+    request its own model (e.g. a LoRA adapter) and fields (llama-server's `lora`)."""
+    extra = {}
+    if isinstance(prompt, tuple):
+        model, prompt, extra = prompt
     body = dict(model=model, prompt=prompt, max_tokens=output_len, temperature=0, stream=True,
-                stream_options={"include_usage": True})
+                stream_options={"include_usage": True}, **extra)
     if tokenloom:
         body["ignore_eos"] = True
     t0 = time.perf_counter()

@@ -34,7 +34,7 @@ from tokenloom.kernels.gpu.triton_fused import _round_to
 
 @triton.jit
 def _lora_add(out_ptr, x_ptr, a_ptr, b_ptr, slots_ptr, stride_o, stride_x, stride_a, stride_b,
-              n_cols, k_dim, rank, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              stride_br, n_cols, k_dim, rank, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               BLOCK_R: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -59,7 +59,8 @@ def _lora_add(out_ptr, x_ptr, a_ptr, b_ptr, slots_ptr, stride_o, stride_x, strid
         acc += tl.sum(ak.to(tl.float32) * xk[None, :], axis=1)
     # Expand: delta[n] = sum_r acc[r] * b[n, first + r].
     n_mask = cols < n_lim
-    bn = tl.load(b_ptr + cols.to(tl.int64)[:, None] * stride_b + (first + r)[None, :],
+    bn = tl.load(b_ptr + cols.to(tl.int64)[:, None] * stride_b
+                 + (first + r).to(tl.int64)[None, :] * stride_br,
                  mask=n_mask[:, None] & r_mask[None, :], other=0.0)
     delta = tl.sum(bn.to(tl.float32) * acc[None, :], axis=1)
     dst = out_ptr + tok * stride_o + cols
@@ -74,7 +75,8 @@ def lora_add_triton(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torc
     Rows with token_slots[t] < 0 are left unchanged. In place on `out`; no host sync
     (no .item(), no tensor-dependent Python control flow), so it can be captured in a CUDA graph.
     x: [T, K] (fp32/bf16/fp16, contiguous), a: [S*rank, K] same dtype, contiguous,
-    b: [N, S*rank] same dtype (contiguous), token_slots: [T] int64 or int32 (may be a view of a
+    b: [N, S*rank] same dtype (any strides: LoRAStacks passes the transpose of its [S*rank, N]
+    storage), token_slots: [T] int64 or int32 (may be a view of a
     larger static buffer: use only the first T entries), out: [T, N] same dtype as x (it may be a
     column slice view, so honor its strides). rank: Python int >= 1 (any value, not necessarily
     a power of two; pad inside the kernel with masks). Accumulate in fp32, cast on store.
@@ -85,7 +87,7 @@ def lora_add_triton(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torc
     assert a.shape[0] % rank == 0 and b.shape[1] == a.shape[0]
     assert x.dtype == a.dtype == b.dtype == out.dtype
     assert token_slots.dtype in (torch.int32, torch.int64) and token_slots.shape[0] >= t
-    assert x.stride(1) == 1 and a.stride(1) == 1 and b.stride(1) == 1 and out.stride(1) == 1
+    assert x.stride(1) == 1 and a.stride(1) == 1 and out.stride(1) == 1
     if t == 0 or n == 0:
         return out
     block_r = max(2, triton.next_power_of_2(rank))
@@ -95,7 +97,7 @@ def lora_add_triton(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torc
     block_k = min(triton.next_power_of_2(k_dim), max(16, 4096 // block_r), 128)
     _lora_add[(t, cdiv(n, block_n))](
         out, x, a, b, token_slots, out.stride(0), x.stride(0), a.stride(0), b.stride(0),
-        n, k_dim, rank, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r, num_warps=4)
+        b.stride(1), n, k_dim, rank, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r, num_warps=4)
     return out
 
 

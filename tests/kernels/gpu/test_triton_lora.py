@@ -124,3 +124,12 @@ def check_slots_are_the_head_of_a_longer_int32_buffer():
     lora_add_triton(got, x, a, b, buf, 8)
     torch.testing.assert_close(got, lora_add_reference(out.clone(), x, a, b, buf[:3], 8),
                                atol=1e-4, rtol=1e-4)
+
+
+def check_b_as_the_transpose_of_the_stacks_storage():
+    """LoRAStacks keeps B transposed ([S*rank, N], rows per slot contiguous) and passes
+    `.T`: the kernel honours both of b's strides."""
+    slots = torch.tensor([1, -1, 0])
+    x, a, b, out = _inputs(3, 2, 4, torch.float32, seed=7)
+    bt = b.T.contiguous()
+    _check(out, x, a, bt.T, slots, 4)

@@ -70,7 +70,7 @@ def test_mixed_batch_matches_peft(setup):
     seqs = [_seq(r, p, 0, tables[r], slots[r]) for r, p in prompts.items()]
     batch = ExecuteBatch(step=0, sequences=seqs, num_decodes=0)
     inputs = build_batch_inputs(batch, BS, torch.device("cpu"))
-    assert inputs.meta.lora is not None and inputs.meta.lora.groups is not None
+    assert inputs.meta.lora is not None and inputs.meta.lora.span == (0, 3)
     out = model(inputs.input_ids, inputs.positions, kv, inputs.meta, inputs.logits_indices)
     nxt = {}
     for i, rid in enumerate(prompts):
@@ -109,7 +109,7 @@ def test_reloading_a_slot_leaves_nothing_behind(setup):
     reused.load(1, load_adapter("b", dir_b, spec, 8))
     for kind in fresh.a:
         assert torch.equal(fresh.a[kind], reused.a[kind]), kind
-        assert torch.equal(fresh.b[kind], reused.b[kind]), kind
+        assert torch.equal(fresh.bt[kind], reused.bt[kind]), kind
         assert fresh.used[kind] == reused.used[kind]
     reused.clear(1)
     assert all(not t.any() for t in reused.a.values())
