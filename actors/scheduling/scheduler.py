@@ -353,6 +353,15 @@ class Scheduler:
         made, orphans = siblings.apply_forks(grant.forked, self.requests, self.waiting,
                                              self.running, self.limits.block_size)
         self.num_forks += made
+        if self.lora is not None:
+            # A forked sibling enters without admission: it runs in the slot of its adapter,
+            # resident since sibling 0 (running with it) computed the shared prompt.
+            for child_id in grant.forked:
+                child = self.requests.get(child_id)
+                if child is not None and child.lora_name is not None:
+                    slot = self.lora.resident(child.lora_name)
+                    assert slot is not None, f"{child_id}: its adapter left the device"
+                    child.lora_slot = slot
         for child_id in orphans:   # aborted during the round trip: free its new table
             self.view.release(child_id)
         if self.tiers is not None:  # forked, not admitted: their tier lookups are moot

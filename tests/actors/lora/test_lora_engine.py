@@ -159,3 +159,19 @@ def test_compiled_programs_serve_adapters(world, tmp_path):
         llm.close()
     assert got == expected
     assert graphs.replays > 0, "decode steps were meant to run compiled programs"
+
+
+def test_siblings_of_an_adapter_request(world, tmp_path):
+    """n > 1: sibling 0 computes the prompt, the others fork its blocks (no admission of
+    their own) and must still decode with the adapter."""
+    _, _, prompts, names, expected = world
+    llm = make_llm(world, tmp_path)
+    try:
+        out = llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                        ignore_eos=True, n=3), lora=names[0])[0]
+        forks = llm.scheduler_stats().num_forks
+        llm.check_integrity()
+    finally:
+        llm.close()
+    assert forks > 0, "the siblings were meant to fork sibling 0's prompt blocks"
+    assert [c.token_ids for c in out.outputs] == [expected[0]] * 3
