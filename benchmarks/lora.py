@@ -46,9 +46,8 @@ from harness import (
     start_llama_server,
     start_tokenloom,
     summarise,
+    tests_module,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 STREAMS = 16
 PROMPT_LEN, OUTPUT_LEN = 128, 64
@@ -56,7 +55,7 @@ LLAMA_CPP_PYTHON = "0.3.36"   # the sdist whose vendored llama.cpp the peer was 
 
 
 def make_adapters(root: Path, n: int, rank: int) -> dict[str, Path]:
-    from tinymodel import build_random_adapter
+    build_random_adapter = tests_module("tinymodel").build_random_adapter
     base = Path(resolve_dir("default"))
     out = {}
     for i in range(n):

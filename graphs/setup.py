@@ -76,7 +76,8 @@ def build_decode_graphs(cfg: GraphsConfig, model, kv: KVCache, *, max_num_seqs: 
     sizes = resolve_capture_sizes(cfg, max_num_seqs)
     buffers = DecodeBuffers(max(sizes), cdiv(max_model_len, kv.block_size), kv.block_size,
                             model.spec.vocab_size, device)
-    buffers.lora = has_lora(model)
+    if has_lora(model):
+        buffers.lora = True
     graphs = DecodeGraphs(model, kv, buffers)
     try:
         graphs.capture(sizes, cfg.memory_budget_bytes)
@@ -232,7 +233,8 @@ def build_cpu_programs(cfg: GraphsConfig, model, kv: KVCache, *, max_num_seqs: i
         use_cache_dir(Path(cache_dir) / "cpu_programs" / cache_key(model, kv))
     buffers = DecodeBuffers(max(sizes), cdiv(max_model_len, kv.block_size), kv.block_size,
                             model.spec.vocab_size, "cpu")
-    buffers.lora = has_lora(model)
+    if has_lora(model):
+        buffers.lora = True
     programs = CompiledDecode(model, kv, buffers)
     programs.compile(sizes)
     if not programs.sizes:
