@@ -45,6 +45,10 @@ class RequestMeta(_Msg, frozen=True):
     # The LoRA adapter it runs with (the `model` field named one); None: the base model. Part
     # of its prefix-cache identity: two adapters never share KV.
     lora: str | None = None
+    # Disaggregated serving: this is the prefill half of a request whose decode runs on
+    # another worker; every prompt block it holds (computed or cached) is written to the
+    # handoff KV tier (actors/kv/tiers/handoff.py). Set by the worker pool, never by a client.
+    kv_export: bool = False
 
 
 # -- measured at start-up: the engine's facts, for the front and the worker wire ------------
@@ -672,6 +676,25 @@ class WorkerReport(_Msg):
     lora_adapters: list[str] | None = None   # the LoRA adapters in its device slots
 
 
+class RehomeRequest(_Msg):
+    """Disaggregation: route this request again, to a decode worker other than
+    `exclude` (its decode worker died before producing a token; its KV is in the handoff
+    tier), prefilling there whatever the handoff tier does not hold."""
+    request: AddRequest
+    exclude: int
+
+
+class HandoffMeasured(_Msg):
+    """What a finished request measured for the disaggregation cost model: `worker`
+    prefilled `prefill_tokens` in `prefill_seconds`; a decode worker restored
+    `transfer_bytes` from the handoff tier in `transfer_seconds` (0: none)."""
+    worker: int
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    transfer_bytes: int = 0
+    transfer_seconds: float = 0.0
+
+
 class WorkerKVEvents(_Msg):
     """KV cache events (actors/kv/events.py) from worker `worker`, in emission order."""
     worker: int
@@ -694,6 +717,10 @@ class RoutingStats(_Msg):
     prompt_blocks: list[int]
     expected_hit_blocks: list[int]
     num_rejected: int = 0                # no worker was up
+    # Disaggregation (None: off): each worker's role, decisions by reason, the cost
+    # model's learned rates, and the handoffs in flight (added by the worker pool).
+    roles: list[str] | None = None
+    disaggregation: dict | None = None
 
 
 class WorkerStatus(_Msg):
@@ -709,6 +736,7 @@ class WorkerStatus(_Msg):
     threads: int | None = None
     kv_usage: float | None = None        # last report, while up
     draining: bool = False
+    role: str = "both"                   # "prefill" | "decode" | "both" (disaggregation)
 
 
 class WorkerStats(_Msg):

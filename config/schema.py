@@ -190,7 +190,9 @@ class SchedulerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only
     # meanwhile (one step ahead); false = the serial loop (plan, run, wait, process).
     overlap: bool = True
     # Fewest prefill tokens per iteration under "slo", so long prompts always progress.
-    min_prefill_chunk: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 64
+    # 0 = follow target_itl_ms down to one KV block (cache.block_size tokens); a value > 0
+    # is a hard floor, kept even when that many tokens overrun the target.
+    min_prefill_chunk: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 0
     # KV plan: fraction of the pool admission keeps free...
     kv_watermark: Annotated[float, msgspec.Meta(ge=0.0, le=0.5)] = 0.01
     # ... raised to this fraction after a preemption until the pool recovers (hysteresis).
@@ -439,6 +441,15 @@ class KVTiersConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
     disk_prior_latency_ms: Annotated[float, msgspec.Meta(ge=0.0)] = 0.2
     remote_prior_mb_s: Annotated[float, msgspec.Meta(gt=0.0)] = 100.0
     remote_prior_latency_ms: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
+    # The handoff tier (disaggregated serving, docs/disaggregation.md): a directory shared
+    # by the workers of one host (under /dev/shm: memory) that prefill workers write their
+    # computed blocks to ("through") and decode workers restore from ("off": read only).
+    # The worker pool sets these for its workers; "" = off.
+    peer_path: str = ""
+    peer_bytes: Annotated[int, msgspec.Meta(ge=0)] = 4096 * MiB
+    peer_write: TierWrite = "off"
+    peer_prior_mb_s: Annotated[float, msgspec.Meta(gt=0.0)] = 2000.0
+    peer_prior_latency_ms: Annotated[float, msgspec.Meta(ge=0.0)] = 0.05
     # Prefill cost per token before the step-cost model has seen a prefill.
     recompute_prior_ms_per_token: Annotated[float, msgspec.Meta(gt=0.0)] = 0.5
     # Writes queued for a slow tier beyond this are dropped (counted), never waited for.
@@ -461,9 +472,10 @@ class KVTiersConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
             raise ConfigError("kv_tiers.remote_shaping must be [latency_ms >= 0, MB/s > 0] or "
                               f"empty, got {self.remote_shaping!r}",
                               key="kv_tiers.remote_shaping")
-        if self.enabled and not (self.host_bytes or self.disk_path or self.remote_url):
+        if self.enabled and not (self.host_bytes or self.disk_path or self.remote_url
+                                 or self.peer_path):
             raise ConfigError("kv_tiers.enabled needs at least one tier: host_bytes > 0, a "
-                              "disk_path or a remote_url", key="kv_tiers.enabled")
+                              "disk_path, a remote_url or a peer_path", key="kv_tiers.enabled")
 
 
 class WorkersConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -489,6 +501,33 @@ class WorkersConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
     restart_backoff_seconds: Annotated[float, msgspec.Meta(ge=0.0, le=600.0)] = 1.0
     # A worker must load its model and warm up within this, or start-up fails.
     start_timeout_seconds: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)] = 600.0
+    # Disaggregated serving (docs/disaggregation.md): the first `prefill` workers only
+    # prefill, handing each request's KV to one of the others ("decode" workers, which also
+    # prefill locally when that is predicted cheaper). 0 = every worker serves whole requests.
+    prefill: Annotated[int, msgspec.Meta(ge=0, le=63)] = 0
+    # Per request: "cost" chooses local prefill on the decode worker or remote prefill +
+    # transfer by predicted cost; "always" hands off every prompt of at least
+    # min_remote_prefill_tokens uncached tokens; "never" disables handoffs (the prefill
+    # workers then idle: for comparison).
+    disaggregation: Literal["cost", "always", "never"] = "cost"
+    # Prompts with fewer uncached tokens than this always prefill where they decode.
+    min_remote_prefill_tokens: Annotated[int, msgspec.Meta(ge=0, le=10_000_000)] = 256
+    # The handoff tier's directory ("" = a fresh one under /dev/shm, else under the
+    # temp dir) and budget.
+    handoff_dir: str = ""
+    handoff_bytes: Annotated[int, msgspec.Meta(ge=1 * MiB)] = 4096 * MiB
+    # A finished prefill's blocks stay claimable this long; then they are deleted and a
+    # decode worker that had not read them recomputes.
+    handoff_lease_seconds: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)] = 30.0
+    # The cost model's transfer bandwidth before the first handoff is measured.
+    handoff_prior_mb_s: Annotated[float, msgspec.Meta(gt=0.0)] = 2000.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.prefill and self.prefill >= self.count:
+            raise ConfigError(f"workers.prefill must leave at least one decode worker: got "
+                              f"{self.prefill} with workers.count = {self.count} (allowed "
+                              f"0..{self.count - 1})", key="workers.prefill")
 
 
 class LoRAConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -111,8 +111,10 @@ async def health(request: web.Request) -> web.Response:
     up = sum(w.up for w in status)
     if state.ready and up == 0:
         raise APIError(503, f"no engine worker is up (0/{len(status)}; restarting)")
+    probe = getattr(state.engine, "handoff_status", None)
     return endpoints.struct_response(HealthResponse(
-        status="ok" if up == len(status) else "degraded", workers=status))
+        status="ok" if up == len(status) else "degraded", workers=status,
+        handoffs=probe() if probe is not None else None))
 
 
 async def ready(request: web.Request) -> web.Response:
@@ -127,6 +129,13 @@ async def ready(request: web.Request) -> web.Response:
     up, total = sum(w.up for w in status), len(status)
     if up == 0:
         raise APIError(503, f"no engine worker is up (0/{total})")
+    roles = {w.role for w in status}
+    if roles != {"both"}:   # disaggregation: ready only with a worker of each role up
+        roles_up = {r: sum(w.up for w in status if w.role == r) for r in sorted(roles)}
+        if not roles_up.get("decode"):
+            raise APIError(503, "no decode worker is up")
+        return endpoints.struct_response(ReadyResponse(status="ready", workers_up=up,
+                                                       workers=total, roles_up=roles_up))
     return endpoints.struct_response(ReadyResponse(status="ready", workers_up=up, workers=total))
 
 

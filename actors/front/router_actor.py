@@ -16,10 +16,12 @@ transport; each worker's own engine still applies its admission gate.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import Callable
 
 from tokenloom.actors.base import Actor, resolve
+from tokenloom.actors.front import disaggregation
 from tokenloom.actors.front.routing import RouteDecision, RoutingCore
 from tokenloom.actors.kv.block_hash import CacheIdentity, hash_request_blocks
 from tokenloom.actors.messages import (
@@ -29,6 +31,8 @@ from tokenloom.actors.messages import (
     AddRequest,
     GetRouterStats,
     GetRoutingStats,
+    HandoffMeasured,
+    RehomeRequest,
     RequestFinished,
     RequestOutput,
     RequestStarted,
@@ -138,9 +142,11 @@ class WorkerRouterActor(Actor):
     def __init__(self, core: RoutingCore, send: Callable[[int, object, RouteDecision | None],
                                                           None],
                  emit: Callable[[RequestOutput], None], fingerprint: str, block_size: int,
-                 prefix_caching: bool, clock: Callable[[], float] = time.monotonic):
+                 prefix_caching: bool, clock: Callable[[], float] = time.monotonic,
+                 disagg: disaggregation.Settings | None = None):
         super().__init__()
         self.core = core
+        self.disagg = disagg
         self.send_to = send
         self.emit = emit
         self.block_size = block_size
@@ -166,7 +172,9 @@ class WorkerRouterActor(Actor):
                 self._identities[key] = ident
         return hash_request_blocks(msg.prompt_token_ids, self.block_size, ident)
 
-    def _add(self, msg: AddRequest) -> None:
+    def _add(self, msg: AddRequest, exclude: int | None = None) -> None:
+        """Route a request (`exclude`: a re-homed one, never to that worker and never
+        handed off again: its KV is in the handoff tier already)."""
         now = self.clock()
         hashes = self.hashes(msg)
         need = cdiv(len(msg.prompt_token_ids) + msg.sampling_params.max_tokens,
@@ -174,19 +182,26 @@ class WorkerRouterActor(Actor):
         meta = msg.meta
         leader = self._requests.get(meta.group_id) if meta.group_id else None
         key = meta.affinity or meta.tenant
+        among = None
+        if self.disagg is not None:
+            among = [w for w in self.disagg.decode_workers if w != exclude]
         if leader is not None and self.core.loads[leader.worker].up:
             w = leader.worker
             decision = RouteDecision(w, self.core.policy, "sibling", len(hashes),
                                      self.core.indexes[w].overlap(hashes, now))
         else:
             decision = self.core.choose(hashes, need, now, self._affinity.get(key)
-                                        if key is not None else None, adapter=meta.lora)
+                                        if key is not None else None, adapter=meta.lora,
+                                        among=among)
         if decision is None:
             self.num_rejected += 1
+            what = "decode worker" if self.disagg is not None else "engine worker"
             self.emit(RequestOutput(request_id=msg.request_id, new_token_ids=[], finished=True,
                                     finish_reason="abort", error_kind=ERROR_INTERNAL,
-                                    error="no engine worker is up (restarting); retry later"))
+                                    error=f"no {what} is up (restarting); retry later"))
             return
+        if self.disagg is not None and exclude is None and decision.reason != "sibling":
+            decision = self._disaggregate(msg, hashes, need, now, decision)
         self._requests[msg.request_id] = _Routed(decision.worker,
                                                  self.core.routed(decision, hashes, now,
                                                                   meta.lora))
@@ -197,6 +212,36 @@ class WorkerRouterActor(Actor):
                 self._affinity.pop(next(iter(self._affinity)))
         msg.routed_time = now
         self.send_to(decision.worker, msg, decision)
+
+    def _disaggregate(self, msg: AddRequest, hashes: list[bytes], need: int, now: float,
+                      decision: RouteDecision) -> RouteDecision:
+        """Local or remote prefill for a request routed to decode worker
+        `decision.worker`; a remote one is charged to its prefill worker under the prefill
+        half's id, and the decode worker is charged only the tail it recomputes."""
+        d = self.disagg
+        bs = self.block_size
+        n = len(msg.prompt_token_ids)
+        core = self.core
+        pd = core.choose(hashes, need, now, adapter=msg.meta.lora, among=d.prefill_workers)
+        sp = msg.sampling_params
+        eligible = (sp.prompt_logprobs is None and msg.meta.group_id is None
+                    and self.prefix_caching)
+
+        def side(r: RouteDecision) -> disaggregation.Side:
+            load = core.loads[r.worker]
+            return disaggregation.Side(r.worker, n - r.expected_hit_blocks * bs,
+                                       load.queued_prefill_blocks * bs, load.decoding)
+
+        choice = disaggregation.choose(d.mode, n, bs, d.kv_bytes_per_token, side(decision),
+                                       side(pd) if pd is not None else None, d.rates,
+                                       d.min_remote_tokens, eligible)
+        d.count(choice)
+        if not choice.remote:
+            return dataclasses.replace(decision, handoff=choice.as_dict())
+        pid = disaggregation.prefill_id(msg.request_id)
+        self._requests[pid] = _Routed(pd.worker, core.routed(pd, hashes, now, msg.meta.lora))
+        return dataclasses.replace(decision, expected_hit_blocks=len(hashes),
+                                   prefill_worker=pd.worker, handoff=choice.as_dict())
 
     def _worker_down(self, w: int) -> None:
         self.core.worker_down(w)
@@ -212,7 +257,9 @@ class WorkerRouterActor(Actor):
                             kv_usage=[w.kv_usage for w in c.loads],
                             routed=list(c.num_routed), prompt_blocks=list(c.prompt_blocks),
                             expected_hit_blocks=list(c.expected_hit_blocks),
-                            num_rejected=self.num_rejected)
+                            num_rejected=self.num_rejected,
+                            roles=self.disagg.roles(c.num_workers) if self.disagg else None,
+                            disaggregation=self.disagg.stats() if self.disagg else None)
 
     async def run(self) -> None:
         while True:
@@ -224,6 +271,12 @@ class WorkerRouterActor(Actor):
                     r = self._requests.get(rid)
                     if r is not None:
                         self.send_to(r.worker, msg, None)
+                case RehomeRequest(request=add, exclude=w):
+                    self._add(add, exclude=w)
+                case HandoffMeasured() if self.disagg is not None:
+                    rates = self.disagg.rates
+                    rates.observe_prefill(msg.worker, msg.prefill_tokens, msg.prefill_seconds)
+                    rates.observe_transfer(msg.transfer_bytes, msg.transfer_seconds)
                 case RequestStarted(request_id=rid):
                     r = self._requests.get(rid)
                     if r is not None and not r.started:

@@ -129,12 +129,20 @@ class RouteDecision:
     prompt_blocks: int
     expected_hit_blocks: int
     costs: tuple[float | None, ...] = ()   # per worker (None: down); prefix/least_load only
+    # Disaggregation: the worker that prefills it (None: prefilled where it decodes) and
+    # the choice with its prediction (actors/front/disaggregation.py).
+    prefill_worker: int | None = None
+    handoff: dict | None = None
 
     def as_dict(self) -> dict:
-        return {"worker": self.worker, "policy": self.policy, "reason": self.reason,
-                "prompt_blocks": self.prompt_blocks,
-                "expected_hit_blocks": self.expected_hit_blocks,
-                "costs": list(self.costs)}
+        out = {"worker": self.worker, "policy": self.policy, "reason": self.reason,
+               "prompt_blocks": self.prompt_blocks,
+               "expected_hit_blocks": self.expected_hit_blocks,
+               "costs": list(self.costs)}
+        if self.handoff is not None:
+            out["prefill_worker"] = self.prefill_worker
+            out["disaggregation"] = self.handoff
+        return out
 
 
 class RoutingCore:
@@ -177,12 +185,12 @@ class RoutingCore:
         return cost, overlap
 
     def choose(self, hashes: Sequence[bytes], need_blocks: int, now: float,
-               affinity: int | None = None,
-               adapter: str | None = None) -> RouteDecision | None:
+               affinity: int | None = None, adapter: str | None = None,
+               among: Sequence[int] | None = None) -> RouteDecision | None:
         """The worker for a request whose full prompt blocks hash to `hashes` and that needs
-        `need_blocks` blocks in all; `affinity`: the worker its affinity key last went to.
-        None when no worker is up."""
-        up = self.up_workers()
+        `need_blocks` blocks in all; `affinity`: the worker its affinity key last went to;
+        `among`: the workers of the role it needs (None: any). None when none is up."""
+        up = [w for w in self.up_workers() if among is None or w in among]
         if not up:
             return None
         n = len(hashes)

@@ -129,6 +129,17 @@ class KVCacheManager:
 
         self._cache.tier_sink = sink
 
+    def _export_hits(self, blocks: Sequence[int]) -> None:
+        """Copy a handoff's cached prefix blocks out to the tiers that take computed
+        blocks (the handoff tier), as if computed now: the runner copies them before the
+        next forward, and the request's own reference keeps them from being overwritten."""
+        if self._tier_wants is None or self._cache is None:
+            return
+        for b in blocks:
+            meta = self._cache.meta(b)
+            if self._tier_wants(meta.block_hash, True):
+                self.offloads.append((b, meta, True))
+
     def take_offloads(self) -> list[tuple[int, Any, bool]]:
         out, self.offloads = self.offloads, []
         return out
@@ -290,6 +301,8 @@ class KVCacheManager:
                 continue
             hit = hits[rid]
             self._tables[rid] = hit + added
+            if prefixes[rid].export and hit:
+                self._export_hits(hit)
             record = None
             if self._cache is not None:
                 self._committed[rid] = len(hit)

@@ -79,6 +79,9 @@ class PrefixQuery(msgspec.Struct, frozen=True, gc=False):
     block_hashes: list[bytes]
     content_hashes: list[bytes] | None = None
     preempted: bool = False
+    # Disaggregation: this request is the prefill half of a handoff, so its cached prefix
+    # blocks go to the KV tiers too (the decode worker restores the whole chain from there).
+    export: bool = False
 
 
 class PrefixRecord(msgspec.Struct, frozen=True, gc=False):
@@ -375,6 +378,11 @@ class PrefixCache:
         self._content_count[content] += 1
         self._sibling_count[sibling] += 1
         self._evicted.pop(h, None)
+
+    def meta(self, block_id: int) -> BlockMeta:
+        """A cached block's identity below the device (needs ``tier_sink`` set when it
+        was cached)."""
+        return self._meta(block_id)
 
     def _meta(self, block_id: int) -> BlockMeta:
         tail = self._tail_of[block_id]

@@ -57,7 +57,7 @@ class PrefixTracker:
              if self.enabled and not req.wants_prompt_logprobs else 0)
         return PrefixQuery(token_ids=req.token_ids, block_hashes=req.block_hashes[:n],
                            content_hashes=req.content_hashes[:n] if req.cache_salt else None,
-                           preempted=req.num_preemptions > 0)
+                           preempted=req.num_preemptions > 0, export=req.meta.kv_export)
 
     def commit(self, req: Request, num_computed_tokens: int) -> KVCommit | None:
         """Newly full blocks among the first `num_computed_tokens` (computed by a step that

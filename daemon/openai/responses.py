@@ -167,9 +167,12 @@ class HealthResponse(msgspec.Struct, kw_only=True, omit_defaults=True):
     status: str
     workers: list[WorkerStatus]
     kv_tiers: dict[str, str] = {}
+    # Disaggregation: handoffs in flight by state, blocks under lease, outcomes, bytes moved.
+    handoffs: dict | None = None
 
 
 class ReadyResponse(msgspec.Struct, kw_only=True, omit_defaults=True):
     status: str
     workers_up: int | None = None       # with worker processes: how many serve
     workers: int | None = None
+    roles_up: dict[str, int] | None = None   # disaggregation: workers up per role

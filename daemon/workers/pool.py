@@ -22,6 +22,7 @@ import asyncio
 import collections
 import dataclasses
 import itertools
+import os
 import shutil
 import tempfile
 import time
@@ -33,14 +34,18 @@ import zmq
 import zmq.asyncio
 
 from tokenloom.actors.engine_client import EngineFront, merge_traces
+from tokenloom.actors.front import disaggregation
 from tokenloom.actors.front.routing import RouteDecision, RoutingCore
 from tokenloom.actors.kv.prefix_cache import FlushResult
 from tokenloom.actors.messages import (
     ERROR_INTERNAL,
+    AbortRequest,
     AddRequest,
     EngineStats,
     GetRouterStats,
     GetRoutingStats,
+    HandoffMeasured,
+    RehomeRequest,
     RequestFinished,
     RequestOutput,
     RequestStarted,
@@ -52,8 +57,10 @@ from tokenloom.actors.messages import (
     WorkerStatus,
     WorkerUp,
 )
+from tokenloom.actors.sampling_params import SamplingParams
 from tokenloom.config.schema import EngineConfig
 from tokenloom.daemon.workers import aggregate, supervisor, wire
+from tokenloom.daemon.workers.handoff import HandoffLedger
 from tokenloom.daemon.workers.slot import (
     STOP_SECONDS,
     WorkerConfigError,
@@ -65,6 +72,29 @@ log = structlog.get_logger("tokenloom.workers")
 
 TRACE_HISTORY = 4096     # routing decisions kept for traces
 QUERY_SECONDS = 10.0     # a control query's answer must come within this
+LEASE_CHECK_SECONDS = 0.25   # how often expired handoff leases and stray files are swept
+# After a prefill half ends, its last blocks may still be on their way to the handoff tier
+# (the prefill worker copies them out after the step and writes them on a thread): the
+# decode half waits for them this long at most, then recomputes what is missing.
+HANDOFF_WAIT_SECONDS = 2.0
+
+
+def _handoff_dir(config: EngineConfig) -> Path | None:
+    """The handoff tier's directory: workers.handoff_dir, or a fresh one in shared memory
+    (/dev/shm) when the host has room for the budget, else in the temp dir."""
+    w = config.workers
+    if not w.prefill:
+        return None
+    if w.handoff_dir:
+        path = Path(w.handoff_dir) / f"tokenloom-handoff-{os.getpid()}"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    shm = Path("/dev/shm")
+    try:
+        roomy = shm.is_dir() and shutil.disk_usage(shm).free >= w.handoff_bytes
+    except OSError:
+        roomy = False
+    return Path(tempfile.mkdtemp(prefix="tokenloom-handoff-", dir=shm if roomy else None))
 
 
 @dataclasses.dataclass
@@ -87,7 +117,13 @@ class WorkerPool(EngineFront):
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.bind(self._out_addr)
-        self.slots = [WorkerSlot(i, c) for i, c in enumerate(supervisor.worker_configs(config))]
+        self.handoff_dir = _handoff_dir(config)
+        configs = supervisor.worker_configs(
+            config, handoff_dir=str(self.handoff_dir) if self.handoff_dir else None)
+        self.slots = [WorkerSlot(i, c, role=supervisor.role(config, i))
+                      for i, c in enumerate(configs)]
+        self.handoffs = (HandoffLedger(self.handoff_dir, config.workers.handoff_lease_seconds)
+                         if self.handoff_dir else None)
         self._routes: dict[str, _Route] = {}
         self._decisions: collections.OrderedDict[str, dict] = collections.OrderedDict()
         self._query_ids = itertools.count()
@@ -128,6 +164,8 @@ class WorkerPool(EngineFront):
             raise
         for slot in pool.slots:
             pool.router.send(WorkerUp(worker=slot.index))
+        if pool.handoffs is not None:
+            pool._spawn(pool._keep_leases(), "handoff-leases")
         return pool
 
     def _build_front(self, hello: wire.Hello) -> None:
@@ -148,9 +186,20 @@ class WorkerPool(EngineFront):
         w = self.config.workers
         core = RoutingCore(len(self.slots), w.routing, w.decode_weight,
                            w.routed_prefix_ttl_seconds)
+        disagg = None
+        if w.prefill:
+            prior = self.config.kv_tiers.recompute_prior_ms_per_token / 1e3
+            disagg = disaggregation.Settings(
+                mode=w.disaggregation, prefill_workers=list(range(w.prefill)),
+                decode_workers=list(range(w.prefill, len(self.slots))),
+                min_remote_tokens=w.min_remote_prefill_tokens,
+                kv_bytes_per_token=info.kv_bytes_per_token,
+                rates=disaggregation.Rates([prior] * len(self.slots),
+                                           w.handoff_prior_mb_s * 1e6))
         self.router = WorkerRouterActor(core, self._send_to_worker, self.streams.emit,
                                         info.fingerprint, info.block_size,
-                                        self.config.cache.enable_prefix_caching)
+                                        self.config.cache.enable_prefix_caching,
+                                        disagg=disagg)
         self.tokenizer_actor.next_inbox = self.router.inbox
 
     def _spawn(self, coro, name: str) -> asyncio.Task:
@@ -211,14 +260,19 @@ class WorkerPool(EngineFront):
         lost = [rid for rid, r in self._routes.items() if r.worker == slot.index]
         message = (f"engine worker {slot.index} died (exit status {code}) while serving this "
                    f"request; it is being restarted, retry")
+        rehomed = 0
         for rid in lost:
-            del self._routes[rid]
+            route = self._routes.pop(rid)
+            if self.handoffs is not None and self._rehome(rid, route, slot.index):
+                rehomed += 1
+                continue
             self.streams.fail(rid, message, ERROR_INTERNAL)
         for reply in slot.replies.values():
             if not reply.done():
                 reply.set_exception(RuntimeError(message))
         slot.replies.clear()
-        log.error("worker died", worker=slot.index, exit_status=code, requests_ended=len(lost),
+        log.error("worker died", worker=slot.index, exit_status=code,
+                  requests_ended=len(lost) - rehomed, requests_rehomed=rehomed,
                   pid=slot.proc.pid if slot.proc else None)
 
     # -- the transport -------------------------------------------------------------------
@@ -230,15 +284,27 @@ class WorkerPool(EngineFront):
             self._decisions[rid] = decision.as_dict()
             if len(self._decisions) > TRACE_HISTORY:
                 self._decisions.popitem(last=False)
-            if not slot.up or not slot.send(wire.Submit(request=msg)):
-                # Died between the router's choice and now: the request never ran.
-                self.streams.fail(rid, f"engine worker {w} is restarting; retry",
-                                  ERROR_INTERNAL)
-                self.router.send(RequestFinished(request_id=rid))
+            if decision.prefill_worker is not None:
+                self._start_handoff(msg, decision)
                 return
-            self._routes[rid] = _Route(w)
+            self._submit(w, msg)
+        elif self.handoffs is not None and msg.request_id in self.handoffs \
+                and self.handoffs.get(msg.request_id).state != "decoding":
+            self._abort_handoff(msg.request_id)
         elif slot.up:
             slot.send(wire.Abort(abort=msg))
+
+    def _submit(self, w: int, msg: AddRequest) -> None:
+        slot = self.slots[w]
+        rid = msg.request_id
+        if not slot.up or not slot.send(wire.Submit(request=msg)):
+            # Died between the router's choice and now: the request never ran.
+            self.streams.fail(rid, f"engine worker {w} is restarting; retry", ERROR_INTERNAL)
+            self.router.send(RequestFinished(request_id=rid))
+            if self.handoffs is not None:
+                self.handoffs.close(rid, "failed")
+            return
+        self._routes[rid] = _Route(w)
 
     async def _receive(self) -> None:
         while True:
@@ -279,18 +345,146 @@ class WorkerPool(EngineFront):
                             f"engine worker {msg.worker} failed to start: {error}"))
 
     def _output(self, out: RequestOutput) -> None:
-        route = self._routes.get(out.request_id)
+        rid = out.request_id
+        if self.handoffs is not None and disaggregation.decode_id(rid) is not None:
+            self._prefill_output(out)    # a prefill half: nothing of it reaches the client
+            return
+        route = self._routes.get(rid)
         if route is not None:
             if not route.started and out.new_token_ids:
                 route.started = True
-                self.router.send(RequestStarted(request_id=out.request_id))
+                self.router.send(RequestStarted(request_id=rid))
+                if self.handoffs is not None and rid in self.handoffs:
+                    self.handoffs.close(rid, "claimed")   # its restore is over
             if out.finished:
-                del self._routes[out.request_id]
-                self.router.send(RequestFinished(request_id=out.request_id))
+                del self._routes[rid]
+                self.router.send(RequestFinished(request_id=rid))
+                if self.handoffs is not None:
+                    self.handoffs.close(rid, "failed" if out.error else "claimed")
+                    self._measure(route.worker, out)
                 trace = out.timings.trace if out.timings is not None else None
                 if trace is not None:
-                    trace["routing"] = self._decisions.get(out.request_id)
+                    trace["routing"] = self._decisions.get(rid)
         self.streams.emit(out)
+
+    # -- disaggregation: handoffs ----------------------------------------------------------
+    def _start_handoff(self, msg: AddRequest, decision: RouteDecision) -> None:
+        """Prefill `msg` on decision.prefill_worker (one greedy token, its KV exported to
+        the handoff tier); its decode half goes to decision.worker when that ends."""
+        p = decision.prefill_worker
+        self.handoffs.open(msg, p, decision.worker, self.router.hashes(msg))
+        half = AddRequest(
+            request_id=disaggregation.prefill_id(msg.request_id),
+            prompt_token_ids=msg.prompt_token_ids,
+            sampling_params=SamplingParams(max_tokens=1, temperature=0.0),
+            arrival_time=msg.arrival_time,
+            meta=msgspec.structs.replace(msg.meta, kv_export=True, group_id=None, labels=None),
+            tokenized_time=msg.tokenized_time, routed_time=msg.routed_time)
+        slot = self.slots[p]
+        if not slot.up or not slot.send(wire.Submit(request=half)):
+            # Its prefill worker is gone: the decode worker prefills (the router's account
+            # of the half is settled as if it ended).
+            self.router.send(RequestFinished(request_id=half.request_id))
+            self._decode_half(msg.request_id)
+            return
+        self._routes[half.request_id] = _Route(p)
+
+    def _prefill_output(self, out: RequestOutput) -> None:
+        if not out.finished:
+            return
+        pid = out.request_id
+        rid = disaggregation.decode_id(pid)
+        route = self._routes.pop(pid, None)
+        self.router.send(RequestFinished(request_id=pid))
+        if route is not None and not out.error:
+            self._measure(route.worker, out)
+        h = self.handoffs.prefilled(rid)
+        if h is None or h.state != "transferring":
+            return                     # aborted meanwhile (or re-homed already)
+        if out.error:
+            log.warning("prefill half failed; the decode worker prefills", request_id=rid,
+                        error=out.error)
+            self.handoffs.counts["prefill_failed"] += 1
+            self._decode_half(rid)
+            return
+        self._spawn(self._after_prefill(rid), f"handoff-{rid}")
+
+    async def _after_prefill(self, rid: str) -> None:
+        """Send the decode half once the handoff tier holds every block (or after
+        HANDOFF_WAIT_SECONDS: the decode worker recomputes what is missing)."""
+        deadline = time.monotonic() + HANDOFF_WAIT_SECONDS
+        while self.handoffs.missing(rid) and time.monotonic() < deadline:
+            await asyncio.sleep(0.002)
+        h = self.handoffs.get(rid)
+        if h is not None and h.state == "transferring":
+            self._decode_half(rid)
+
+    def _decode_half(self, rid: str) -> None:
+        h = self.handoffs.get(rid)
+        self.handoffs.decoding(rid)
+        if self.slots[h.decode_worker].up:
+            self._submit(h.decode_worker, h.request)
+        else:                          # its decode worker died meanwhile: another one
+            h.rehomed += 1
+            self.handoffs.counts["rehomed"] += 1
+            self.router.send(RehomeRequest(request=h.request, exclude=h.decode_worker))
+
+    def _abort_handoff(self, rid: str) -> None:
+        """The client left while its request was prefilling or on its way to decode."""
+        h = self.handoffs.close(rid, "aborted")
+        pid = disaggregation.prefill_id(rid)
+        if pid in self._routes and self.slots[h.prefill_worker].up:
+            self.slots[h.prefill_worker].send(wire.Abort(abort=AbortRequest(request_id=pid)))
+        self.streams.emit(RequestOutput(request_id=rid, new_token_ids=[], finished=True,
+                                        finish_reason="abort"))
+        self.router.send(RequestFinished(request_id=rid))
+
+    def _rehome(self, rid: str, route: _Route, dead: int) -> bool:
+        """A worker died under `rid`: carry on elsewhere if nothing was streamed yet and
+        its KV is (partly) in the handoff tier. True: re-homed."""
+        pid_of = disaggregation.decode_id(rid)
+        if pid_of is not None:         # a prefill half: decode where it was to decode
+            self.router.send(RequestFinished(request_id=rid))
+            h = self.handoffs.get(pid_of)
+            if h is not None and h.state == "prefilling":
+                self.handoffs.counts["prefill_lost"] += 1
+                self._decode_half(pid_of)
+            return True
+        h = self.handoffs.get(rid)
+        if h is None or route.started:
+            return False
+        h.rehomed += 1
+        h.decode_worker = -1
+        self.handoffs.counts["rehomed"] += 1
+        self.router.send(RehomeRequest(request=h.request, exclude=dead))
+        return True
+
+    def _measure(self, worker: int, out: RequestOutput) -> None:
+        """Feed the disaggregation cost model from a finished request's timings."""
+        t = out.timings
+        if t is None or t.first_token is None or t.first_scheduled is None:
+            return
+        tokens = (out.num_prompt_tokens or 0) - t.num_cached_tokens
+        peer = (t.cached_tokens_by_tier or {}).get("peer", 0)
+        fetch_ms = ((t.trace or {}).get("tiers") or {}).get("fetch_ms") or 0.0
+        if peer and fetch_ms:
+            self.handoffs.observe_transfer(peer * self.info.kv_bytes_per_token, fetch_ms / 1e3)
+        self.router.send(HandoffMeasured(
+            worker=worker, prefill_tokens=max(0, tokens),
+            prefill_seconds=t.first_token - t.first_scheduled,
+            transfer_bytes=peer * self.info.kv_bytes_per_token if fetch_ms else 0,
+            transfer_seconds=fetch_ms / 1e3))
+
+    async def _keep_leases(self) -> None:
+        """Expire leases that were never claimed; delete files no lease covers."""
+        while True:
+            await asyncio.sleep(LEASE_CHECK_SECONDS)
+            for rid in self.handoffs.expired():
+                h = self.handoffs.get(rid)
+                log.warning("handoff lease expired; its blocks are released", request_id=rid,
+                            state=h.state)
+                self.handoffs.close(rid, "expired")
+            self.handoffs.sweep()
 
     # -- control queries -----------------------------------------------------------------
     async def ask_worker(self, w: int, query: wire.WorkerQuery):
@@ -328,8 +522,11 @@ class WorkerPool(EngineFront):
         up = [s.index for s in self.slots if s.up]
         stats = await asyncio.gather(*(self.ask_worker(w, wire.StatsQuery()) for w in up),
                                      return_exceptions=True)
+        routing = await self._ask_router(GetRoutingStats())
+        if routing.disaggregation is not None:
+            routing.disaggregation["handoffs"] = self.handoff_status()
         return WorkerStats(statuses=self.worker_status(),
-                           routing=await self._ask_router(GetRoutingStats()),
+                           routing=routing,
                            engines={w: s for w, s in zip(up, stats)
                                     if isinstance(s, EngineStats)})
 
@@ -396,6 +593,11 @@ class WorkerPool(EngineFront):
     def worker_status(self) -> list[WorkerStatus]:
         return [s.status() for s in self.slots]
 
+    def handoff_status(self) -> dict | None:
+        """Disaggregation's handoffs (in flight, leases, outcomes, bytes) for /health,
+        admin stats and /metrics; None without prefill workers."""
+        return self.handoffs.stats() if self.handoffs is not None else None
+
     def degraded_tiers(self) -> dict[str, str]:
         return {}   # (each worker's tiers show in its stats: admin stats, /metrics)
 
@@ -439,4 +641,6 @@ class WorkerPool(EngineFront):
             task.cancel()
         self._pull.close(linger=0)
         shutil.rmtree(self._dir, ignore_errors=True)
+        if self.handoff_dir is not None:
+            shutil.rmtree(self.handoff_dir, ignore_errors=True)
 

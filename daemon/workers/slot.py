@@ -49,6 +49,7 @@ class WorkerSlot:
     started_at: float = 0.0
     report: wire.Report | None = None
     replies: dict[int, asyncio.Future] = dataclasses.field(default_factory=dict)
+    role: str = "both"                        # disaggregation: "prefill" | "decode" | "both"
 
     def status(self) -> WorkerStatus:
         r = self.report
@@ -61,7 +62,7 @@ class WorkerSlot:
                                 else round(time.monotonic() - self.last_exit_time, 3)),
             device=self.config.model.device, threads=self.config.model.num_threads or None,
             kv_usage=r.kv_usage if r is not None and self.up else None,
-            draining=r.draining if r is not None and self.up else False)
+            draining=r.draining if r is not None and self.up else False, role=self.role)
 
     async def start(self, ctx: zmq.Context, ipc_dir: Path, out_addr: str) -> None:
         """Start the next incarnation and wait until it serves (or raise)."""

@@ -29,7 +29,8 @@ def cuda_device_count() -> int:
 
 
 def worker_configs(config: EngineConfig, num_gpus: int | None = None,
-                   num_cpus: int | None = None) -> list[EngineConfig]:
+                   num_cpus: int | None = None,
+                   handoff_dir: str | None = None) -> list[EngineConfig]:
     """One config per worker (each with workers.count = 1). Raises ConfigError when the
     placement is impossible, naming the key."""
     n = config.workers.count
@@ -56,8 +57,36 @@ def worker_configs(config: EngineConfig, num_gpus: int | None = None,
             kv = replace(kv, endpoint=offset_endpoint(kv.endpoint, i),
                          replay_endpoint=offset_endpoint(kv.replay_endpoint, i))
         out.append(replace(config, model=model, kv_events=kv,
-                           workers=replace(config.workers, count=1)))
+                           kv_tiers=handoff_tiers(config, i, handoff_dir),
+                           workers=replace(config.workers, count=1, prefill=0)))
     return out
+
+
+def role(config: EngineConfig, i: int) -> str:
+    """Worker i's role: "prefill" (the first workers.prefill), "decode" (the rest when
+    there are prefill workers) or "both" (no disaggregation)."""
+    if not config.workers.prefill:
+        return "both"
+    return "prefill" if i < config.workers.prefill else "decode"
+
+
+def handoff_tiers(config: EngineConfig, i: int, handoff_dir: str | None):
+    """Worker i's [kv_tiers]: with disaggregation, the handoff tier at `handoff_dir`
+    (written through by prefill workers, read by decode workers) beside whatever tiers the
+    user configured; the other tiers keep their settings only if the user enabled them."""
+    tiers = config.kv_tiers
+    if role(config, i) == "both" or not handoff_dir:
+        return tiers
+    if not config.cache.enable_prefix_caching:
+        raise ConfigError("workers.prefill needs cache.enable_prefix_caching: a handoff is "
+                          "keyed by the prefix cache's block hashes", key="workers.prefill")
+    replace = msgspec.structs.replace
+    base = tiers if tiers.enabled else replace(tiers, host_bytes=0, disk_path="",
+                                               remote_url="")
+    w = config.workers
+    return replace(base, enabled=True, peer_path=handoff_dir, peer_bytes=w.handoff_bytes,
+                   peer_write="through" if role(config, i) == "prefill" else "off",
+                   peer_prior_mb_s=w.handoff_prior_mb_s)
 
 
 def offset_endpoint(endpoint: str, i: int) -> str:

@@ -174,6 +174,8 @@ class TierManager:
             mode = self.policies[store.name].mode
             if mode == "off":
                 continue
+            if not committed and not getattr(store, "takes_evictions", True):
+                continue      # the handoff tier carries computed blocks only
             if mode == "through" or (not committed and self._first_writable(i)):
                 out.append(store)
         return out
@@ -215,12 +217,14 @@ class TierManager:
         stored = evicted.stored
         with self._lock:
             c = self.counters[store.name]
+            announce = getattr(store, "announce_events", True)
             if stored:
                 c.stored_blocks += 1
                 if store.name != self.stores[0].name:
                     c.bytes_from_device += self.layout.block_bytes
                     c.seconds_from_device += dt
                 m = record.meta
+            if stored and announce:
                 self._events.append(BlockStored(
                     block_hashes=[m.block_hash], parent_block_hash=m.parent_hash,
                     token_ids=list(m.token_ids), block_size=self.block_size,

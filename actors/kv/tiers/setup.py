@@ -53,6 +53,15 @@ def build_tiers(cfg: KVTiersConfig, layout: KVLayout, block_size: int, *,
         models["remote"] = TransferModel(cfg.remote_prior_latency_ms / 1e3,
                                          cfg.remote_prior_mb_s * MB)
         policies["remote"] = WritePolicy(cfg.remote_write, cfg.remote_store_threshold)
+    if cfg.peer_path:
+        from tokenloom.actors.kv.tiers.handoff import HandoffStore
+        try:
+            stores.append(HandoffStore(layout, cfg.peer_path, cfg.peer_bytes))
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"kv_tiers.peer_path {cfg.peer_path!r} / peer_bytes: {e}",
+                              key="kv_tiers.peer_path") from None
+        models["peer"] = TransferModel(cfg.peer_prior_latency_ms / 1e3, cfg.peer_prior_mb_s * MB)
+        policies["peer"] = WritePolicy(cfg.peer_write, 0)
     manager = TierManager(layout, stores, policies, models, planner_mode=cfg.planner,
                           block_size=block_size,
                           max_queued_write_bytes=cfg.max_queued_write_bytes)
