@@ -87,7 +87,7 @@ class Scheduler:
             max_num_seqs=limits.max_num_seqs, max_num_batched_tokens=limits.max_num_batched_tokens)
         self.fair = FairShare(cfg.tenant_weights, cfg.aging_seconds)
         self.cost = StepCostModel()
-        self.chunks = ChunkSizer(cfg, limits.max_num_batched_tokens, self.cost)
+        self.chunks = ChunkSizer(cfg, limits.max_num_batched_tokens, self.cost, limits.block_size)
         self.preemptor = Preemptor(cfg.preemption_mode, swap, block_bytes, self.cost)
         self.observer = StepObserver(cfg, self.cost, self.fair)
         self.outputs = outputs if outputs is not None else OutputProcessor(None)

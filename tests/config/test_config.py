@@ -87,6 +87,7 @@ def test_overrides_win_over_env_dotted_and_nested():
         ("scheduler.preemption_mode", "evict", "one of 'auto', 'recompute', 'swap'"),
         ("scheduler.chunking", "dynamic", "one of 'slo', 'static'"),
         ("scheduler.kv_watermark", 0.9, ">= 0.0 and <= 0.5"),
+        ("scheduler.min_prefill_chunk", -1, ">= 0 and <= 1000000"),
         ("cache.block_size", 24, "one of 8, 16, 32, 64, 128"),
         ("cache.kv_cache_memory_bytes", 1000, ">= 1048576"),
         ("cache.gpu_memory_utilization", 0.0, "> 0.0 and < 1.0"),
