@@ -255,16 +255,30 @@ def _render_stats(r: P.StatsReply) -> str:
     if sched.lora is not None:
         rows.append(("LoRA adapters", _lora_row(sched.lora, e.lora_loads)))
     for w in r.workers:
-        rows.append((f"worker {w.worker}", (
+        role = "" if w.role == "both" else f"{w.role}, "
+        rows.append((f"worker {w.worker}", role + (
             f"up, pid {w.pid}" if w.up else f"DOWN (last exit {w.last_exit_code})")
             + (", draining" if w.draining else "")
             + f", {w.restarts} restarts, {w.in_flight} in flight, {w.routed} routed "
               f"({w.expected_hit_blocks} blocks expected cached), KV {100 * w.kv_usage:.1f}%, "
               f"prefix hit rate {100 * w.prefix_cache_hit_rate:.1f}%"))
+    if r.disaggregation is not None:
+        rows.append(("disaggregation", _disaggregation_row(r.disaggregation)))
     rows.append(("", ""))
     rows += _struct_rows("engine", e)
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}".rstrip() for k, v in rows)
+
+
+def _disaggregation_row(d: dict) -> str:
+    h = d.get("handoffs") or {}
+    decisions = ", ".join(f"{k} {v}" for k, v in sorted(d.get("decisions", {}).items()))
+    outcomes = ", ".join(f"{k} {v}" for k, v in sorted(h.get("outcomes", {}).items()))
+    return (f"mode {d['mode']}; decisions: {decisions or 'none'}; handoffs in flight "
+            f"{h.get('in_flight', 0)} ({h.get('leased_blocks', 0)} blocks leased), "
+            f"{h.get('bytes_transferred', 0) / 1e6:.1f} MB moved; outcomes: {outcomes or 'none'}; "
+            f"prefill ms/token {d.get('prefill_ms_per_token')}, transfer "
+            f"{d.get('transfer_mb_s')} MB/s")
 
 
 def _struct_rows(prefix: str, obj) -> list[tuple[str, object]]:

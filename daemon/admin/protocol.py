@@ -126,6 +126,7 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     expected_hit_blocks: int = 0
     kv_usage: float = 0.0
     prefix_cache_hit_rate: float = 0.0
+    role: str = "both"                  # disaggregation: "prefill" | "decode" | "both"
 
 
 class StatsReply(_Reply, tag="stats", kw_only=True):
@@ -143,6 +144,8 @@ class StatsReply(_Reply, tag="stats", kw_only=True):
     # The process (for leak checks: benchmarks/soak.py) and the HTTP connections.
     process: ProcessStats | None = None
     workers: list[WorkerInfo] = []
+    # Disaggregation (workers.prefill > 0): decisions, learned rates and handoffs.
+    disaggregation: dict | None = None
 
 
 class FlushCacheReply(_Reply, tag="flush-cache", kw_only=True):

@@ -243,7 +243,12 @@ class AdminServer:
             engine_stalled_seconds=round(engine.stalled_seconds(), 3),
             drain=self.state.drain.progress(),
             engine=await asyncio.wait_for(engine.stats(), QUERY_TIMEOUT),
-            process=self.process_stats(), workers=await self.worker_infos(engine))
+            process=self.process_stats(), workers=await self.worker_infos(engine),
+            disaggregation=await self.disaggregation(engine))
+
+    async def disaggregation(self, engine) -> dict | None:
+        stats = await asyncio.wait_for(engine.worker_stats(), QUERY_TIMEOUT)
+        return stats.routing.disaggregation if stats is not None else None
 
     async def worker_infos(self, engine) -> list[P.WorkerInfo]:
         """Per worker process (none with the in-process engine)."""
@@ -260,7 +265,8 @@ class AdminServer:
                 in_flight=routing.in_flight[w], routed=routing.routed[w],
                 expected_hit_blocks=routing.expected_hit_blocks[w],
                 kv_usage=routing.kv_usage[w],
-                prefix_cache_hit_rate=round(mine.kv.prefix_cache.hit_rate, 6) if mine else 0.0))
+                prefix_cache_hit_rate=round(mine.kv.prefix_cache.hit_rate, 6) if mine else 0.0,
+                role=st.role))
         return out
 
     def process_stats(self) -> P.ProcessStats:

@@ -18,6 +18,9 @@ from tokenloom.actors.messages import EngineStats, RouterStats
 
 
 def combine(values: list[Any]) -> Any:
+    if any(v is None for v in values):   # optional figures some workers lack (none yet)
+        present = [v for v in values if v is not None]
+        return combine(present) if present else None
     first = values[0]
     if isinstance(first, bool):
         return any(values)
@@ -31,9 +34,6 @@ def combine(values: list[Any]) -> Any:
     if isinstance(first, dict):
         keys = dict.fromkeys(k for v in values for k in v)
         return {k: combine([v[k] for v in values if k in v]) for k in keys}
-    if first is None:
-        present = [v for v in values if v is not None]
-        return combine(present) if present else None
     if isinstance(first, list) and all(isinstance(v, list) and len(v) == len(first)
                                        for v in values) and \
             all(isinstance(x, (int, float)) and not isinstance(x, bool)

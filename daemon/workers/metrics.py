@@ -7,7 +7,11 @@ vllm:kv_cache_usage_perc, ...) stay the workers' sums, as one engine's would be.
 
 from __future__ import annotations
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
 
 
 class WorkerCollector:
@@ -63,3 +67,47 @@ class WorkerCollector:
         yield family(G, "tokenloom:worker_prefix_cache_hit_rate", "hits / queries of the "
                      "worker's prefix cache since its last start.",
                      [(w, s.kv.prefix_cache.hit_rate) for w, s in live])
+        if routing.disaggregation is not None:
+            yield from self._disaggregation(routing.disaggregation)
+
+    def _disaggregation(self, d: dict):
+        """Disaggregation: decisions, handoffs by outcome and in flight, transfer histograms."""
+        name = [self.model_name]
+        f = CounterMetricFamily("tokenloom:disaggregation_decisions", "Requests by where "
+                                "their prompt was prefilled: remote (a prefill worker, then a "
+                                "KV handoff) or local (the decode worker), and why.",
+                                labels=["model_name", "choice", "reason"])
+        for key, n in sorted(d.get("decisions", {}).items()):
+            choice, reason = key.split(":", 1)
+            f.add_metric([*name, choice, reason], n)
+        yield f
+        h = d.get("handoffs") or {}
+        f = CounterMetricFamily("tokenloom:handoffs", "Handoffs ended, by outcome (claimed: "
+                                "the decode worker restored and produced a token; rehomed, "
+                                "prefill_lost, prefill_failed, expired, aborted, failed).",
+                                labels=["model_name", "outcome"])
+        for outcome, n in sorted(h.get("outcomes", {}).items()):
+            f.add_metric([*name, outcome], n)
+        yield f
+        f = GaugeMetricFamily("tokenloom:handoffs_in_flight", "Handoffs in flight, by state.",
+                              labels=["model_name", "state"])
+        for state in ("prefilling", "transferring", "decoding"):
+            f.add_metric([*name, state], h.get("by_state", {}).get(state, 0))
+        yield f
+        yield GaugeMetricFamily("tokenloom:handoff_leased_blocks", "KV blocks held in the "
+                                "handoff tier under a lease.", value=h.get("leased_blocks", 0))
+        for key, metric, doc in (
+                ("transfer_seconds", "tokenloom:handoff_transfer_seconds",
+                 "A decode worker's restore of one handoff's blocks from the handoff tier."),
+                ("transfer_bytes", "tokenloom:handoff_transfer_bytes",
+                 "KV bytes one handoff moved to its decode worker.")):
+            hist = h.get(key)
+            if hist is None:
+                continue
+            cum, buckets = 0, []
+            for bound, n in zip([*hist["bounds"], float("inf")], hist["counts"]):
+                cum += n
+                buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cum))
+            f = HistogramMetricFamily(metric, doc, labels=["model_name"])
+            f.add_metric(name, buckets, hist["sum"])
+            yield f

@@ -466,7 +466,7 @@ class WorkerPool(EngineFront):
             return
         tokens = (out.num_prompt_tokens or 0) - t.num_cached_tokens
         peer = (t.cached_tokens_by_tier or {}).get("peer", 0)
-        fetch_ms = ((t.trace or {}).get("tiers") or {}).get("fetch_ms") or 0.0
+        fetch_ms = ((t.trace or {}).get("kv_tiers") or {}).get("fetch_ms") or 0.0
         if peer and fetch_ms:
             self.handoffs.observe_transfer(peer * self.info.kv_bytes_per_token, fetch_ms / 1e3)
         self.router.send(HandoffMeasured(

@@ -81,8 +81,11 @@ def settled(cluster) -> None:
     h = health(cluster)["handoffs"]
     assert wait_for(lambda: health(cluster)["handoffs"]["in_flight"] == 0, 20), h
     assert wait_for(lambda: stored_blocks(h["dir"]) == [], 10), stored_blocks(h["dir"])
-    assert wait_for(lambda: admin_command(cluster.admin, {"cmd": "stats"})
-                    ["engine"]["kv"]["used"] == 0, 20)
+    def idle():
+        reply = admin_command(cluster.admin, {"cmd": "stats"})
+        assert "engine" in reply, reply
+        return reply["engine"]["kv"]["used"] == 0
+    assert wait_for(idle, 20)
 
 
 def test_handoff_output_equals_one_engine(cluster, server):
