@@ -93,14 +93,20 @@ class HandoffStore:
     def _file(self, block_hash: bytes) -> Path:
         return handoff_file(self.root, block_hash)
 
-    def _count_bytes(self) -> int:
-        total = 0
+    def _count(self) -> tuple[int, int]:
+        """Block files in the directory and their bytes (a file is a header, the payload
+        and a crc: bytes / block_bytes would overcount the blocks)."""
+        n = total = 0
         with contextlib.suppress(FileNotFoundError):
             for entry in os.scandir(self.root):
                 if entry.name.endswith(SUFFIX):
                     with contextlib.suppress(OSError):
                         total += entry.stat().st_size
-        return total
+                        n += 1
+        return n, total
+
+    def _count_bytes(self) -> int:
+        return self._count()[1]
 
     def contains(self, hashes: Sequence[bytes]) -> int:
         n = 0
@@ -167,8 +173,8 @@ class HandoffStore:
             os.unlink(self._file(block_hash))
 
     def usage(self) -> TierUsage:
-        used = self._count_bytes()
-        return TierUsage(used // max(1, self.layout.block_bytes), used, self.capacity_bytes)
+        n, used = self._count()
+        return TierUsage(n, used, self.capacity_bytes)
 
     def health(self) -> TierHealth:
         return self._health.snapshot()
