@@ -10,7 +10,12 @@ from tokenloom.actors.messages import EngineStats, KVStats, RouterStats, Schedul
 from tokenloom.config.load import load_config
 from tokenloom.config.schema import ConfigError
 from tokenloom.daemon.workers import aggregate
-from tokenloom.daemon.workers.supervisor import offset_endpoint, worker_configs, worker_env
+from tokenloom.daemon.workers.supervisor import (
+    offset_endpoint,
+    role,
+    worker_configs,
+    worker_env,
+)
 
 
 def cfg(**overrides):
@@ -55,6 +60,50 @@ def test_kv_event_endpoints_are_offset_per_worker():
                                     "kv_events.replay_endpoint": "tcp://*:6000"}))
     assert [(c.kv_events.endpoint, c.kv_events.replay_endpoint) for c in configs] == [
         ("tcp://*:5557", "tcp://*:6000"), ("tcp://*:5558", "tcp://*:6001")]
+
+
+def test_prefill_workers_write_the_handoff_tier_and_decode_workers_read_it(tmp_path):
+    handoff = str(tmp_path / "handoff")
+    config = cfg(**{"workers.count": 3, "workers.prefill": 1, "model.device": "cpu",
+                    "workers.handoff_bytes": 64 << 20})
+    assert [role(config, i) for i in range(3)] == ["prefill", "decode", "decode"]
+    configs = worker_configs(config, num_cpus=2, handoff_dir=handoff)
+    assert [c.kv_tiers.peer_write for c in configs] == ["through", "off", "off"]
+    for c in configs:
+        t = c.kv_tiers
+        assert t.enabled and t.peer_path == handoff and t.peer_bytes == 64 << 20
+        # The user had the tiers off: only the handoff tier, no host/disk/remote tier.
+        assert (t.host_bytes, t.disk_path, t.remote_url) == (0, "", "")
+        # Each worker is a whole engine of its own: no roles inside it.
+        assert (c.workers.count, c.workers.prefill) == (1, 0)
+        assert role(c, 0) == "both"
+    # Tiers the user enabled are kept beside the handoff tier.
+    config = cfg(**{"workers.count": 2, "workers.prefill": 1, "model.device": "cpu",
+                    "kv_tiers.enabled": True, "kv_tiers.host_bytes": 32 << 20})
+    configs = worker_configs(config, num_cpus=2, handoff_dir=handoff)
+    assert [c.kv_tiers.host_bytes for c in configs] == [32 << 20, 32 << 20]
+    assert [c.kv_tiers.peer_write for c in configs] == ["through", "off"]
+    # Without disaggregation (or without a handoff directory) the tiers are untouched.
+    plain = cfg(**{"workers.count": 2, "model.device": "cpu"})
+    assert [role(plain, i) for i in range(2)] == ["both", "both"]
+    assert all(c.kv_tiers == plain.kv_tiers
+               for c in worker_configs(plain, num_cpus=2, handoff_dir=handoff))
+    assert worker_configs(config, num_cpus=2)[0].kv_tiers == config.kv_tiers
+
+
+def test_prefill_workers_need_prefix_caching_and_a_decode_worker(tmp_path):
+    config = cfg(**{"workers.count": 3, "workers.prefill": 1, "model.device": "cpu",
+                    "cache.enable_prefix_caching": False})
+    with pytest.raises(ConfigError, match=r"workers\.prefill needs cache\.enable_prefix_caching"
+                       ) as e:
+        worker_configs(config, num_cpus=2, handoff_dir=str(tmp_path))
+    assert e.value.key == "workers.prefill"
+    for prefill in (3, 4):
+        with pytest.raises(ConfigError, match=r"workers\.prefill must leave at least one "
+                           r"decode worker") as e:
+            cfg(**{"workers.count": 3, "workers.prefill": prefill})
+        assert e.value.key == "workers.prefill"
+    assert cfg(**{"workers.count": 3, "workers.prefill": 2}).workers.prefill == 2
 
 
 def _stats(used, hits, skip, timing):
