@@ -530,6 +530,29 @@ class WorkersConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
                               f"0..{self.count - 1})", key="workers.prefill")
 
 
+class KVTransferConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """KV handoffs between daemons (docs/disaggregation.md): llm-d's prefill/decode protocol.
+    A request with `kv_transfer_params.do_remote_decode` is prefilled and its KV kept under a
+    lease for a decode daemon to pull over TCP from `port`; one with `do_remote_prefill`
+    pulls the named blocks from `remote_host:remote_port` before it runs. 0 = off."""
+
+    section: ClassVar[str] = "kv_transfer"
+
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
+    # The address the KV server binds ("" = server.host) and the one announced to decode
+    # daemons in kv_transfer_params.remote_host ("" = the bound one).
+    host: str = ""
+    advertise_host: str = ""
+    # "prefill" (every computed block goes to the handoff tier), "decode" (read only) or
+    # "both": the llm-d.ai/role of this daemon.
+    role: Literal["prefill", "decode", "both"] = "both"
+    lease_seconds: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)] = 30.0
+    dir: str = ""              # the handoff tier ("" = a fresh one in /dev/shm or the temp dir)
+    bytes: Annotated[int, msgspec.Meta(ge=1 * MiB)] = 4096 * MiB
+    # A pull that has not finished within this falls back to a local prefill.
+    timeout_ms: Annotated[float, msgspec.Meta(gt=0.0, le=600_000.0)] = 10_000.0
+
+
 class LoRAConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Multi-LoRA serving (docs/lora.md): PEFT adapters over the base model, picked per
     request by the `model` field, several adapters in one batch. Off unless enabled or
@@ -648,6 +671,7 @@ class EngineConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     workers: WorkersConfig = WorkersConfig()
     record: RecordConfig = RecordConfig()
     lora: LoRAConfig = LoRAConfig()
+    kv_transfer: KVTransferConfig = KVTransferConfig()
 
 
 def resolve_cache_dir(

@@ -188,12 +188,24 @@ async def _start_engine(state: ServerState):
 
         model = state.config.model.model
         startup_log.info(f"loading model {model}", model=model)
-        if state.config.workers.count > 1:   # worker processes (daemon/workers/)
+        config = state.config
+        if config.kv_transfer.port:   # llm-d P/D handoffs between daemons
+            from tokenloom.daemon.kv_transfer.service import KVTransferService
+            if config.workers.count > 1:
+                from tokenloom.config.schema import ConfigError
+                raise ConfigError("kv_transfer.port needs workers.count = 1 (one engine per "
+                                  "daemon, as llm-d deploys prefill and decode pods)",
+                                  key="kv_transfer.port")
+            state.kv_transfer = KVTransferService(config.kv_transfer, config.server.host)
+            config = state.kv_transfer.engine_config(config)
+        if config.workers.count > 1:   # worker processes (daemon/workers/)
             from tokenloom.daemon.workers.pool import WorkerPool
-            state.engine = await WorkerPool.start(state.config)
+            state.engine = await WorkerPool.start(config)
         else:
             loop = asyncio.get_running_loop()
-            state.engine = await loop.run_in_executor(None, Engine.build, state.config)
+            state.engine = await loop.run_in_executor(None, Engine.build, config)
+        if state.kv_transfer is not None:
+            await state.kv_transfer.start()
     engine = state.engine
     state.engine_task = asyncio.create_task(engine.run(), name="engine")
     state.engine_task.add_done_callback(lambda task: _engine_stopped(state, task))
@@ -246,6 +258,8 @@ async def engine_ctx(app: web.Application):
             log.info("recording stopped", **record.stop(state))
         state.ready = False
         state.draining = state.stopping = True
+        if state.kv_transfer is not None:
+            await state.kv_transfer.close()
         engine.shutdown()
         task = state.engine_task
         done, _ = await asyncio.wait({task}, timeout=30)  # never raises the task's error

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from aiohttp import web
 
@@ -40,6 +40,7 @@ class ServerState:
     started: int = dataclasses.field(default_factory=lambda: int(time.time()))
     connections: ConnectionStats | None = None  # once serving
     recorder: Recorder | None = None        # recording traffic (admin record / record.*)
+    kv_transfer: Any = None                 # KVTransferService with [kv_transfer] port set
 
 
 STATE = web.AppKey("tokenloom_state", ServerState)

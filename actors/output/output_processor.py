@@ -75,7 +75,7 @@ class OutputProcessor:
             new_logprobs=new_logprobs, num_prompt_tokens=req.num_prompt_tokens,
             finished=True, finish_reason=reason.as_openai(), error=error,
             error_kind=error_kind, timings=request_timings(req),
-            **(prompt_fields(req) if new_tokens else {}))
+            **{**exported_prompt(req), **(prompt_fields(req) if new_tokens else {})})
 
 
 def prompt_fields(req: Request) -> dict:
@@ -89,6 +89,14 @@ def prompt_fields(req: Request) -> dict:
     req.prompt_logprobs = None   # (the output holds them now)
     return {"prompt_logprobs": [None, *lps],
             "prompt_token_ids": req.token_ids[:req.num_prompt_tokens]}
+
+
+def exported_prompt(req: Request) -> dict:
+    """A handoff's prefill half (RequestMeta.kv_export) tells its caller which prompt it
+    exported, so the caller can name the blocks (their hashes) to the decode side."""
+    if not req.meta.kv_export:
+        return {}
+    return {"prompt_token_ids": req.token_ids[:req.num_prompt_tokens]}
 
 
 def request_timings(req: Request) -> RequestTimings:

@@ -64,6 +64,7 @@ class Choice:
     closed: bool = False                # the engine stream has ended
     prompt_token_ids: list[int] | None = None   # with prompt logprobs (see Delta)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    exported_prompt: list[int] | None = None   # kv_transfer_params.do_remote_decode
 
     @property
     def full_text(self) -> str:
@@ -166,6 +167,8 @@ class Generation:
             c.finish_reason = out.finish_reason
         if out.prompt_logprobs is not None:
             c.prompt_token_ids, c.prompt_logprobs = out.prompt_token_ids, out.prompt_logprobs
+        elif out.finished and out.prompt_token_ids is not None:
+            c.exported_prompt = out.prompt_token_ids
         new, text = out.new_token_ids, out.text
         lps = list(out.new_logprobs or ())
         if self.prompt_only:

@@ -19,6 +19,7 @@ from aiohttp import web
 from tokenloom.daemon import sse
 from tokenloom.daemon.debug import record
 from tokenloom.daemon.errors import APIError
+from tokenloom.daemon.kv_transfer import http as kv_http
 from tokenloom.daemon.openai import protocol
 from tokenloom.daemon.openai.formatter import Formatter
 from tokenloom.daemon.openai.generation import Generation
@@ -35,6 +36,9 @@ async def serve(request: web.Request, state: ServerState, parsed: protocol.Parse
     template renders)."""
     request_id = f"{id_prefix}-{uuid.uuid4().hex}"
     structlog.contextvars.bind_contextvars(request_id=request_id)
+    if parsed.kv_transfer is not None:   # llm-d's prefill/decode protocol
+        num_prompts = len(prompts if prompts is not None else parsed.prompts or [None])
+        parsed = await kv_http.prepare(state, parsed, request_id, num_prompts)
     gen = Generation(state.engine, request_id, prompts if prompts is not None else parsed.prompts,
                      messages, parsed.params, parsed.fit_max_tokens, parsed.meta,
                      metrics=state.metrics, log=log, tools=tools,
@@ -66,11 +70,15 @@ async def serve(request: web.Request, state: ServerState, parsed: protocol.Parse
         else:
             choices = await gen.run_to_end()
             body = fmt.full_response(choices, gen)
+            if parsed.kv_transfer is not None:
+                await kv_http.finish(state, parsed, gen, body)
             resp = web.json_response(body, headers={"X-Request-Id": request_id},
                                      dumps=_dumps)
         finished = True
         return resp
     finally:
+        if parsed.kv_transfer is not None:
+            kv_http.release(state, parsed, request_id)
         state.inflight.remove(request_id)
         aborted = gen.close() and not finished
         if aborted:

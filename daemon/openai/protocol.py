@@ -72,6 +72,10 @@ class _Sampling(msgspec.Struct, kw_only=True):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     response_format: dict | None = None  # {"type": "text" | "json_object" | "json_schema"}
+    # llm-d's prefill/decode protocol (vLLM's field): {"do_remote_decode": true} asks this
+    # daemon to prefill and keep the KV for a decode daemon; {"do_remote_prefill": true,
+    # "remote_block_ids", "remote_host", "remote_port", ...} pulls it (docs/disaggregation.md).
+    kv_transfer_params: dict | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -178,6 +182,7 @@ class ParsedRequest:
     prompt_logprobs: int | None = None          # the body's prompt_logprobs (vLLM's field)
     prompt_only: bool = False                   # max_tokens 0: no generated text or tokens
     prompt_logprobs_field: str = "prompt_logprobs"   # the field a refusal names
+    kv_transfer: dict | None = None             # the body's kv_transfer_params
 
 
 # -- decoding ----------------------------------------------------------------------------
@@ -329,7 +334,8 @@ def parse_completion(body: bytes, limits: Limits, headers=None,
                          echo=req.echo, prompt_logprobs=req.prompt_logprobs,
                          prompt_only=prompt_only,
                          prompt_logprobs_field=("prompt_logprobs"
-                                                if req.prompt_logprobs is not None else "echo"))
+                                                if req.prompt_logprobs is not None else "echo"),
+                         kv_transfer=req.kv_transfer_params)
 
 
 def _prompt_options(req: CompletionRequest, limits: Limits) -> tuple[int | None, bool, int | None]:
@@ -381,7 +387,7 @@ def parse_chat(body: bytes, limits: Limits, headers=None,
                              request_meta(req, headers or {}, priority_classes or {}),
                              lora=limits.adapter(model)),
                          tools=tools, continuous_usage=_continuous_usage(req),
-                         cache_salt=req.cache_salt)
+                         cache_salt=req.cache_salt, kv_transfer=req.kv_transfer_params)
 
 
 def resolve_priority(body_value: int | str | None, header: str | None,

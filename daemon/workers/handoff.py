@@ -24,12 +24,31 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 
 from tokenloom.actors.kv.tiers.handoff import SUFFIX, handoff_file, remove_blocks
 from tokenloom.actors.messages import AddRequest
+
+
+def make_dir(configured: str, budget_bytes: int) -> Path:
+    """A fresh handoff-tier directory: under `configured` when set, else in shared memory
+    (/dev/shm) when the host has room for the budget there, else in the temp dir."""
+    if configured:
+        base = Path(configured)
+        base.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix="tokenloom-handoff-", dir=base))
+    shm = Path("/dev/shm")
+    try:
+        roomy = shm.is_dir() and shutil.disk_usage(shm).free >= budget_bytes
+    except OSError:
+        roomy = False
+    return Path(tempfile.mkdtemp(prefix="tokenloom-handoff-", dir=shm if roomy else None))
+
 
 # Histogram upper bounds of one handoff's restore on the decode side.
 SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -55,7 +74,7 @@ class Histogram:
 
 @dataclasses.dataclass
 class Handoff:
-    request: AddRequest
+    request: AddRequest | None        # None: a handoff between daemons (daemon/kv_transfer)
     prefill_worker: int
     decode_worker: int
     hashes: list[bytes]
@@ -86,9 +105,9 @@ class HandoffLedger:
     def get(self, request_id: str) -> Handoff | None:
         return self.handoffs.get(request_id)
 
-    def open(self, request: AddRequest, prefill_worker: int, decode_worker: int,
-             hashes: list[bytes]) -> Handoff:
-        rid = request.request_id
+    def open(self, request: AddRequest | None, prefill_worker: int, decode_worker: int,
+             hashes: list[bytes], request_id: str | None = None) -> Handoff:
+        rid = request.request_id if request is not None else request_id
         if rid in self.handoffs:
             raise ValueError(f"request {rid!r} already has a handoff in flight")
         h = Handoff(request, prefill_worker, decode_worker, list(hashes), opened=self.clock())

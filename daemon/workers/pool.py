@@ -22,7 +22,6 @@ import asyncio
 import collections
 import dataclasses
 import itertools
-import os
 import shutil
 import tempfile
 import time
@@ -60,7 +59,7 @@ from tokenloom.actors.messages import (
 from tokenloom.actors.sampling_params import SamplingParams
 from tokenloom.config.schema import EngineConfig
 from tokenloom.daemon.workers import aggregate, supervisor, wire
-from tokenloom.daemon.workers.handoff import HandoffLedger
+from tokenloom.daemon.workers.handoff import HandoffLedger, make_dir
 from tokenloom.daemon.workers.slot import (
     STOP_SECONDS,
     WorkerConfigError,
@@ -77,24 +76,6 @@ LEASE_CHECK_SECONDS = 0.25   # how often expired handoff leases and stray files 
 # (the prefill worker copies them out after the step and writes them on a thread): the
 # decode half waits for them this long at most, then recomputes what is missing.
 HANDOFF_WAIT_SECONDS = 2.0
-
-
-def _handoff_dir(config: EngineConfig) -> Path | None:
-    """The handoff tier's directory: workers.handoff_dir, or a fresh one in shared memory
-    (/dev/shm) when the host has room for the budget, else in the temp dir."""
-    w = config.workers
-    if not w.prefill:
-        return None
-    if w.handoff_dir:
-        path = Path(w.handoff_dir) / f"tokenloom-handoff-{os.getpid()}"
-        path.mkdir(parents=True, exist_ok=True)
-        return path
-    shm = Path("/dev/shm")
-    try:
-        roomy = shm.is_dir() and shutil.disk_usage(shm).free >= w.handoff_bytes
-    except OSError:
-        roomy = False
-    return Path(tempfile.mkdtemp(prefix="tokenloom-handoff-", dir=shm if roomy else None))
 
 
 @dataclasses.dataclass
@@ -117,7 +98,8 @@ class WorkerPool(EngineFront):
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.bind(self._out_addr)
-        self.handoff_dir = _handoff_dir(config)
+        w = config.workers
+        self.handoff_dir = make_dir(w.handoff_dir, w.handoff_bytes) if w.prefill else None
         configs = supervisor.worker_configs(
             config, handoff_dir=str(self.handoff_dir) if self.handoff_dir else None)
         self.slots = [WorkerSlot(i, c, role=supervisor.role(config, i))

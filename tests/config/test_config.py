@@ -141,7 +141,7 @@ def test_unknown_key_lists_allowed_keys(tmp_path):
 
 def test_unknown_section_lists_allowed_sections():
     allowed = (r"unknown section sched \(allowed: model, cache, scheduler, server, graphs, admin, "
-               r"speculative, kv_events, kv_tiers, workers, record, lora\)")
+               r"speculative, kv_events, kv_tiers, workers, record, lora, kv_transfer\)")
     with pytest.raises(ConfigError, match=allowed):
         load_config(env={"TOKENLOOM_SCHED__MAX_NUM_SEQS": "8"})
 
