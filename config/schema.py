@@ -501,14 +501,13 @@ class WorkersConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
     restart_backoff_seconds: Annotated[float, msgspec.Meta(ge=0.0, le=600.0)] = 1.0
     # A worker must load its model and warm up within this, or start-up fails.
     start_timeout_seconds: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)] = 600.0
-    # Disaggregated serving (docs/disaggregation.md): the first `prefill` workers only
-    # prefill, handing each request's KV to one of the others ("decode" workers, which also
-    # prefill locally when that is predicted cheaper). 0 = every worker serves whole requests.
+    # Disaggregated serving (docs/disaggregation.md): the first `prefill` workers prefill
+    # the prompts handed off to the others ("decode" workers). 0 = no handoffs.
     prefill: Annotated[int, msgspec.Meta(ge=0, le=63)] = 0
-    # Per request: "cost" chooses local prefill on the decode worker or remote prefill +
-    # transfer by predicted cost; "always" hands off every prompt of at least
-    # min_remote_prefill_tokens uncached tokens; "never" disables handoffs (the prefill
-    # workers then idle: for comparison).
+    # Per request: "cost" chooses by predicted cost between the whole request on its best
+    # worker (any role) and a prefill on a prefill worker handed off to a decode worker;
+    # "always" hands off every prompt of at least min_remote_prefill_tokens uncached tokens
+    # (prefill workers do nothing else); "never" serves whole requests on every worker.
     disaggregation: Literal["cost", "always", "never"] = "cost"
     # Prompts with fewer uncached tokens than this always prefill where they decode.
     min_remote_prefill_tokens: Annotated[int, msgspec.Meta(ge=0, le=10_000_000)] = 256

@@ -1,11 +1,12 @@
-"""Conditional disaggregation: prefill where the request decodes, or on a prefill worker and
-hand the KV over? The pure core of that choice (no asyncio, no torch).
+"""Conditional disaggregation: the whole request on one worker, or its prefill on a prefill
+worker and the KV handed to a decode worker? The pure core of that choice (no asyncio, no
+torch).
 
 Both options are priced in seconds of waiting that users see, summed over the requests
 affected (the decision's objective is total latency, not one request's):
 
-    local  = ttft: (prompt tokens queued on the decode worker + this prompt's uncached
-                    tokens there) * its prefill seconds per token
+    local  = ttft: (prompt tokens queued on the whole-request worker, of any role + this
+                    prompt's uncached tokens there) * its prefill seconds per token
            + interference: every request decoding there waits for that prefill too (a
                     chunked prefill spreads it over their steps; the sum is the same)
     remote = ttft: (tokens queued on the prefill worker + uncached tokens there) * its
@@ -13,7 +14,8 @@ affected (the decision's objective is total latency, not one request's):
                   + transfer: prompt KV bytes / measured handoff bandwidth + latency
                   + the tail the decode worker recomputes (the last, partial block and the
                     last token, whose logits it samples the first token from)
-           + interference: the decoding requests wait only for that tail
+           + interference: the decode worker's decoding requests wait only for that tail,
+                    the prefill worker's (it may serve whole requests too) for the prefill
 
 Remote wins when it is cheaper. Prompts with fewer uncached tokens than
 ``min_remote_tokens`` always stay local (Dynamo's length threshold: a short prefill costs
@@ -130,17 +132,20 @@ class Choice:
 
 
 def choose(mode: str, prompt_tokens: int, block_size: int, kv_bytes_per_token: int,
-           decode: Side, prefill: Side | None, rates: Rates, min_remote_tokens: int,
-           eligible: bool = True) -> Choice:
-    """Local (False) or remote (True) prefill for one request; see the module docstring."""
+           decode: Side | None, prefill: Side | None, rates: Rates, min_remote_tokens: int,
+           eligible: bool = True, local: Side | None = None) -> Choice:
+    """Local or remote prefill for one request; see the module docstring. `local`: the
+    worker that would run the whole request (default: `decode`, the one that would decode
+    it after a handoff)."""
     if mode not in MODES:
         raise ValueError(f"disaggregation mode must be one of {MODES}, got {mode!r}")
     if mode == "never":
         return Choice(False, "never")
     if not eligible:
         return Choice(False, "ineligible")
-    if prefill is None:
-        return Choice(False, "no_prefill_worker")
+    if prefill is None or decode is None:
+        return Choice(False, "no_prefill_worker" if prefill is None else "no_decode_worker")
+    local = local or decode
     # The decode worker restores the full blocks before the last token and recomputes from
     # there (the first token is sampled from its own logits).
     full = max(0, (prompt_tokens - 1) // block_size) * block_size
@@ -151,14 +156,18 @@ def choose(mode: str, prompt_tokens: int, block_size: int, kv_bytes_per_token: i
                   if transfer_bytes else 0.0)
     if decode.uncached_tokens < min_remote_tokens:
         return Choice(False, "short_prompt", transfer_bytes=transfer_bytes)
+    l_rate = rates.prefill_s_per_token[local.worker]
     d_rate = rates.prefill_s_per_token[decode.worker]
     p_rate = rates.prefill_s_per_token[prefill.worker]
-    local_prefill = decode.uncached_tokens * d_rate
-    local_s = (decode.queued_tokens * d_rate + local_prefill) + decode.decoding * local_prefill
+    local_prefill = local.uncached_tokens * l_rate
+    local_s = (local.queued_tokens * l_rate + local_prefill) + local.decoding * local_prefill
     tail_s = min(tail, decode.uncached_tokens) * d_rate
     remote_ttft = ((prefill.queued_tokens + prefill.uncached_tokens) * p_rate + transfer_s
                    + decode.queued_tokens * d_rate + tail_s)
-    remote_s = remote_ttft + decode.decoding * tail_s
+    # The prefill worker's own decoding requests (it may take whole requests too) wait
+    # through the remote prefill; the decode worker's only through the tail.
+    remote_s = remote_ttft + decode.decoding * tail_s \
+        + prefill.decoding * prefill.uncached_tokens * p_rate
     if mode == "always":
         return Choice(True, "always", local_s, remote_s, transfer_bytes, transfer_s)
     return Choice(remote_s < local_s, "cost", local_s, remote_s, transfer_bytes, transfer_s)

@@ -184,7 +184,11 @@ class WorkerRouterActor(Actor):
         key = meta.affinity or meta.tenant
         among = None
         if self.disagg is not None:
-            among = [w for w in self.disagg.decode_workers if w != exclude]
+            # Whole requests: on any worker (a prefill worker too, when that is cheapest),
+            # except with "always", where prefill workers only prefill.
+            d = self.disagg
+            pool = d.decode_workers if d.mode == "always" else range(self.core.num_workers)
+            among = [w for w in pool if w != exclude]
         if leader is not None and self.core.loads[leader.worker].up:
             w = leader.worker
             decision = RouteDecision(w, self.core.policy, "sibling", len(hashes),
@@ -215,32 +219,38 @@ class WorkerRouterActor(Actor):
 
     def _disaggregate(self, msg: AddRequest, hashes: list[bytes], need: int, now: float,
                       decision: RouteDecision) -> RouteDecision:
-        """Local or remote prefill for a request routed to decode worker
-        `decision.worker`; a remote one is charged to its prefill worker under the prefill
-        half's id, and the decode worker is charged only the tail it recomputes."""
+        """Local (the whole request on `decision.worker`, the best worker for it) or remote
+        (prefill on the best prefill worker, decode on the best decode worker). A remote
+        one is charged to its prefill worker under the prefill half's id, and the decode
+        worker is charged only the tail it recomputes."""
         d = self.disagg
         bs = self.block_size
         n = len(msg.prompt_token_ids)
         core = self.core
-        pd = core.choose(hashes, need, now, adapter=msg.meta.lora, among=d.prefill_workers)
+        lora = msg.meta.lora
+        dd = decision if decision.worker in d.decode_workers else core.choose(
+            hashes, need, now, adapter=lora, among=d.decode_workers)
+        pd = core.choose(hashes, need, now, adapter=lora, among=d.prefill_workers)
         sp = msg.sampling_params
         eligible = (sp.prompt_logprobs is None and msg.meta.group_id is None
                     and self.prefix_caching)
 
-        def side(r: RouteDecision) -> disaggregation.Side:
+        def side(r: RouteDecision | None) -> disaggregation.Side | None:
+            if r is None:
+                return None
             load = core.loads[r.worker]
             return disaggregation.Side(r.worker, n - r.expected_hit_blocks * bs,
                                        load.queued_prefill_blocks * bs, load.decoding)
 
-        choice = disaggregation.choose(d.mode, n, bs, d.kv_bytes_per_token, side(decision),
-                                       side(pd) if pd is not None else None, d.rates,
-                                       d.min_remote_tokens, eligible)
+        choice = disaggregation.choose(d.mode, n, bs, d.kv_bytes_per_token, side(dd), side(pd),
+                                       d.rates, d.min_remote_tokens, eligible,
+                                       local=side(decision))
         d.count(choice)
         if not choice.remote:
             return dataclasses.replace(decision, handoff=choice.as_dict())
         pid = disaggregation.prefill_id(msg.request_id)
-        self._requests[pid] = _Routed(pd.worker, core.routed(pd, hashes, now, msg.meta.lora))
-        return dataclasses.replace(decision, expected_hit_blocks=len(hashes),
+        self._requests[pid] = _Routed(pd.worker, core.routed(pd, hashes, now, lora))
+        return dataclasses.replace(dd, expected_hit_blocks=len(hashes),
                                    prefill_worker=pd.worker, handoff=choice.as_dict())
 
     def _worker_down(self, w: int) -> None:

@@ -162,3 +162,20 @@ def test_settings_counts_decisions_and_reports_roles_and_stats():
     assert st["prefill_ms_per_token"] == [2.0, round((1e-3 + EWMA * 9e-3) * 1e3, 4), 1.0]
     assert st["transfer_mb_s"] == round((5e8 + EWMA * 5e8) / 1e6, 1)
     assert (st["prefill_samples"], st["transfer_samples"]) == (1, 1)
+
+
+def test_an_idle_worker_of_any_role_takes_the_whole_request():
+    """`local` is the whole-request worker (a prefill worker may be it): idle, it beats a
+    handoff to a decode worker whose requests would wait for nothing but the tail, while the
+    same prompt local on that busy decode worker would lose to the handoff."""
+    r = rates()
+    busy_decode = Side(worker=1, uncached_tokens=1024, queued_tokens=0, decoding=8)
+    prefill = Side(worker=0, uncached_tokens=1024, queued_tokens=0, decoding=0)
+    on_decode = choose("cost", 1024, 16, 1000, busy_decode, prefill, r, 256)
+    assert on_decode.remote
+    on_idle = choose("cost", 1024, 16, 1000, busy_decode, prefill, r, 256, local=prefill)
+    assert not on_idle.remote and on_idle.local_s == pytest.approx(1024 * 1e-3)
+    # The prefill worker's own decoding requests wait through a handed-off prefill too.
+    loaded_prefill = Side(worker=0, uncached_tokens=1024, queued_tokens=0, decoding=4)
+    c = choose("cost", 1024, 16, 1000, busy_decode, loaded_prefill, r, 256)
+    assert c.remote_s > on_decode.remote_s + 4 * 1024 * 1e-3 - 1e-9
