@@ -138,6 +138,13 @@ class HandoffLedger:
             if h.expires is None:          # sent on without a finished prefill (its worker died)
                 h.expires = self.clock() + self.lease_seconds
 
+    def renew(self, request_id: str) -> None:
+        """Another lease period for a handoff its decode worker holds but has not started."""
+        h = self.handoffs.get(request_id)
+        if h is not None:
+            h.expires = self.clock() + self.lease_seconds
+            self.counts["renewed"] += 1
+
     def close(self, request_id: str, outcome: str) -> Handoff | None:
         """The handoff is over (`claimed`, `aborted`, `failed`, `expired`): its blocks are
         released, and deleted where no other live handoff needs them."""

@@ -287,6 +287,8 @@ class WorkerPool(EngineFront):
                 self.handoffs.close(rid, "failed")
             return
         self._routes[rid] = _Route(w)
+        if self.handoffs is not None and (h := self.handoffs.get(rid)) is not None:
+            h.decode_worker = w          # (a re-homed one: its new decode worker)
 
     async def _receive(self) -> None:
         while True:
@@ -463,6 +465,13 @@ class WorkerPool(EngineFront):
             await asyncio.sleep(LEASE_CHECK_SECONDS)
             for rid in self.handoffs.expired():
                 h = self.handoffs.get(rid)
+                if h.state == "decoding" and 0 <= h.decode_worker < len(self.slots) \
+                        and self.slots[h.decode_worker].up:
+                    # Accepted by a live decode worker, still queued there: the claim is
+                    # coming (or the worker dies and it is re-homed); deleting the blocks
+                    # now would only make it recompute them.
+                    self.handoffs.renew(rid)
+                    continue
                 log.warning("handoff lease expired; its blocks are released", request_id=rid,
                             state=h.state)
                 self.handoffs.close(rid, "expired")
