@@ -18,12 +18,12 @@ import json
 import socket
 
 import pytest
-
-from client import get, post
 from llmd_sidecar import pd_request
-from servers import ServerProcess, wait_for
 
 from tokenloom.actors.kv.tiers.handoff import stored_blocks
+
+from client import get, post
+from servers import ServerProcess, wait_for
 
 BLOCK = 8
 

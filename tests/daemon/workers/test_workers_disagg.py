@@ -22,11 +22,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from tokenloom.actors.kv.tiers.handoff import stored_blocks
+
 from client import admin as admin_command
 from client import get, metrics, post
 from servers import ServerProcess, wait_for
-
-from tokenloom.actors.kv.tiers.handoff import stored_blocks
 
 BLOCK = 8
 MODEL = ""
