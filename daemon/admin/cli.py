@@ -271,6 +271,12 @@ def _render_stats(r: P.StatsReply) -> str:
 
 
 def _disaggregation_row(d: dict) -> str:
+    if d.get("mode") == "kv_transfer":   # handoffs between daemons (llm-d's protocol)
+        return (f"kv_transfer role {d['role']} on port {d['port']}: {d['exports']} exports, "
+                f"{d['blocks_served']} blocks served ({d['bytes_served'] / 1e6:.1f} MB); "
+                f"{d['pulls']} pulls ({d['pulls_failed']} failed), {d['blocks_pulled']} "
+                f"blocks pulled ({d['bytes_pulled'] / 1e6:.1f} MB), {d['blocks_missing']} "
+                f"missing; leases in flight {d['leases']['in_flight']}")
     h = d.get("handoffs") or {}
     decisions = ", ".join(f"{k} {v}" for k, v in sorted(d.get("decisions", {}).items()))
     outcomes = ", ".join(f"{k} {v}" for k, v in sorted(h.get("outcomes", {}).items()))

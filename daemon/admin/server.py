@@ -247,8 +247,13 @@ class AdminServer:
             disaggregation=await self.disaggregation(engine))
 
     async def disaggregation(self, engine) -> dict | None:
+        """The worker pool's prefill/decode handoffs, or this daemon's KV transfers with
+        other daemons ([kv_transfer]); None when neither is configured."""
         stats = await asyncio.wait_for(engine.worker_stats(), QUERY_TIMEOUT)
-        return stats.routing.disaggregation if stats is not None else None
+        if stats is not None and stats.routing.disaggregation is not None:
+            return stats.routing.disaggregation
+        kv = self.state.kv_transfer
+        return {"mode": "kv_transfer", **kv.stats()} if kv is not None else None
 
     async def worker_infos(self, engine) -> list[P.WorkerInfo]:
         """Per worker process (none with the in-process engine)."""

@@ -56,7 +56,8 @@ BYTES_BUCKETS = tuple(float(1 << k) for k in range(16, 34, 2))    # 64 KiB .. 8 
 
 
 class Histogram:
-    """Cumulative-bucket histogram (Prometheus's shape), pure."""
+    """A histogram: a count per bucket (`bounds` are upper bounds, the last bucket is
+    +Inf) and the sum; /metrics makes the counts cumulative, as Prometheus wants. Pure."""
 
     def __init__(self, bounds: tuple[float, ...]):
         self.bounds = bounds

@@ -22,7 +22,7 @@ from llmd_sidecar import pd_request
 
 from tokenloom.actors.kv.tiers.handoff import stored_blocks
 
-from client import get, post
+from client import admin, get, post
 from servers import ServerProcess, wait_for
 
 BLOCK = 8
@@ -43,6 +43,7 @@ def daemon(tiny_model_dir, tmp, role: str) -> ServerProcess:
         "--set", f"kv_transfer.port={free_port()}", "--set", f"kv_transfer.role={role}",
         "--set", "kv_transfer.host=127.0.0.1", "--set", "kv_transfer.lease_seconds=3",
         timeout=180)
+    s.admin = str(tmp / (role + '.sock'))
     s.kv = next(line for line in s.json_lines()
                 if line.get("event") == "KV transfer server listening")
     return s
@@ -89,6 +90,12 @@ def test_handoff_between_daemons_equals_one_engine(pair, server):
         assert "peer" in str((trace.get("kv_tiers") or {}).get("plan")), trace
         assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] >= \
             len(params["remote_block_ids"]) * BLOCK - BLOCK
+    # Both daemons account for it: `tokenloom admin stats` has a kv_transfer row.
+    p_stats = admin(prefill.admin, {"cmd": "stats"})["disaggregation"]
+    d_stats = admin(decode.admin, {"cmd": "stats"})["disaggregation"]
+    assert p_stats["mode"] == "kv_transfer" and p_stats["role"] == "prefill"
+    assert p_stats["exports"] >= 3 and p_stats["blocks_served"] > 0
+    assert d_stats["pulls"] >= 3 and d_stats["blocks_pulled"] == p_stats["blocks_served"]
     # Nothing is left in either handoff tier once leases settle (the prefill's written-
     # through blocks that no decode asked for expire with the lease).
     for d in pair:
