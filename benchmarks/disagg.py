@@ -127,7 +127,10 @@ def serve_part(args) -> dict:
     for name, settings in SETUPS.items():
         if name not in chosen:
             continue
-        server = start_tokenloom(args.model, [*args.set, *settings], args=["--workers", "2"])
+        # The measured set-ups let the SLO chunker follow the ITL target (floor 0); the
+        # floor64 one overrides it with the default hard floor.
+        server = start_tokenloom(args.model, [*args.set, "scheduler.min_prefill_chunk=0",
+                                              *settings], args=["--workers", "2"])
         try:
             model = asyncio.run(model_name(server.url))
             row = {}

@@ -5,8 +5,8 @@ The step-cost model (cost_model.py) predicts an iteration's time from its tokens
 attention work. Each iteration gets the most prefill tokens within `target_itl_ms`
 (0 = `auto_itl_factor` × the predicted decode-only iteration), never fewer than the floor;
 while the model has not seen prefill iterations, prefill gets the floor. The floor is
-`min_prefill_chunk` when the user sets one (a hard floor that overrides the target), else
-one KV block (0, the default: the target decides, down to a block). The budget at most
+`min_prefill_chunk` when set above 0 (64 by default: a hard floor that overrides the
+target), else one KV block (0: the target decides, down to a block). The budget at most
 doubles from one iteration to the next, so one bad fit (noise) cannot turn into one
 multi-second iteration before the model sees its mistake.
 """

@@ -1,4 +1,4 @@
-"""The SLO chunker's floor: with `min_prefill_chunk` 0 (the default) the ITL target decides
+"""The SLO chunker's floor: with `min_prefill_chunk` 0 the ITL target decides
 how small a chunk gets, down to one KV block; a value above 0 is a hard floor; before the
 cost model knows what prefill costs, prefill gets the floor."""
 
@@ -57,7 +57,8 @@ def test_the_floor_follows_the_target_below_64_tokens():
     """4 streams, target 40 ms: 64 prefill tokens would make a 78 ms step. The old fixed
     64-token floor ran them anyway; now the chunk is the most that fits (~26 tokens)."""
     cost, decodes = fitted(), decoding(4)
-    sizer = ChunkSizer(SchedulerConfig(chunking="slo", target_itl_ms=40.0), 2048, cost)
+    sizer = ChunkSizer(SchedulerConfig(chunking="slo", target_itl_ms=40.0, min_prefill_chunk=0), 2048,
+                       cost)
     assert predicted(cost, decodes, 64) > 0.040
     budget = settled(sizer, decodes)
     assert 16 <= budget < 64
@@ -70,7 +71,8 @@ def test_the_floor_follows_the_target_below_64_tokens():
 def test_an_unreachable_target_still_gives_one_block_so_prompts_progress():
     cost, decodes = fitted(), decoding(4)
     for block_size in (16, 32):
-        sizer = ChunkSizer(SchedulerConfig(chunking="slo", target_itl_ms=0.001), 2048, cost,
+        sizer = ChunkSizer(SchedulerConfig(chunking="slo", target_itl_ms=0.001, min_prefill_chunk=0), 2048,
+                           cost,
                            block_size)
         assert settled(sizer, decodes) == block_size
         assert sizer.steady_budget(decodes) == block_size
