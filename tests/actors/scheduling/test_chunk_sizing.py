@@ -57,8 +57,8 @@ def test_the_floor_follows_the_target_below_64_tokens():
     """4 streams, target 40 ms: 64 prefill tokens would make a 78 ms step. The old fixed
     64-token floor ran them anyway; now the chunk is the most that fits (~26 tokens)."""
     cost, decodes = fitted(), decoding(4)
-    sizer = ChunkSizer(SchedulerConfig(chunking="slo", target_itl_ms=40.0, min_prefill_chunk=0), 2048,
-                       cost)
+    cfg = SchedulerConfig(chunking="slo", target_itl_ms=40.0, min_prefill_chunk=0)
+    sizer = ChunkSizer(cfg, 2048, cost)
     assert predicted(cost, decodes, 64) > 0.040
     budget = settled(sizer, decodes)
     assert 16 <= budget < 64
@@ -71,9 +71,8 @@ def test_the_floor_follows_the_target_below_64_tokens():
 def test_an_unreachable_target_still_gives_one_block_so_prompts_progress():
     cost, decodes = fitted(), decoding(4)
     for block_size in (16, 32):
-        sizer = ChunkSizer(SchedulerConfig(chunking="slo", target_itl_ms=0.001, min_prefill_chunk=0), 2048,
-                           cost,
-                           block_size)
+        cfg = SchedulerConfig(chunking="slo", target_itl_ms=0.001, min_prefill_chunk=0)
+        sizer = ChunkSizer(cfg, 2048, cost, block_size)
         assert settled(sizer, decodes) == block_size
         assert sizer.steady_budget(decodes) == block_size
 
