@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+import tokenloom  # noqa: F401  (first: it takes the checkout off sys.path, see its __init__)
+
 # Shared helpers (tinymodel, ...) are plain modules in tests/; make them importable.
 sys.path.insert(0, str(Path(__file__).parent))
 
