@@ -86,9 +86,11 @@ class ModelConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     # fails); "torch" forces the reference everywhere.
     attention_backend: Literal["auto", "torch", "cpu_kernel", "triton"] = "auto"
     # How the projection weights are stored: "auto" = in model.dtype; "int8" = weight-only
-    # int8 with per-channel scales (CPU), activations and KV in model.dtype. A quantized mode
+    # int8 with per-channel scales (CPU); "q4" = 4-bit blocks of 32 with scale + min (GGUF
+    # Q4_1; the default model's file is served as it ships), LM head in q8; "q8" = 8-bit
+    # blocks of 32 (GGUF Q8_0). Activations and KV stay in model.dtype. A quantized mode
     # must pass its quality gate against fp32 at start-up (kernels/models/quality_gate.py).
-    weight_dtype: Literal["auto", "int8"] = "auto"
+    weight_dtype: Literal["auto", "int8", "q4", "q8"] = "auto"
     # Start a quantized weight mode even when it fails its quality gate (logged loudly).
     force_quantized: bool = False
 

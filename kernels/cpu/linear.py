@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenloom.arith import cdiv
+from tokenloom.kernels.cpu import blocks as blk
 from tokenloom.startup_log import startup_log as log
 
 ROWS_HINT = 16   # the batch size oneDNN picks the packed layout for (any size works)
@@ -125,12 +126,35 @@ def choose(linears: list[nn.Linear], rows: tuple[int, ...] = (1, 16, 128)) -> bo
 # depends on the ISA, the caches and the core count.
 
 ROW_LADDER = (1, 2, 4, 8, 16, 64, 256)
-NOT_TRACEABLE = {"onednn"}   # kernels torch.compile cannot call (an opaque packed weight)
+# kernels torch.compile cannot call (an opaque packed weight)
+NOT_TRACEABLE = {"onednn", "copy_onednn"}
 HEAD_ROW_LADDER = (1, 4, 16, 64)
 INT8 = "int8"
+# Weights in GGUF-style 32-weight blocks (kernels/cpu/blocks.py): Q4_1 and Q8_0.
+Q4, Q8 = "q4", "q8"
+BLOCK_STORAGES = (Q4, Q8)
+# Kernels that multiply by a dequantized copy of block weights, kept once (never made per
+# call): the prefill-sized candidates of q4/q8, measured against the block kernel itself.
+COPY_KERNELS = {"copy_mkl", "copy_onednn"}
 
 _small_gemm = None
 _small_gemm_failed: str | None = None
+_block_gemm = None
+_block_gemm_failed: str | None = None
+
+
+def block_gemm_module():
+    """The C++ block kernels for q4/q8 weights (built on first use), or None with the reason
+    logged."""
+    global _block_gemm, _block_gemm_failed
+    if _block_gemm is None and _block_gemm_failed is None:
+        try:
+            from tokenloom.kernels.cpu.cpp_build import build
+            _block_gemm = build("tokenloom_block_gemm_cpu", "block_gemm_cpu.cpp")
+        except Exception as e:  # no compiler: q4/q8 fall back to a dequantized copy
+            _block_gemm_failed = f"{type(e).__name__}: {e}"
+            log.info("C++ block matmul unavailable", reason=_block_gemm_failed)
+    return _block_gemm
 
 
 def small_gemm_module():
@@ -162,24 +186,50 @@ class KernelSet(nn.Module):
     """One projection's weight in the forms its kernels need, and the kernels by name.
 
     storage "float": the weight is kept in act_dtype (fp32 or bf16); "int8": per-channel
-    int8 with fp32 scales, activations stay act_dtype. `only`: build just these (the rest
+    int8 with fp32 scales, activations stay act_dtype; "q4" / "q8": 32-weight blocks
+    (`blocks`: given, e.g. a GGUF file's own, or quantized here from `weight`). `only`: build just these (the rest
     would hold copies of the weight for nothing). The forms are buffers and `run` is plain
     code, so that a compiled region (graphs/cpu_compile.py) traced for one layer serves
     every layer: the layers differ only in their tensors."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, storage: str,
-                 act_dtype: torch.dtype, only: set[str] | None = None):
+                 act_dtype: torch.dtype, only: set[str] | None = None,
+                 blocks: "blk.Blocks | None" = None, excluded: frozenset = frozenset()):
         super().__init__()
 
         def want(name: str) -> bool:
-            return only is None or name in only
+            return (only is None or name in only) and name not in excluded
 
         names = []
         self.register_buffer("bias", None if bias is None else bias.detach().to(act_dtype),
                              persistent=False)
         self.register_buffer("empty", torch.empty(0), persistent=False)
         gemm = small_gemm_module()
-        if storage == INT8:
+        self.storage = storage
+        if storage in BLOCK_STORAGES:
+            if blocks is None:
+                blocks = (blk.quantize_q4 if storage == Q4 else blk.quantize_q8)(weight)
+            self.register_buffer("qs", blocks.qs, persistent=False)
+            self.register_buffer("d", blocks.d, persistent=False)
+            self.register_buffer("m", blocks.m if storage == Q4 else None, persistent=False)
+            if block_gemm_module() is not None and want("block_gemm"):
+                names.append("block_gemm")
+            if want("copy_mkl") or want("copy_onednn"):
+                self.register_buffer("w", blk.dequantize(blocks).to(act_dtype).contiguous(),
+                                     persistent=False)
+                if want("copy_mkl"):
+                    names.append("copy_mkl")
+                if onednn_available() and want("copy_onednn"):
+                    try:
+                        packed = torch.ops.mkldnn._reorder_linear_weight(self.w, ROWS_HINT)
+                        self.register_buffer("packed", packed, persistent=False)
+                        names.append("copy_onednn")
+                    except RuntimeError as e:
+                        log.info("oneDNN linear unavailable", dtype=str(act_dtype),
+                                 reason=str(e))
+                if not want("copy_mkl"):
+                    self.w = None   # only the packed form is used
+        elif storage == INT8:
             q, scale = quantize_int8(weight)
             self.register_buffer("q", q, persistent=False)
             self.register_buffer("scale", scale, persistent=False)
@@ -212,9 +262,14 @@ class KernelSet(nn.Module):
 
     def run(self, name: str, x: torch.Tensor) -> torch.Tensor:
         b = self.bias
-        if name == "mkl":
+        if name == "block_gemm":
+            bias = self.empty if b is None else b
+            if self.storage == Q4:
+                return torch.ops.tokenloom.q4_gemm(x, self.qs, self.d, self.m, bias)
+            return torch.ops.tokenloom.q8_gemm(x, self.qs, self.d, bias)
+        if name in ("mkl", "copy_mkl"):
             return F.linear(x, self.w, b)
-        if name == "onednn":
+        if name in ("onednn", "copy_onednn"):
             return onednn_linear(x, self.packed, b)
         if name == "small_gemm":
             return torch.ops.tokenloom.small_gemm(x, self.w, self.empty,
@@ -280,15 +335,18 @@ def _available(name: str) -> bool:
     cannot any more, e.g. the C++ build failed this time)."""
     if name.startswith("small_gemm"):
         return small_gemm_module() is not None
-    if name == "onednn":
+    if name == "block_gemm":
+        return block_gemm_module() is not None
+    if name in ("onednn", "copy_onednn"):
         return onednn_available()
     if name == "int8pack_bf16":
         return has_int8_weight_op()
-    return name in ("mkl", "dequant_mkl")
+    return name in ("mkl", "dequant_mkl", "copy_mkl")
 
 
 def plan_cache_key(weights: list[tuple[torch.Tensor, torch.Tensor | None]], storage: str,
-                   act_dtype: torch.dtype, rows: tuple[int, ...]) -> str:
+                   act_dtype: torch.dtype, rows: tuple[int, ...],
+                   excluded: frozenset = frozenset()) -> str:
     """What a measured plan depends on: the projections' shapes and dtypes, the storage,
     the row ladder, this CPU, torch and the thread count."""
     import hashlib
@@ -296,14 +354,15 @@ def plan_cache_key(weights: list[tuple[torch.Tensor, torch.Tensor | None]], stor
     from tokenloom.kernels.cpu.features import detect
 
     parts = [storage, str(act_dtype), repr(rows), detect().summary(), torch.__version__,
-             str(torch.get_num_threads())]
+             str(torch.get_num_threads()), repr(sorted(excluded))]
     parts += [f"{tuple(w.shape)}:{w.dtype}:{b is not None}" for w, b in weights]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
 def cached_plan(weights: list[tuple[torch.Tensor, torch.Tensor | None]], storage: str,
                 act_dtype: torch.dtype, rows: tuple[int, ...] = ROW_LADDER,
-                cache_dir=None) -> Plan:
+                cache_dir=None, blocks: list | None = None,
+                excluded: frozenset = frozenset()) -> Plan:
     """`plan`, remembered in `cache_dir` (when given) for the next start on this machine:
     the choice stays the same from one start to the next (measurements are noisy), so the
     compiled decode programs that call the chosen kernels stay in their on-disk cache."""
@@ -312,7 +371,7 @@ def cached_plan(weights: list[tuple[torch.Tensor, torch.Tensor | None]], storage
 
     path = None
     if cache_dir is not None:
-        key = plan_cache_key(weights, storage, act_dtype, rows)
+        key = plan_cache_key(weights, storage, act_dtype, rows, excluded)
         path = Path(cache_dir) / "cpu_kernel_plans" / f"{key}.json"
         try:
             raw = json.loads(path.read_text())
@@ -323,7 +382,7 @@ def cached_plan(weights: list[tuple[torch.Tensor, torch.Tensor | None]], storage
                 return cached
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass
-    chosen = plan(weights, storage, act_dtype, rows)
+    chosen = plan(weights, storage, act_dtype, rows, blocks, excluded)
     if path is not None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -334,10 +393,15 @@ def cached_plan(weights: list[tuple[torch.Tensor, torch.Tensor | None]], storage
 
 
 def plan(weights: list[tuple[torch.Tensor, torch.Tensor | None]], storage: str,
-         act_dtype: torch.dtype, rows: tuple[int, ...] = ROW_LADDER) -> Plan:
+         act_dtype: torch.dtype, rows: tuple[int, ...] = ROW_LADDER,
+         blocks: list | None = None, excluded: frozenset = frozenset()) -> Plan:
     """Time every candidate kernel on these projections (e.g. one decoder layer's) at each
-    row count and keep the fastest per row count, merged into bands."""
-    cands = [KernelSet(w, b, storage, act_dtype) for w, b in weights]
+    row count and keep the fastest per row count, merged into bands. `blocks`: the
+    projections' own q4/q8 blocks (aligned with `weights`); `excluded`: kernels not to
+    consider (e.g. the dequantized copies where memory does not allow them)."""
+    blocks = blocks or [None] * len(weights)
+    cands = [KernelSet(w, b, storage, act_dtype, blocks=bl, excluded=excluded)
+             for (w, b), bl in zip(weights, blocks)]
     names = [n for n in cands[0].names if all(n in c.names for c in cands)]
     timings: dict[int, dict[str, float]] = {}
     best: list[str] = []
@@ -373,11 +437,12 @@ class CpuLinear(nn.Module):
     contract as nn.Linear for 2-D inputs [rows, in_features] -> [rows, out_features]."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, storage: str,
-                 act_dtype: torch.dtype, chosen: Plan):
+                 act_dtype: torch.dtype, chosen: Plan, blocks: "blk.Blocks | None" = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.storage = storage
-        # What a call streams: the weight once (int8: plus its fp32 scales).
+        # What a decode call streams: the weight once (int8: plus its fp32 scales; q4/q8:
+        # the blocks with their fp16 scales and mins).
         element = 1 if storage == INT8 else torch.tensor([], dtype=act_dtype).element_size()
         self.weight_bytes = (self.out_features * self.in_features * element
                              + (4 * self.out_features if storage == INT8 else 0))
@@ -385,7 +450,11 @@ class CpuLinear(nn.Module):
         # weights: while tracing, the fastest other kernel for the row count is used.
         traced = chosen.excluding(NOT_TRACEABLE)
         self.kernels = KernelSet(weight, bias, storage, act_dtype,
-                                 chosen.kernels | traced.kernels)
+                                 chosen.kernels | traced.kernels, blocks=blocks)
+        if storage in BLOCK_STORAGES:
+            self.weight_bytes = sum(t.numel() * t.element_size()
+                                    for t in (self.kernels.qs, self.kernels.d, self.kernels.m)
+                                    if t is not None)
         self._bands = chosen.bands
         self._traced_bands = traced.bands
         self.kernel_names = tuple(name for _, name in chosen.bands)

@@ -340,33 +340,43 @@ class LlamaForCausalLM(nn.Module):
         if w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16):
             self.specialize_cpu("float")
 
-    def specialize_cpu(self, storage: str = "float") -> dict[str, str]:
+    def specialize_cpu(self, storage: str = "float",
+                       blocks: dict | None = None) -> dict[str, str]:
         """Replace the projections and the head by CpuLinear modules ("float": weights kept
-        in the model dtype; "int8": weight-only int8, per-channel scales), each with the
-        kernel per batch-size band measured fastest here. Returns what was chosen."""
+        in the model dtype; "int8": weight-only int8, per-channel scales; "q4": 32-weight
+        Q4_1-style blocks, the head in q8; "q8": Q8_0-style blocks), each with the kernel
+        per batch-size band measured fastest here. `blocks`: q4/q8 blocks per module name
+        to use as they are (a GGUF file's own, kernels/models/gguf_blocks.py). Returns what
+        was chosen."""
         self._layout_done = True
         self._count_layer_params()   # before the weights leave the parameters
         act = self.rope.cos.dtype if self.rope is not None else self.embed_tokens.weight.dtype
+        blocks = blocks or {}
+        head_storage = cpu_linear.Q8 if storage == cpu_linear.Q4 else storage
+        excluded = self._copy_kernels_excluded(storage)
         first = self.layers[0]
-        linears = [first.self_attn.qkv_proj, first.self_attn.o_proj, first.mlp.gate_up_proj,
-                   first.mlp.down_proj]
-        layer_plan = cpu_linear.cached_plan([(lin.weight, lin.bias) for lin in linears], storage,
-                                             act, cache_dir=self.plan_cache_dir)
-        head_plan = cpu_linear.cached_plan([(self.lm_head.weight, None)], storage, act,
+        names = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+        linears = [first.get_submodule(n) for n in names]
+        layer_plan = cpu_linear.cached_plan(
+            [(lin.weight, lin.bias) for lin in linears], storage, act,
+            cache_dir=self.plan_cache_dir, excluded=excluded,
+            blocks=[blocks.get(f"layers.0.{n}") for n in names])
+        head_plan = cpu_linear.cached_plan([(self.lm_head.weight, None)], head_storage, act,
                                            cpu_linear.HEAD_ROW_LADDER,
-                                           cache_dir=self.plan_cache_dir)
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            attn.qkv_proj = cpu_linear.CpuLinear(attn.qkv_proj.weight, attn.qkv_proj.bias,
-                                                 storage, act, layer_plan)
-            attn.o_proj = cpu_linear.CpuLinear(attn.o_proj.weight, None, storage, act, layer_plan)
-            mlp.gate_up_proj = cpu_linear.CpuLinear(mlp.gate_up_proj.weight, None, storage, act,
-                                                    layer_plan)
-            mlp.down_proj = cpu_linear.CpuLinear(mlp.down_proj.weight, None, storage, act,
-                                                 layer_plan)
+                                           cache_dir=self.plan_cache_dir, excluded=excluded,
+                                           blocks=[blocks.get("lm_head")])
+        for i, layer in enumerate(self.layers):
+            for n in names:
+                parent, attr = n.split(".")
+                owner = getattr(layer, parent)
+                lin = getattr(owner, attr)
+                setattr(owner, attr, cpu_linear.CpuLinear(
+                    lin.weight, lin.bias, storage, act, layer_plan,
+                    blocks=blocks.get(f"layers.{i}.{n}")))
         # A tied head keeps the embedding for lookups (one row a token) and gets its own
         # copy in the head's storage.
-        self.lm_head = cpu_linear.CpuLinear(self.lm_head.weight, None, storage, act, head_plan)
+        self.lm_head = cpu_linear.CpuLinear(self.lm_head.weight, None, head_storage, act,
+                                            head_plan, blocks=blocks.get("lm_head"))
         chosen = {"layers": layer_plan.describe(), "head": head_plan.describe()}
         self.cpu_kernels = chosen   # part of a compiled program's cache key
         cpu_linear.log.info(f"CPU projections ({storage} weights, "
@@ -374,6 +384,28 @@ class LlamaForCausalLM(nn.Module):
                             f"layers {chosen['layers']}; head {chosen['head']}",
                             storage=storage, **chosen)
         return chosen
+
+    def _copy_kernels_excluded(self, storage: str) -> frozenset:
+        """q4/q8 may keep a dequantized copy for prefill-sized calls, where memory allows:
+        the copies (in the activation dtype) must fit in half of the memory available now;
+        otherwise every row count runs the block kernel."""
+        if storage not in cpu_linear.BLOCK_STORAGES:
+            return frozenset()
+        import os
+
+        act = self.rope.cos.dtype if self.rope is not None else self.embed_tokens.weight.dtype
+        params = sum(p.numel() for layer in self.layers for p in layer.parameters())
+        params += self.lm_head.weight.numel()
+        copy_bytes = params * torch.tensor([], dtype=act).element_size()
+        try:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            available = 0
+        if copy_bytes <= available // 2:
+            return frozenset()
+        cpu_linear.log.info("q4/q8: no dequantized copies for prefill (memory)",
+                            copy_mb=copy_bytes >> 20, available_mb=available >> 20)
+        return frozenset(cpu_linear.COPY_KERNELS)
 
     def _count_layer_params(self) -> None:
         params = list(self.layers[0].parameters())

@@ -69,6 +69,23 @@ def default_gguf_path() -> Path:
     return path
 
 
+def gguf_source(model_dir: Path) -> Path | None:
+    """The GGUF file a converted model directory was made from, when it is still there (the
+    default model: its conversion marker names the file)."""
+    marker = Path(model_dir) / _COMPLETE_MARKER
+    try:
+        text = marker.read_text().strip()
+    except OSError:
+        return None
+    if not text.startswith("from "):
+        return None
+    try:
+        path = default_gguf_path()
+    except ModelLoadError:
+        return None
+    return path if path.name == text.removeprefix("from ").strip() else None
+
+
 def ensure_default_model(cache_dir: Path) -> Path:
     target = Path(cache_dir) / "models" / DEFAULT_MODEL_NAME
     if (target / _COMPLETE_MARKER).is_file():

@@ -72,7 +72,8 @@ def apply_weight_dtype(model, model_dir: Path, cfg: ModelConfig, dtype: torch.dt
     if device.type != "cpu":
         raise ConfigError(f"model.weight_dtype {cfg.weight_dtype!r} needs model.device cpu "
                           f"(got {device.type}); use 'auto' there", key="model.weight_dtype")
-    chosen = model.specialize_cpu("int8")
+    chosen = model.specialize_cpu(cfg.weight_dtype, blocks=file_blocks(model, model_dir,
+                                                                       cfg.weight_dtype))
     memo_path = Path(cache_dir) / "quality_gate.json" if cache_dir else None
     key = _gate_key(digest, cfg, dtype, chosen)
     memo = _read_memo(memo_path) if memo_path else {}
@@ -94,6 +95,37 @@ def apply_weight_dtype(model, model_dir: Path, cfg: ModelConfig, dtype: torch.dt
         startup_log.warning("serving a quantized mode that FAILED its quality gate "
                             "(model.force_quantized)", summary=result.summary())
     return result
+
+
+def file_blocks(model, model_dir: Path, mode: str) -> dict:
+    """For q4/q8 on a model converted from a GGUF file (the default model): the file's own
+    blocks per module, where they are in the mode's format and dequantize exactly to the
+    weights loaded. Other modules are quantized from the dense weights."""
+    from tokenloom.kernels.cpu import blocks as blk
+    from tokenloom.kernels.cpu.linear import BLOCK_STORAGES, Q4
+    from tokenloom.kernels.models import gguf_blocks
+    from tokenloom.kernels.models.loader import gguf_source
+
+    if mode not in BLOCK_STORAGES:
+        return {}
+    source = gguf_source(model_dir)
+    if source is None:
+        return {}
+    found = gguf_blocks.fused(gguf_blocks.read(source, model.spec), model.spec)
+    kept, mismatched = {}, []
+    for name, b in found.items():
+        wanted = blk.Q4Blocks if mode == Q4 and name != "lm_head" else blk.Q8Blocks
+        if not isinstance(b, wanted):
+            continue
+        if gguf_blocks.matching(b, model.get_submodule(name).weight):
+            kept[name] = b
+        else:
+            mismatched.append(name)
+    startup_log.info(f"{mode}: {len(kept)} modules use {source.name}'s own blocks as they are"
+                     + (f"; {len(mismatched)} did not match the loaded weights and are "
+                        f"requantized (e.g. {mismatched[0]})" if mismatched else ""),
+                     kept=len(kept), mismatched=len(mismatched))
+    return kept
 
 
 def run_gate(model, model_dir: Path, tokenizer, mode: str) -> quality_gate.GateResult:

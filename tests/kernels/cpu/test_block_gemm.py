@@ -1,0 +1,126 @@
+"""q4/q8 block weights (kernels/cpu/blocks.py) and their C++ kernels
+(csrc/block_gemm_cpu.cpp): GGUF's bytes read as gguf-py dequantizes them, quantization
+bounded by half a step, the kernels equal x . dequantize(W)^T at every row count a step can
+have, the GGUF q/k row order undone, and a q4 model computing with exactly its blocks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from tokenloom.kernels.cpu import blocks as blk
+from tokenloom.kernels.cpu import linear as cpu_linear
+from tokenloom.kernels.models import gguf_blocks, quality_gate
+from tokenloom.kernels.models.loader import load_model
+
+from tinymodel import VOCAB, build_tiny_model
+
+needs_kernel = pytest.mark.skipif(cpu_linear.block_gemm_module() is None,
+                                  reason="no C++ toolchain")
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_dequantize_as_gguf_py_does(kind):
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((6, 96)).astype(np.float32)
+    raw = quants.quantize(w, GGMLQuantizationType[kind])
+    expected = quants.dequantize(raw, GGMLQuantizationType[kind])
+    b = blk.from_gguf(kind, torch.from_numpy(raw.copy()), 6, 96)
+    assert isinstance(b, blk.Q8Blocks if kind == "Q8_0" else blk.Q4Blocks)
+    assert torch.equal(blk.dequantize(b), torch.from_numpy(expected))
+
+
+def test_quantization_error_is_at_most_half_a_step():
+    torch.manual_seed(0)
+    w = torch.randn(8, 128) * 0.1
+    w[0, :32] = 0.5                      # a constant block: scale 0, exact
+    q4 = blk.quantize_q4(w)
+    step = q4.d.float().repeat_interleave(32, dim=1)
+    err = (blk.dequantize(q4) - w).abs()
+    assert torch.all(err <= step / 2 + 1e-3 * w.abs() + 1e-6)
+    assert torch.allclose(blk.dequantize(q4)[0, :32], w[0, :32], atol=1e-3)
+    q8 = blk.quantize_q8(w)
+    step8 = q8.d.float().repeat_interleave(32, dim=1)
+    assert torch.all((blk.dequantize(q8) - w).abs() <= step8 / 2 + 1e-6)
+
+
+def test_widths_that_are_not_whole_blocks_are_refused():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        blk.quantize_q4(torch.randn(4, 40))
+    assert not blk.blockable((4, 40)) and blk.blockable((4, 64))
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 16, 67])
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
+def test_kernel_equals_the_dequantized_matmul(fmt, rows, act):
+    torch.manual_seed(rows)
+    n, k = 70, 576                       # a row count that is not a multiple of the split
+    w = torch.randn(n, k) * 0.05
+    b = blk.quantize_q4(w) if fmt == "q4" else blk.quantize_q8(w)
+    bias = torch.randn(n)
+    x = torch.randn(rows, k).to(act)
+    ref = x.float() @ blk.dequantize(b).T + bias
+    if fmt == "q4":
+        y = torch.ops.tokenloom.q4_gemm(x, b.qs, b.d, b.m, bias.to(act))
+    else:
+        y = torch.ops.tokenloom.q8_gemm(x, b.qs, b.d, bias.to(act))
+    assert y.dtype == act and y.shape == (rows, n)
+    tol = 1e-4 if act == torch.float32 else 2e-2
+    assert torch.allclose(y.float(), ref, atol=tol * 10, rtol=tol)
+
+
+@needs_kernel
+def test_kernel_refuses_mismatched_blocks():
+    b = blk.quantize_q4(torch.randn(8, 64))
+    with pytest.raises(RuntimeError, match="multiple of 32|do not match"):
+        torch.ops.tokenloom.q4_gemm(torch.randn(2, 96), b.qs, b.d, b.m, torch.empty(0))
+
+
+def test_gguf_q_k_row_order_is_undone():
+    # llama.cpp's converter: w.reshape(heads, 2, dim/heads/2, K).swapaxes(1, 2)
+    heads, rows, k = 3, 24, 8
+    w = torch.arange(rows * k, dtype=torch.float32).reshape(rows, k)
+    gguf_w = w.reshape(heads, 2, rows // heads // 2, k).swapaxes(1, 2).reshape(rows, k)
+    assert torch.equal(gguf_w[gguf_blocks.llama_unpermute_rows(rows, heads)], w)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("q4-tiny")
+    build_tiny_model(path, "LlamaConfig", dict(num_hidden_layers=2, tie_word_embeddings=True),
+                     seed=5)
+    return path
+
+
+@pytest.mark.parametrize("mode", ["q4", "q8"])
+def test_block_model_computes_with_exactly_its_blocks(tiny_dir, mode):
+    """A q4 (q8) model's logits equal those of an fp32 model whose weights are its blocks
+    dequantized: whatever kernel each row count runs, only the summation order differs."""
+    ids = [(5 * i + 3) % (VOCAB - 3) + 3 for i in range(40)]
+    quant, _ = load_model(tiny_dir, torch.float32, torch.device("cpu"), 256)
+    quant.specialize_cpu(mode)
+    ref, _ = load_model(tiny_dir, torch.float32, torch.device("cpu"), 256)
+    ref._layout_done = True
+    with torch.no_grad():
+        for i, qlayer in enumerate(quant.layers):
+            for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
+                         "mlp.down_proj"):
+                ks = qlayer.get_submodule(name).kernels
+                assert ks.storage == mode
+                b = (blk.Q4Blocks(ks.qs, ks.d, ks.m) if mode == "q4"
+                     else blk.Q8Blocks(ks.qs, ks.d))
+                ref.get_submodule(f"layers.{i}.{name}").weight.copy_(blk.dequantize(b))
+        hk = quant.lm_head.kernels
+        assert hk.storage == "q8"            # the head stays 8-bit in both modes
+        ref.lm_head = torch.nn.Linear(*reversed(hk.qs.shape), bias=False)
+        ref.lm_head.weight.copy_(blk.dequantize(blk.Q8Blocks(hk.qs, hk.d)))
+    with torch.inference_mode():
+        a = quality_gate.teacher_forced_logits(ref, ids).float()    # prefill-sized calls
+        b = quality_gate.teacher_forced_logits(quant, ids).float()
+        assert torch.allclose(a, b, atol=1e-3, rtol=1e-3), (a - b).abs().max()
+        greedy = [quality_gate.greedy_continuation(m, ids[:8], 12) for m in (ref, quant)]
+    assert greedy[0] == greedy[1]                                   # one-row calls
