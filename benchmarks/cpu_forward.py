@@ -7,6 +7,9 @@ time, the same token-id prompts, greedy, EOS ignored):
     fp32  (model.dtype float32)                          vs llama.cpp F32 GGUF
     bf16  (model.dtype bfloat16)                         vs llama.cpp F16 GGUF
     int8  (model.weight_dtype int8, bf16 activations)    vs llama.cpp Q8_0 GGUF
+    q4    (model.weight_dtype q4, fp32 activations)      vs llama.cpp Q4_1 GGUF (the file
+          `make serve` ships: both serve its own blocks)
+    q8    (model.weight_dtype q8, fp32 activations)      vs llama.cpp Q8_0 GGUF
 
 - batch-1 decode at ~300 and ~1,100 tokens of context: ms per token (tokenloom: the
   engine's token timestamps; llama.cpp: its own `timings.predicted_per_token_ms`);
@@ -52,6 +55,8 @@ MODES = {  # name: (LLM options, llama.cpp GGUF type, KV bytes per element)
     "fp32": (dict(dtype="float32"), "F32", 4),
     "bf16": (dict(dtype="bfloat16"), "F16", 2),
     "int8": (dict(dtype="bfloat16", weight_dtype="int8"), "Q8_0", 2),
+    "q4": (dict(dtype="float32", weight_dtype="q4"), "Q4_1", 4),
+    "q8": (dict(dtype="float32", weight_dtype="q8"), "Q8_0", 4),
 }
 OUT = 64
 
@@ -316,7 +321,7 @@ def main() -> None:
             if not args.no_cold and (compiled or mode == args.modes[-1]):
                 r[key]["startup_cold_s"] = startup_subprocess(mode, True, compiled)
             r[key]["startup_warm_s"] = startup_subprocess(mode, False, compiled)
-        if MODES[mode][0].get("weight_dtype") == "int8":
+        if MODES[mode][0].get("weight_dtype") in ("int8", "q4", "q8"):
             r["gate"] = _gate_summary()
         print(f"[{mode}] llama.cpp {MODES[mode][1]} ...", flush=True)
         r["llama"] = llama_mode(mode, args, rng, logdir)

@@ -187,10 +187,10 @@ class KernelSet(nn.Module):
 
     storage "float": the weight is kept in act_dtype (fp32 or bf16); "int8": per-channel
     int8 with fp32 scales, activations stay act_dtype; "q4" / "q8": 32-weight blocks
-    (`blocks`: given, e.g. a GGUF file's own, or quantized here from `weight`). `only`: build just these (the rest
-    would hold copies of the weight for nothing). The forms are buffers and `run` is plain
-    code, so that a compiled region (graphs/cpu_compile.py) traced for one layer serves
-    every layer: the layers differ only in their tensors."""
+    (`blocks`: given, e.g. a GGUF file's own, or quantized here from `weight`). `only`:
+    build just these (the rest would hold copies of the weight for nothing). The forms are
+    buffers and `run` is plain code, so that a compiled region (graphs/cpu_compile.py)
+    traced for one layer serves every layer: the layers differ only in their tensors."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, storage: str,
                  act_dtype: torch.dtype, only: set[str] | None = None,
