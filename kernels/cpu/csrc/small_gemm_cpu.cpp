@@ -8,17 +8,21 @@
 // convert, the row's scale applied once to the finished dot product), products are summed
 // in fp32, so fp32 activations stay fp32 whatever the weight storage.
 //
-// AVX-512 path when the compiler targets it (-march=native on an AVX-512 machine); otherwise
-// plain loops the compiler vectorises for what the machine has (AVX2...). Which kernel a
+// AVX-512 or AVX2+FMA paths when the compiler targets them (-march=native); otherwise plain
+// loops the compiler vectorises for what the machine has. Which kernel a
 // model uses is measured at start-up (kernels/cpu/linear.py), never assumed.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define TL_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define TL_AVX2 1
 #endif
 
 namespace {
@@ -70,6 +74,67 @@ inline void strip_dot(const char* w, int64_t w_row_bytes, const float* x, int64_
   }
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MS; ++m) acc[r][m] = _mm512_reduce_add_ps(a[r][m]);
+}
+#elif defined(TL_AVX2)
+template <WType WT>
+inline __m256 load_w8(const void* w, int64_t k) {
+  if constexpr (WT == WType::F32) {
+    return _mm256_loadu_ps(static_cast<const float*>(w) + k);
+  } else if constexpr (WT == WType::BF16) {
+    const __m128i h = _mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(w) + k));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  } else {
+    const __m128i b = _mm_loadl_epi64(
+        reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(w) + k));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  }
+}
+
+template <WType WT>
+inline float w_at(const void* w, int64_t k) {
+  if constexpr (WT == WType::F32) {
+    return static_cast<const float*>(w)[k];
+  } else if constexpr (WT == WType::BF16) {
+    uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(w)[k]) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  } else {
+    return static_cast<float>(static_cast<const int8_t*>(w)[k]);
+  }
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// As the AVX-512 path with 8 lanes: R x MS accumulators in registers (4 x 3 + 3 x-vectors
+// + 1 weight vector = the 16 ymm registers; 4 x 4 spills a few, still one pass over W).
+template <WType WT, int R, int MS>
+inline void strip_dot(const char* w, int64_t w_row_bytes, const float* x, int64_t K,
+                      float acc[kStrip][kMRows]) {
+  __m256 a[R][MS];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MS; ++m) a[r][m] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 xv[MS];
+    for (int m = 0; m < MS; ++m) xv[m] = _mm256_loadu_ps(x + m * K + k);
+    for (int r = 0; r < R; ++r) {
+      const __m256 wv = load_w8<WT>(w + r * w_row_bytes, k);
+      for (int m = 0; m < MS; ++m) a[r][m] = _mm256_fmadd_ps(wv, xv[m], a[r][m]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MS; ++m) {
+      float s = hsum8(a[r][m]);
+      for (int64_t j = k; j < K; ++j) s += w_at<WT>(w + r * w_row_bytes, j) * x[m * K + j];
+      acc[r][m] = s;
+    }
 }
 #else
 template <WType WT>
@@ -196,6 +261,16 @@ bool avx512_build() {
 #endif
 }
 
+std::string simd_path() {
+#if defined(TL_AVX512)
+  return "avx512";
+#elif defined(TL_AVX2)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
 // As a dispatcher operator too, so a compiled decode program can call it.
 TORCH_LIBRARY_FRAGMENT(tokenloom, m) {
   m.def("small_gemm(Tensor x, Tensor w, Tensor scale, Tensor bias) -> Tensor");
@@ -208,4 +283,5 @@ TORCH_LIBRARY_IMPL(tokenloom, CPU, m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_gemm", &small_gemm, "decode-sized x . W^T with fp32/bf16/int8 weights");
   m.def("avx512_build", &avx512_build, "whether the AVX-512 path was compiled");
+  m.def("simd_path", &simd_path, "which SIMD path was compiled");
 }

@@ -124,3 +124,32 @@ def test_block_model_computes_with_exactly_its_blocks(tiny_dir, mode):
         assert torch.allclose(a, b, atol=1e-3, rtol=1e-3), (a - b).abs().max()
         greedy = [quality_gate.greedy_continuation(m, ids[:8], 12) for m in (ref, quant)]
     assert greedy[0] == greedy[1]                                   # one-row calls
+
+
+@pytest.mark.parametrize("storage", ["q4", "q8"])
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
+def test_every_block_candidate_matches_the_dequantized_weight(storage, act):
+    """The kernels the planner may pick for q4/q8 (the block kernel and the kept dequantized
+    copies, plain and oneDNN-packed) all compute x . dequantize(W)^T + b."""
+    torch.manual_seed(3)
+    w, b = torch.randn(45, 96) * 0.1, torch.randn(45) * 0.1
+    kernels = cpu_linear.KernelSet(w, b, storage, act)
+    assert {"copy_mkl"} <= set(kernels.names)
+    deq = blk.dequantize(blk.Q4Blocks(kernels.qs, kernels.d, kernels.m) if storage == "q4"
+                         else blk.Q8Blocks(kernels.qs, kernels.d))
+    tol = 1e-4 if act == torch.float32 else 3e-2
+    for rows in (1, 6, 40):
+        x = torch.randn(rows, 96).to(act)
+        ref = torch.nn.functional.linear(x.float(), deq.to(act).float(), b.to(act).float())
+        with torch.inference_mode():
+            for name in kernels.names:
+                torch.testing.assert_close(kernels.run(name, x).float(), ref, rtol=tol,
+                                           atol=tol, msg=name)
+
+
+def test_copies_are_left_out_when_excluded():
+    w = torch.randn(8, 64)
+    kernels = cpu_linear.KernelSet(w, None, "q4", torch.float32,
+                                   excluded=frozenset(cpu_linear.COPY_KERNELS))
+    assert not set(kernels.names) & cpu_linear.COPY_KERNELS
+    assert getattr(kernels, "w", None) is None
