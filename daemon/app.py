@@ -215,7 +215,8 @@ async def _start_engine(state: ServerState):
                           max_model_len=engine.info.max_model_len,
                           max_tokens=state.config.server.max_tokens,
                           max_logprobs=state.config.server.max_logprobs,
-                          lora_adapters=getattr(engine, "lora_adapters", None))
+                          lora_adapters=getattr(engine, "lora_adapters", None),
+                          speculation=state.config.speculative.method != "off")
     state.metrics = Metrics(state.model_name, engine.info.max_model_len)
     state.token_text = endpoints.token_text_cache(engine.tokenizer)
     startup_log.info("warming up")

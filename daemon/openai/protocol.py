@@ -147,6 +147,9 @@ class Limits:
     # LoRA adapters a request may name in `model` (the engine's live name -> directory
     # map: adapters come and go at run time); None: [lora] is off.
     lora_adapters: Mapping[str, str] | None = None
+    # Whether the server has a proposer (speculative.method is not "off"): without one a
+    # request's `speculative: "on"` is refused rather than silently not speculating.
+    speculation: bool = True
 
     def adapter(self, model: str | None) -> str | None:
         """The LoRA adapter `model` names, or None (the base model)."""
@@ -266,6 +269,11 @@ def _sampling_params(req: _Sampling, limits: Limits, max_tokens: int | None,
                   min_tokens=req.min_tokens, seed=req.seed, stop=_stops(req.stop),
                   stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
                   logprobs=logprobs, guided=guided)
+    if req.speculative == "on" and not limits.speculation:
+        raise APIError(400, 'speculative is "on" but this server has no proposer '
+                       '(speculative.method = "off"); start it with --set '
+                       'speculative.method=ngram (prompt lookup) or method=draft',
+                       param="speculative")
     if guided is not None:
         # Drafts are verified without grammar masks: constrained requests never speculate.
         need(req.speculative in (None, "auto", "off"), "speculative",

@@ -133,8 +133,8 @@ INT8 = "int8"
 # Weights in GGUF-style 32-weight blocks (kernels/cpu/blocks.py): Q4_1 and Q8_0.
 Q4, Q8 = "q4", "q8"
 BLOCK_STORAGES = (Q4, Q8)
-# Kernels that multiply by a dequantized copy of block weights, kept once (never made per
-# call): the prefill-sized candidates of q4/q8, measured against the block kernel itself.
+# Kernels that multiply by a dequantized copy of quantized weights (int8, q4, q8), kept once
+# (never made per call): prefill-sized candidates, measured against the quantized kernels.
 COPY_KERNELS = {"copy_mkl", "copy_onednn"}
 
 _small_gemm = None
@@ -214,21 +214,7 @@ class KernelSet(nn.Module):
             self.register_buffer("m", blocks.m if storage == Q4 else None, persistent=False)
             if block_gemm_module() is not None and want("block_gemm"):
                 names.append("block_gemm")
-            if want("copy_mkl") or want("copy_onednn"):
-                self.register_buffer("w", blk.dequantize(blocks).to(act_dtype).contiguous(),
-                                     persistent=False)
-                if want("copy_mkl"):
-                    names.append("copy_mkl")
-                if onednn_available() and want("copy_onednn"):
-                    try:
-                        packed = torch.ops.mkldnn._reorder_linear_weight(self.w, ROWS_HINT)
-                        self.register_buffer("packed", packed, persistent=False)
-                        names.append("copy_onednn")
-                    except RuntimeError as e:
-                        log.info("oneDNN linear unavailable", dtype=str(act_dtype),
-                                 reason=str(e))
-                if not want("copy_mkl"):
-                    self.w = None   # only the packed form is used
+            names += self._copies(lambda: blk.dequantize(blocks), act_dtype, want)
         elif storage == INT8:
             q, scale = quantize_int8(weight)
             self.register_buffer("q", q, persistent=False)
@@ -242,8 +228,7 @@ class KernelSet(nn.Module):
             if has_int8_weight_op() and want("int8pack_bf16") and act_dtype == torch.bfloat16:
                 self.register_buffer("scale16", scale.to(torch.bfloat16), persistent=False)
                 names.append("int8pack_bf16")
-            if want("dequant_mkl"):
-                names.append("dequant_mkl")
+            names += self._copies(lambda: q.float() * scale[:, None], act_dtype, want)
         else:
             self.register_buffer("w", weight.detach().to(act_dtype).contiguous(),
                                  persistent=False)
@@ -259,6 +244,27 @@ class KernelSet(nn.Module):
             if gemm is not None and want("small_gemm"):
                 names.append("small_gemm")
         self.names = tuple(names)
+
+    def _copies(self, dequantized, act_dtype: torch.dtype, want) -> list[str]:
+        """A dequantized copy of a quantized weight, kept once (plain, and packed for oneDNN)
+        for the prefill-sized calls where a dense matmul on it measures faster than the
+        quantized kernel: never a dequantization per call."""
+        if not (want("copy_mkl") or want("copy_onednn")):
+            return []
+        names = []
+        self.register_buffer("w", dequantized().to(act_dtype).contiguous(), persistent=False)
+        if want("copy_mkl"):
+            names.append("copy_mkl")
+        if onednn_available() and want("copy_onednn"):
+            try:
+                packed = torch.ops.mkldnn._reorder_linear_weight(self.w, ROWS_HINT)
+                self.register_buffer("packed", packed, persistent=False)
+                names.append("copy_onednn")
+            except RuntimeError as e:
+                log.info("oneDNN linear unavailable", dtype=str(act_dtype), reason=str(e))
+        if not want("copy_mkl"):
+            self.w = None   # only the packed form is used
+        return names
 
     def run(self, name: str, x: torch.Tensor) -> torch.Tensor:
         b = self.bias
@@ -281,8 +287,6 @@ class KernelSet(nn.Module):
             y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.q,
                                                    self.scale16).to(x.dtype)
             return y if b is None else y + b
-        if name == "dequant_mkl":     # large batches: widen once per call, then a dense matmul
-            return F.linear(x, self.q.to(x.dtype) * self.scale[:, None].to(x.dtype), b)
         raise ValueError(f"unknown CPU matmul kernel {name!r}")
 
 
@@ -341,7 +345,7 @@ def _available(name: str) -> bool:
         return onednn_available()
     if name == "int8pack_bf16":
         return has_int8_weight_op()
-    return name in ("mkl", "dequant_mkl", "copy_mkl")
+    return name in ("mkl", "copy_mkl")
 
 
 def plan_cache_key(weights: list[tuple[torch.Tensor, torch.Tensor | None]], storage: str,
@@ -403,6 +407,8 @@ def plan(weights: list[tuple[torch.Tensor, torch.Tensor | None]], storage: str,
     cands = [KernelSet(w, b, storage, act_dtype, blocks=bl, excluded=excluded)
              for (w, b), bl in zip(weights, blocks)]
     names = [n for n in cands[0].names if all(n in c.names for c in cands)]
+    if not names and excluded:   # no quantized kernel built here: a copy is all there is
+        return plan(weights, storage, act_dtype, rows, blocks)
     timings: dict[int, dict[str, float]] = {}
     best: list[str] = []
     with torch.inference_mode():

@@ -386,10 +386,10 @@ class LlamaForCausalLM(nn.Module):
         return chosen
 
     def _copy_kernels_excluded(self, storage: str) -> frozenset:
-        """q4/q8 may keep a dequantized copy for prefill-sized calls, where memory allows:
-        the copies (in the activation dtype) must fit in half of the memory available now;
-        otherwise every row count runs the block kernel."""
-        if storage not in cpu_linear.BLOCK_STORAGES:
+        """int8/q4/q8 may keep a dequantized copy for prefill-sized calls, where memory
+        allows: the copies (in the activation dtype) must fit in half of the memory
+        available now; otherwise every row count runs the quantized kernel."""
+        if storage not in (*cpu_linear.BLOCK_STORAGES, cpu_linear.INT8):
             return frozenset()
         import os
 
@@ -403,7 +403,7 @@ class LlamaForCausalLM(nn.Module):
             available = 0
         if copy_bytes <= available // 2:
             return frozenset()
-        cpu_linear.log.info("q4/q8: no dequantized copies for prefill (memory)",
+        cpu_linear.log.info(f"{storage}: no dequantized copies for prefill (memory)",
                             copy_mb=copy_bytes >> 20, available_mb=available >> 20)
         return frozenset(cpu_linear.COPY_KERNELS)
 

@@ -64,3 +64,17 @@ def test_bad_speculative_value_is_a_400_naming_the_field(spec_server, model_name
     assert status == 400
     assert body["error"]["param"] == "speculative"
     assert "auto, on, off" in body["error"]["message"]
+
+
+def test_speculative_on_without_a_proposer_is_a_400_naming_the_fix(server, model_name):
+    """speculative.method = "off" (the default): asking for "on" is refused, not ignored;
+    "auto" (the default) and "off" are served."""
+    status, body = post(server, "/v1/completions", dict(
+        model=model_name, prompt="w5 w6", max_tokens=2, speculative="on"))
+    assert status == 400, body
+    assert body["error"]["param"] == "speculative"
+    assert "speculative.method=ngram" in body["error"]["message"]
+    for value in ("auto", "off"):
+        status, body = post(server, "/v1/completions", dict(
+            model=model_name, prompt="w5 w6", max_tokens=2, speculative=value))
+        assert status == 200, body

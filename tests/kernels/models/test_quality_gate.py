@@ -99,7 +99,7 @@ def test_verdict_is_remembered_per_weights(tiny_dir, tmp_path, monkeypatch):
     # The verdict is keyed by the kernels chosen; pin them (timings on a loaded machine
     # could choose others for the second load, which is then rightly measured anew).
     from tokenloom.kernels.cpu import linear as cpu_linear
-    pinned = cpu_linear.Plan(((1 << 30, "dequant_mkl"),), {})
+    pinned = cpu_linear.Plan(((1 << 30, "copy_mkl"),), {})
     monkeypatch.setattr(cpu_linear, "cached_plan", lambda *a, **k: pinned)
     first = weights.apply_weight_dtype(_load(tiny_dir), tiny_dir, cfg, torch.float32,
                                        torch.device("cpu"), _fake_tokenizer(), "d2", tmp_path)
