@@ -119,6 +119,15 @@ def dequantize(b: Blocks) -> torch.Tensor:
     return w.reshape(b.shape[0], -1)
 
 
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """What the block kernels multiply by: each row of x in int8 blocks of 32 with scale
+    max|x| / 127, returned dequantized (fp32), for references in tests."""
+    g = _grouped(x)
+    amax = g.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return (torch.round(g * inv) * (amax / 127)).reshape(x.shape)
+
+
 def concat(parts: list[Blocks]) -> Blocks:
     """Row-wise concatenation (a fused QKV or gate/up projection), exact."""
     if all(isinstance(p, Q4Blocks) for p in parts):

@@ -63,14 +63,19 @@ def test_kernel_equals_the_dequantized_matmul(fmt, rows, act):
     b = blk.quantize_q4(w) if fmt == "q4" else blk.quantize_q8(w)
     bias = torch.randn(n)
     x = torch.randn(rows, k).to(act)
-    ref = x.float() @ blk.dequantize(b).T + bias
+    # The kernels quantize activations to int8 blocks (as llama.cpp does for Q4_1 / Q8_0).
+    ref = blk.quantize_activations(x.float()) @ blk.dequantize(b).T + bias
     if fmt == "q4":
         y = torch.ops.tokenloom.q4_gemm(x, b.qs, b.d, b.m, bias.to(act))
     else:
         y = torch.ops.tokenloom.q8_gemm(x, b.qs, b.d, bias.to(act))
     assert y.dtype == act and y.shape == (rows, n)
-    tol = 1e-4 if act == torch.float32 else 2e-2
-    assert torch.allclose(y.float(), ref, atol=tol * 10, rtol=tol)
+    # (A tie in the activations' rounding may go the other way: one code step of one x.)
+    tol = 1e-3 if act == torch.float32 else 2e-2
+    assert torch.allclose(y.float(), ref, atol=tol * ref.abs().max(), rtol=tol), \
+        (y.float() - ref).abs().max()
+    exact = x.float() @ blk.dequantize(b).T + bias     # and close to the unquantized product
+    assert (y.float() - exact).abs().max() <= 0.02 * exact.abs().max()
 
 
 @needs_kernel
@@ -98,8 +103,9 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("mode", ["q4", "q8"])
 def test_block_model_computes_with_exactly_its_blocks(tiny_dir, mode):
-    """A q4 (q8) model's logits equal those of an fp32 model whose weights are its blocks
-    dequantized: whatever kernel each row count runs, only the summation order differs."""
+    """A q4 (q8) model's logits are close to those of an fp32 model whose weights are its
+    blocks dequantized (the block kernel rounds activations to int8 blocks, the copies do
+    not), and its greedy tokens are the same."""
     ids = [(5 * i + 3) % (VOCAB - 3) + 3 for i in range(40)]
     quant, _ = load_model(tiny_dir, torch.float32, torch.device("cpu"), 256)
     quant.specialize_cpu(mode)
@@ -121,7 +127,7 @@ def test_block_model_computes_with_exactly_its_blocks(tiny_dir, mode):
     with torch.inference_mode():
         a = quality_gate.teacher_forced_logits(ref, ids).float()    # prefill-sized calls
         b = quality_gate.teacher_forced_logits(quant, ids).float()
-        assert torch.allclose(a, b, atol=1e-3, rtol=1e-3), (a - b).abs().max()
+        assert (a - b).abs().max() <= 0.02 * a.abs().max(), (a - b).abs().max()
         greedy = [quality_gate.greedy_continuation(m, ids[:8], 12) for m in (ref, quant)]
     assert greedy[0] == greedy[1]                                   # one-row calls
 
@@ -141,9 +147,12 @@ def test_every_block_candidate_matches_the_dequantized_weight(storage, act):
     for rows in (1, 6, 40):
         x = torch.randn(rows, 96).to(act)
         ref = torch.nn.functional.linear(x.float(), deq.to(act).float(), b.to(act).float())
+        qref = torch.nn.functional.linear(blk.quantize_activations(x.float()),
+                                          deq.to(act).float(), b.to(act).float())
         with torch.inference_mode():
             for name in kernels.names:
-                torch.testing.assert_close(kernels.run(name, x).float(), ref, rtol=tol,
+                expected = qref if name == "block_gemm" else ref
+                torch.testing.assert_close(kernels.run(name, x).float(), expected, rtol=tol,
                                            atol=tol, msg=name)
 
 
