@@ -45,31 +45,26 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("tokenloom.graphs")
 
-_fakes_registered = False
+_fakes_registered: set[str] = set()
 _engine_ids = itertools.count()
 
 
 def register_shape_functions() -> None:
     """Tell the compiler the output shapes of the C++ ops (kernels/cpu/csrc): it traces with
-    fake tensors and never runs them. Needs the kernels loaded (they define the ops)."""
-    global _fakes_registered
-    if _fakes_registered:
-        return
+    fake tensors and never runs them. Needs the kernels loaded (they define the ops); an op
+    loaded later is registered at the next call."""
+    def register(name: str, fn) -> None:
+        if name not in _fakes_registered and hasattr(torch.ops.tokenloom, name):
+            torch.library.register_fake(f"tokenloom::{name}")(fn)
+            _fakes_registered.add(name)
 
-    @torch.library.register_fake("tokenloom::paged_decode_cpu")
-    def _paged_decode(q, key_cache, value_cache, block_tables, context_lens, scale):
-        return torch.empty_like(q, memory_format=torch.contiguous_format)
-
-    @torch.library.register_fake("tokenloom::store_kv_cpu")
-    def _store_kv(key, value, key_cache, value_cache, slots):
-        return None
-
-    if hasattr(torch.ops.tokenloom, "small_gemm"):
-        @torch.library.register_fake("tokenloom::small_gemm")
-        def _small_gemm(x, w, scale, bias):
-            return x.new_empty((x.shape[0], w.shape[0]))
-
-    _fakes_registered = True
+    register("paged_decode_cpu", lambda q, key_cache, value_cache, block_tables, context_lens,
+             scale: torch.empty_like(q, memory_format=torch.contiguous_format))
+    register("store_kv_cpu", lambda key, value, key_cache, value_cache, slots: None)
+    register("small_gemm", lambda x, w, scale, bias: x.new_empty((x.shape[0], w.shape[0])))
+    # q4/q8 block kernels
+    register("q4_gemm", lambda x, qs, d, m, bias: x.new_empty((x.shape[0], qs.shape[0])))
+    register("q8_gemm", lambda x, qs, d, bias: x.new_empty((x.shape[0], qs.shape[0])))
 
 
 def paged_decode_op(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

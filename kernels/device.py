@@ -58,6 +58,10 @@ def select_decode_backend(model, wanted: str, device: torch.device,
         log_cpu_features(model.embed_tokens.weight.dtype)
     if wanted == "torch" or (wanted == "auto" and device.type != "cpu"):
         return "torch"
+    if device.type == "cpu":
+        from tokenloom.kernels.cpu import layer_ops
+        if layer_ops.install(model):   # fp32: residual add + RMSNorm and SiLU*mul in C++
+            startup_log.info("CPU layer ops: C++ residual add + RMSNorm and SiLU*mul")
     if device.type != "cpu":
         raise ConfigError("config error: model.attention_backend 'cpu_kernel' needs "
                           "model.device cpu")
