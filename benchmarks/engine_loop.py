@@ -212,7 +212,7 @@ def tokenloom_levels(args, overlap: bool, plan, prompts_by_level, host_prompts,
 
 
 def llama_levels(args, plan, prompts_by_level, check_prompt, logdir: Path) -> dict:
-    res: dict = {"levels": {}}
+    res: dict = {"levels": {}, "kind": gguf_kind(args.gguf)}
     for (c, _n), prompts in zip(plan, prompts_by_level):
         slots = max(c, 1)
         ctx = max(slots * args.llama_ctx_per_slot, 1024)
@@ -226,7 +226,8 @@ def llama_levels(args, plan, prompts_by_level, check_prompt, logdir: Path) -> di
             warm_up(url, name, random.Random(args.seed + 100 + c), c, PeerStream)
             s = load(url, name, prompts, args.output_len, c, args.seed, PeerStream)
             res["levels"][c] = s
-            print_table(f"llama-server F32, concurrency {c} (-np {slots} -c {ctx})", s)
+            print_table(f"llama-server {gguf_kind(args.gguf)}, concurrency {c} "
+                        f"(-np {slots} -c {ctx})", s)
         finally:
             server.stop()
     return res
@@ -320,6 +321,12 @@ def _as_text(args, prompts_by_level, host_prompts, check_prompt):
             {c: [dec(p) for p in ps] for c, ps in host_prompts.items()}, dec(check_prompt))
 
 
+def gguf_kind(path) -> str:
+    """The weight type a GGUF's file name states (SmolLM2-135M-Instruct.Q4_1.gguf -> Q4_1)."""
+    parts = Path(path).name.split(".")
+    return parts[-2] if len(parts) >= 3 else "GGUF"
+
+
 def _print_b(res: dict, plan, peer: bool) -> None:
     print(f"\n(b) default model{'':<12}{'req':>5}{'tok/s':>9}{'ITL p50':>9}{'ITL p99':>9}"
           f"{'TTFT p50':>10}   (ms)")
@@ -327,7 +334,8 @@ def _print_b(res: dict, plan, peer: bool) -> None:
         rows = [("tokenloom overlap on", res["on"]["levels"][c]),
                 ("tokenloom overlap off", res["off"]["levels"][c])]
         if peer:
-            rows.append(("llama.cpp F32", res["llama"]["levels"][c]))
+            rows.append((f"llama.cpp {res['llama'].get('kind', 'F32')}",
+                         res["llama"]["levels"][c]))
         for label, s in rows:
             print(f"c={c:<3} {label:<23}{s['requests']:>5}{_f(s['output_tokens_per_s'], 9, 0)}"
                   f"{_f(s['itl_ms']['p50'], 9)}{_f(s['itl_ms']['p99'], 9)}"
