@@ -2,7 +2,10 @@
 on a held-out text, and whether that is within the stated limits.
 
 Measured teacher-forced over the text (every position predicts the next token from the true
-prefix, so one early flip does not cascade):
+prefix, so one early flip does not cascade), once as one prefill and, over the last
+DECODE_POSITIONS positions, once as one-token decode steps: a step's kernels depend on its
+row count (a decode row may run a quantized kernel where a prefill runs a dequantized copy,
+kernels/cpu/linear.py), and both must be measured:
 - greedy agreement: the fraction of positions whose argmax token equals fp32's;
 - per-token divergence: KL(fp32 || quantized) of the next-token distributions, in nats,
   its mean and 99th percentile over positions;
@@ -30,6 +33,7 @@ from tokenloom.kernels.kv_store import KVCache
 MIN_AGREEMENT = 0.93
 MAX_MEAN_KL = 0.02
 GREEDY_TOKENS = 32
+DECODE_POSITIONS = 48
 BLOCK = 16
 
 # Written for this gate (held out from any training set we know of); ~250 tokens of plain
@@ -98,6 +102,29 @@ def teacher_forced_logits(model, ids: list[int]) -> torch.Tensor:
     return model(x, torch.arange(n, device=device), kv, meta, torch.arange(n, device=device))
 
 
+def decode_forced_logits(model, ids: list[int], start: int) -> torch.Tensor:
+    """[len(ids) - start, vocab] fp32 logits, position i (>= start) predicting i+1, each
+    computed by a one-token decode step after a prefill of ids[:start]."""
+    kv, table = _kv_for(model, len(ids))
+    device = table.device
+    meta = AttentionMetadata(slot_mapping=torch.arange(start, device=device), num_decodes=0,
+                             decode_block_tables=torch.zeros(0, 1, dtype=torch.int64,
+                                                             device=device),
+                             decode_context_lens=torch.zeros(0, dtype=torch.int64, device=device),
+                             decode_max_context=0, prefills=[PrefillSegment(0, start, 0, table)])
+    model(torch.tensor(ids[:start], device=device), torch.arange(start, device=device), kv, meta,
+          torch.tensor([start - 1], device=device))
+    rows = []
+    for pos in range(start, len(ids)):
+        p = torch.tensor([pos], device=device)
+        meta = AttentionMetadata(slot_mapping=p, num_decodes=1, decode_block_tables=table[None],
+                                 decode_context_lens=p + 1, decode_max_context=pos + 1,
+                                 prefills=[])
+        rows.append(model(torch.tensor(ids[pos:pos + 1], device=device), p, kv, meta,
+                          torch.zeros(1, dtype=torch.int64, device=device)))
+    return torch.cat(rows)
+
+
 def greedy_continuation(model, prompt: list[int], steps: int) -> list[int]:
     """`steps` greedy tokens after `prompt` (prefill, then one decode step per token)."""
     kv, table = _kv_for(model, len(prompt) + steps)
@@ -127,15 +154,20 @@ def measure(reference, candidate, ids: list[int], mode: str,
     """Compare `candidate` (the quantized model) with `reference` (fp32) on token ids."""
     if len(ids) < 2:
         raise ValueError("the quality gate needs at least 2 tokens of text")
+    start = max(1, len(ids) - DECODE_POSITIONS)
     with torch.inference_mode():
-        ref = torch.log_softmax(teacher_forced_logits(reference, ids).float(), -1)
-        got = torch.log_softmax(teacher_forced_logits(candidate, ids).float(), -1)
+        ref = torch.log_softmax(torch.cat([teacher_forced_logits(reference, ids).float(),
+                                           decode_forced_logits(reference, ids, start).float()]),
+                                -1)
+        got = torch.log_softmax(torch.cat([teacher_forced_logits(candidate, ids).float(),
+                                           decode_forced_logits(candidate, ids, start).float()]),
+                                -1)
         agreement = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
         kl = (ref.exp() * (ref - got)).sum(-1).clamp_min(0)          # [positions]
         prompt = ids[: max(1, len(ids) // 4)]
         a = greedy_continuation(reference, prompt, greedy_tokens)
         b = greedy_continuation(candidate, prompt, greedy_tokens)
     match = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), greedy_tokens)
-    return GateResult(mode=mode, positions=len(ids), agreement=agreement,
+    return GateResult(mode=mode, positions=ref.shape[0], agreement=agreement,
                       mean_kl=kl.mean().item(), p99_kl=torch.quantile(kl, 0.99).item(),
                       greedy_match=match, greedy_tokens=greedy_tokens)

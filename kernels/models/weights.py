@@ -42,7 +42,8 @@ def held_out_ids(tokenizer, vocab_size: int, max_tokens: int = GATE_TOKENS) -> l
 
 
 def _gate_key(digest: str, cfg: ModelConfig, dtype: torch.dtype, chosen: dict) -> str:
-    return "|".join([digest, cfg.weight_dtype, str(dtype), torch.__version__,
+    # "gate2": the gate measures decode steps too (older verdicts did not).
+    return "|".join(["gate2", digest, cfg.weight_dtype, str(dtype), torch.__version__,
                      detect().summary(), chosen.get("layers", ""), chosen.get("head", "")])
 
 
