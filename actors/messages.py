@@ -687,12 +687,15 @@ class RehomeRequest(_Msg):
 class HandoffMeasured(_Msg):
     """What a finished request measured for the disaggregation cost model: `worker`
     prefilled `prefill_tokens` in `prefill_seconds`; a decode worker restored
-    `transfer_bytes` from the handoff tier in `transfer_seconds` (0: none)."""
+    `transfer_bytes` from the handoff tier in `transfer_seconds` (0: none); it decoded
+    `decode_tokens` tokens after its first in `decode_seconds`."""
     worker: int
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
     transfer_bytes: int = 0
     transfer_seconds: float = 0.0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
 
 
 class WorkerKVEvents(_Msg):

@@ -506,8 +506,10 @@ class WorkersConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
     # Disaggregated serving (docs/disaggregation.md): the first `prefill` workers prefill
     # the prompts handed off to the others ("decode" workers). 0 = no handoffs.
     prefill: Annotated[int, msgspec.Meta(ge=0, le=63)] = 0
-    # Per request: "cost" chooses by predicted cost between the whole request on its best
-    # worker (any role) and a prefill on a prefill worker handed off to a decode worker;
+    # Per request: "cost" places prompts shorter than min_remote_prefill_tokens on decode
+    # workers and chooses for longer ones by predicted cost between the whole request on
+    # its best worker (any role) and a prefill on a prefill worker handed off to a decode
+    # worker;
     # "always" hands off every prompt of at least min_remote_prefill_tokens uncached tokens
     # (prefill workers do nothing else); "never" serves whole requests on every worker.
     disaggregation: Literal["cost", "always", "never"] = "cost"

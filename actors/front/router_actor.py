@@ -185,10 +185,17 @@ class WorkerRouterActor(Actor):
         among = None
         if self.disagg is not None:
             # Whole requests: on any worker (a prefill worker too, when that is cheapest),
-            # except with "always", where prefill workers only prefill.
+            # except with "always", where prefill workers only prefill, and prompts too
+            # short to hand off, which go to the decode workers while one is up (see
+            # actors/front/disaggregation.py: placement follows the roles).
             d = self.disagg
-            pool = d.decode_workers if d.mode == "always" else range(self.core.num_workers)
-            among = [w for w in pool if w != exclude]
+            short = len(msg.prompt_token_ids) < d.min_remote_tokens
+            decoders = [w for w in d.decode_workers if w != exclude]
+            if d.mode == "always" or (d.mode == "cost" and short and any(
+                    self.core.loads[w].up for w in decoders)):
+                among = decoders
+            else:
+                among = [w for w in range(self.core.num_workers) if w != exclude]
         if leader is not None and self.core.loads[leader.worker].up:
             w = leader.worker
             decision = RouteDecision(w, self.core.policy, "sibling", len(hashes),
@@ -242,9 +249,14 @@ class WorkerRouterActor(Actor):
             return disaggregation.Side(r.worker, n - r.expected_hit_blocks * bs,
                                        load.queued_prefill_blocks * bs, load.decoding)
 
+        local = side(decision)
+        if eligible and local.uncached_tokens >= d.min_remote_tokens:
+            d.rates.observe_arrival(local.uncached_tokens, now)   # part of the forecast
+        duty = d.prefill_duty(now) if decision.worker in d.prefill_workers else 0.0
         choice = disaggregation.choose(d.mode, n, bs, d.kv_bytes_per_token, side(dd), side(pd),
                                        d.rates, d.min_remote_tokens, eligible,
-                                       local=side(decision))
+                                       local=local, decode_tokens=sp.max_tokens,
+                                       local_duty=duty)
         d.count(choice)
         if not choice.remote:
             return dataclasses.replace(decision, handoff=choice.as_dict())
@@ -269,7 +281,8 @@ class WorkerRouterActor(Actor):
                             expected_hit_blocks=list(c.expected_hit_blocks),
                             num_rejected=self.num_rejected,
                             roles=self.disagg.roles(c.num_workers) if self.disagg else None,
-                            disaggregation=self.disagg.stats() if self.disagg else None)
+                            disaggregation=(self.disagg.stats(self.clock()) if self.disagg
+                                            else None))
 
     async def run(self) -> None:
         while True:
@@ -287,6 +300,7 @@ class WorkerRouterActor(Actor):
                     rates = self.disagg.rates
                     rates.observe_prefill(msg.worker, msg.prefill_tokens, msg.prefill_seconds)
                     rates.observe_transfer(msg.transfer_bytes, msg.transfer_seconds)
+                    rates.observe_decode(msg.decode_tokens, msg.decode_seconds)
                 case RequestStarted(request_id=rid):
                     r = self._requests.get(rid)
                     if r is not None and not r.started:

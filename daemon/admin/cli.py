@@ -283,8 +283,9 @@ def _disaggregation_row(d: dict) -> str:
     return (f"mode {d['mode']}; decisions: {decisions or 'none'}; handoffs in flight "
             f"{h.get('in_flight', 0)} ({h.get('leased_blocks', 0)} blocks leased), "
             f"{h.get('bytes_transferred', 0) / 1e6:.1f} MB moved; outcomes: {outcomes or 'none'}; "
-            f"prefill ms/token {d.get('prefill_ms_per_token')}, transfer "
-            f"{d.get('transfer_mb_s')} MB/s")
+            f"prefill ms/token {d.get('prefill_ms_per_token')}, decode ms/token "
+            f"{d.get('decode_ms_per_token')}, transfer {d.get('transfer_mb_s')} MB/s, "
+            f"prefill duty forecast {d.get('prefill_duty_forecast')}")
 
 
 def _struct_rows(prefix: str, obj) -> list[tuple[str, object]]:

@@ -76,12 +76,19 @@ LEASE_CHECK_SECONDS = 0.25   # how often expired handoff leases and stray files 
 # (the prefill worker copies them out after the step and writes them on a thread): the
 # decode half waits for them this long at most, then recomputes what is missing.
 HANDOFF_WAIT_SECONDS = 2.0
+# Tokens after the first over which a request's decode rate is sampled early (a few steps:
+# enough to average out one slow step, few enough to be there for a burst's first choices).
+EARLY_DECODE_TOKENS = 3
 
 
 @dataclasses.dataclass
 class _Route:
     worker: int
     started: bool = False
+    # Disaggregation's decode rate, measured early (see _early_decode_sample): when the
+    # first token arrived and how many have arrived since (None: measured or not needed).
+    first_token_at: float | None = None
+    tokens: int = 0
 
 
 class WorkerPool(EngineFront):
@@ -338,8 +345,13 @@ class WorkerPool(EngineFront):
             if not route.started and out.new_token_ids:
                 route.started = True
                 self.router.send(RequestStarted(request_id=rid))
-                if self.handoffs is not None and rid in self.handoffs:
-                    self.handoffs.close(rid, "claimed")   # its restore is over
+                if self.handoffs is not None:
+                    route.first_token_at = time.monotonic()
+                    route.tokens = len(out.new_token_ids)
+                    if rid in self.handoffs:
+                        self.handoffs.close(rid, "claimed")   # its restore is over
+            elif route.first_token_at is not None and out.new_token_ids:
+                self._early_decode_sample(route, len(out.new_token_ids))
             if out.finished:
                 del self._routes[rid]
                 self.router.send(RequestFinished(request_id=rid))
@@ -443,6 +455,17 @@ class WorkerPool(EngineFront):
         self.router.send(RehomeRequest(request=h.request, exclude=dead))
         return True
 
+    def _early_decode_sample(self, route: _Route, new_tokens: int) -> None:
+        """The cost model's decode rate, from a request's first EARLY_DECODE_TOKENS tokens
+        (once per request): a finished request would measure it only after its whole
+        output, while the first long prompts of a burst already need it."""
+        route.tokens += new_tokens
+        if route.tokens > EARLY_DECODE_TOKENS:
+            self.router.send(HandoffMeasured(
+                worker=route.worker, decode_tokens=route.tokens - 1,
+                decode_seconds=time.monotonic() - route.first_token_at))
+            route.first_token_at = None
+
     def _measure(self, worker: int, out: RequestOutput) -> None:
         """Feed the disaggregation cost model from a finished request's timings."""
         t = out.timings
@@ -457,7 +480,10 @@ class WorkerPool(EngineFront):
             worker=worker, prefill_tokens=max(0, tokens),
             prefill_seconds=t.first_token - t.first_scheduled,
             transfer_bytes=peer * self.info.kv_bytes_per_token if fetch_ms else 0,
-            transfer_seconds=fetch_ms / 1e3))
+            transfer_seconds=fetch_ms / 1e3,
+            decode_tokens=max(0, len(t.token_times) - 1),
+            decode_seconds=(t.token_times[-1] - t.token_times[0]
+                            if len(t.token_times) > 1 else 0.0)))
 
     async def _keep_leases(self) -> None:
         """Expire leases that were never claimed; delete files no lease covers."""

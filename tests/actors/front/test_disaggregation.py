@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tokenloom.actors.front.disaggregation import (
+    ARRIVAL_WINDOW_S,
     EWMA,
     Choice,
     Rates,
@@ -179,3 +180,62 @@ def test_an_idle_worker_of_any_role_takes_the_whole_request():
     loaded_prefill = Side(worker=0, uncached_tokens=1024, queued_tokens=0, decoding=4)
     c = choose("cost", 1024, 16, 1000, busy_decode, loaded_prefill, r, 256)
     assert c.remote_s > on_decode.remote_s + 4 * 1024 * 1e-3 - 1e-9
+
+
+def test_observe_decode_needs_two_tokens_and_moves_the_ewma():
+    r = rates()
+    r.observe_decode(1, 1.0)
+    r.observe_decode(10, 0.0)
+    assert r.decode_s_per_token is None and r.num_decode_samples == 0
+    r.observe_decode(10, 1.0)                     # the first measurement is taken as is
+    assert r.decode_s_per_token == pytest.approx(0.1)
+    r.observe_decode(10, 2.0)
+    assert r.decode_s_per_token == pytest.approx(0.1 + EWMA * 0.1)
+    assert r.num_decode_samples == 2
+
+
+def test_arrival_rate_is_the_window_and_forgets_old_prompts():
+    r = rates()
+    assert r.prefill_token_rate(0.0) == 0.0
+    r.observe_arrival(1500, 1.0)
+    assert r.prefill_token_rate(1.0) == pytest.approx(1500 / ARRIVAL_WINDOW_S)
+    r.observe_arrival(1500, 9.0)
+    assert r.prefill_token_rate(9.0) == pytest.approx(3000 / ARRIVAL_WINDOW_S)
+    assert r.prefill_token_rate(1.0 + ARRIVAL_WINDOW_S + 1) == pytest.approx(
+        1500 / ARRIVAL_WINDOW_S)                    # the first one is forgotten
+    assert r.prefill_token_rate(100.0) == 0.0 and not r.arrivals
+
+
+def test_prefill_duty_spreads_over_prefill_workers_and_saturates():
+    s = Settings(mode="cost", prefill_workers=[0, 1], decode_workers=[2],
+                 min_remote_tokens=256, kv_bytes_per_token=KV_BYTES,
+                 rates=Rates([4e-3, 4e-3, 1.0], 1e9))
+    assert s.prefill_duty(0.0) == 0.0
+    s.rates.observe_arrival(2000, 0.0)
+    s.rates.observe_arrival(2000, 10.0)          # 200 tokens/s, 0.8 s of prefill a second
+    assert s.prefill_duty(10.0) == pytest.approx(4000 / ARRIVAL_WINDOW_S * 4e-3 / 2)
+    s.rates.observe_arrival(10_000, 10.0)
+    assert s.prefill_duty(10.0) == 1.0
+    assert s.stats(10.0)["prefill_duty_forecast"] == 1.0
+    assert Settings("cost", [], [0], 256, KV_BYTES, rates()).prefill_duty(10.0) == 0.0
+
+
+def test_forecast_prefills_on_a_prefill_worker_send_the_decode_away():
+    """An idle prefill worker takes the whole request while nothing forecasts prefills
+    there; once long prompts arrive steadily, the request's decode would wait through them
+    (predicted decode time * duty), and the handoff wins."""
+    r = rates()
+    decode = Side(worker=1, uncached_tokens=1024, queued_tokens=0, decoding=4)
+    prefill = Side(worker=0, uncached_tokens=1024, queued_tokens=0, decoding=0)
+    unknown = choose("cost", 1024, 16, 1000, decode, prefill, r, 256, local=prefill,
+                     decode_tokens=16, local_duty=1.0)
+    assert not unknown.remote and unknown.forecast_interference_s == 0.0   # no ITL yet
+    r.observe_decode(10, 1.0)                     # 100 ms a token
+    calm = choose("cost", 1024, 16, 1000, decode, prefill, r, 256, local=prefill,
+                  decode_tokens=16, local_duty=0.0)
+    assert not calm.remote
+    busy = choose("cost", 1024, 16, 1000, decode, prefill, r, 256, local=prefill,
+                  decode_tokens=16, local_duty=0.5)
+    assert busy.forecast_interference_s == pytest.approx(16 * 0.1 * 0.5)
+    assert busy.local_s == pytest.approx(calm.local_s + 0.8)
+    assert busy.remote and busy.as_dict()["forecast_interference_ms"] == pytest.approx(800)

@@ -87,3 +87,38 @@ def test_routes_by_events_follows_siblings_and_aborts():
         assert emitted[-1].finished and "no engine worker is up" in emitted[-1].error
 
     asyncio.run(scenario())
+
+
+def test_cost_mode_places_short_prompts_on_decode_workers_first():
+    """Placement follows the roles: a prompt too short to hand off decodes on a decode
+    worker even when the prefill worker is idler, and on the prefill worker only when no
+    decode worker is up."""
+    from tokenloom.actors.front.disaggregation import Rates, Settings
+
+    async def scenario():
+        sent = []
+        disagg = Settings(mode="cost", prefill_workers=[0], decode_workers=[1],
+                          min_remote_tokens=64, kv_bytes_per_token=1000,
+                          rates=Rates([1e-3, 1e-3], 1e9))
+        router = WorkerRouterActor(RoutingCore(2), lambda w, m, d: sent.append((w, m, d)),
+                                   lambda out: None, FP, BS, prefix_caching=True,
+                                   disagg=disagg)
+        task = asyncio.create_task(router.run())
+        for w in (0, 1):
+            router.send(WorkerUp(worker=w))
+        for i in range(3):          # worker 1 gets busier with each, worker 0 stays idle
+            router.send(add(f"s{i}", prompt=list(range(100 + 20 * i, 120 + 20 * i))))
+        router.send(WorkerDown(worker=1))
+        router.send(add("alone", prompt=list(range(500, 520))))
+        stats_q = GetRoutingStats(reply=asyncio.get_running_loop().create_future())
+        router.send(stats_q)
+        stats = await stats_q.reply
+        router.send(Shutdown())
+        await task
+        assert [w for w, _, _ in sent] == [1, 1, 1, 0]
+        assert [d.handoff["reason"] for _, _, d in sent] == ["short_prompt"] * 3 + [
+            "no_decode_worker"]
+        assert stats.disaggregation["decisions"] == {"local:short_prompt": 3,
+                                                     "local:no_decode_worker": 1}
+
+    asyncio.run(scenario())

@@ -117,6 +117,11 @@ def test_roles_in_health_ready_admin_and_metrics(cluster):
     assert status == 200 and ready["roles_up"] == {"decode": 2, "prefill": 1}, ready
     stats = admin_command(cluster.admin, {"cmd": "stats"})
     assert [w["role"] for w in stats["workers"]] == ["prefill", "decode", "decode"]
+    # The cost model's rates: a decode rate from the requests' token times (sampled after
+    # a few tokens and again when each ends) and the arrivals behind the duty forecast.
+    d = stats["disaggregation"]
+    assert d["decode_samples"] >= 8 and d["decode_ms_per_token"] > 0, d
+    assert 0 <= d["prefill_duty_forecast"] <= 1, d
     text = metrics(cluster)
     assert 'tokenloom:disaggregation_decisions_total{' in text
     assert "tokenloom:handoff_transfer_seconds_bucket" in text
