@@ -121,9 +121,70 @@ async def _uniform(url, model, args, rng) -> dict:
 
 
 def serve_part(args) -> dict:
-    out = {}
+    """Every chosen set-up once per round, --repeats rounds (interleaved, so a slow spell
+    of the machine hits every set-up alike); a set-up's figures are the medians over its
+    runs, with each run kept under "runs" and the spread (max / min) of each figure."""
     chosen = args.setups.split(",") if args.setups else [k for k in SETUPS
                                                          if k != "colocated_floor64"]
+    runs: dict[str, list[dict]] = {}
+    for r in range(args.repeats):
+        for name, row in _serve_round(args, chosen).items():
+            runs.setdefault(name, []).append(row)
+            if args.repeats > 1:
+                print(f"  round {r + 1}/{args.repeats} done: {name}", flush=True)
+    out = {}
+    for name, rows in runs.items():
+        out[name] = rows[0] if len(rows) == 1 else {**_median_row(rows), "runs": rows,
+                                                    "spread": _spread_row(rows)}
+    return out
+
+
+def _leaves(row: dict, prefix=()):
+    for k, v in row.items():
+        if k in ("runs", "spread", "handoffs", "decisions"):
+            continue
+        if isinstance(v, dict):
+            yield from _leaves(v, (*prefix, k))
+        elif isinstance(v, (int, float)) and v is not None:
+            yield (*prefix, k), v
+
+
+def _put(row: dict, path: tuple, value) -> None:
+    for k in path[:-1]:
+        row = row.setdefault(k, {})
+    row[path[-1]] = value
+
+
+def _median_row(rows: list[dict]) -> dict:
+    out: dict = {}
+    for path, _ in _leaves(rows[0]):
+        vals = [v for v in (_get_path(r, path) for r in rows) if v is not None]
+        _put(out, path, float(np.median(vals)) if vals else None)
+    for k in ("handoffs", "decisions"):
+        if k in rows[-1]:
+            out[k] = [r.get(k) for r in rows]
+    return out
+
+
+def _spread_row(rows: list[dict]) -> dict:
+    out: dict = {}
+    for path, _ in _leaves(rows[0]):
+        vals = [v for v in (_get_path(r, path) for r in rows) if v is not None]
+        if vals and min(vals) > 0:
+            _put(out, path, max(vals) / min(vals))
+    return out
+
+
+def _get_path(row: dict, path: tuple):
+    for k in path:
+        if not isinstance(row, dict) or k not in row:
+            return None
+        row = row[k]
+    return row
+
+
+def _serve_round(args, chosen: list[str]) -> dict:
+    out = {}
     for name, settings in SETUPS.items():
         if name not in chosen:
             continue
@@ -178,14 +239,19 @@ def _verdict(out: dict) -> None:
             best = max(val("colocated"), val("remote")) if higher else \
                 min(val("colocated"), val("remote"))
             ratio = (val("cost") / best) if higher else (best / val("cost"))
+            def spread(setup):
+                sp = _get_path(out[setup].get("spread", {}),
+                               (wl, metric, q) if q else (wl, metric))
+                return None if sp is None else round(sp, 2)
             checks[f"{wl}.{metric}{'.' + q if q else ''}"] = {
                 "colocated": val("colocated"), "remote": val("remote"), "cost": val("cost"),
-                "cost_vs_best": ratio, "within_10pct": ratio >= 0.9}
+                "cost_vs_best": ratio, "within_10pct": ratio >= 0.9,
+                "spread": {s: spread(s) for s in ("colocated", "remote", "cost")}}
     out["cost_vs_best"] = checks
     print(f"\n{'metric':<34}{'colocated':>11}{'remote':>11}{'cost':>11}{'cost/best':>11}")
     for k, c in checks.items():
         print(f"{k:<34}{c['colocated']:>11.1f}{c['remote']:>11.1f}{c['cost']:>11.1f}"
-              f"{c['cost_vs_best']:>11.2f}")
+              f"{c['cost_vs_best']:>11.2f}   spread (max/min over runs) {c['spread']}")
 
 
 def transfer_part(args) -> dict:
@@ -354,6 +420,8 @@ def main() -> None:
     ap.add_argument("--fault-len", type=int, default=512)
     ap.add_argument("--kill-after", type=float, default=1.5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="rounds of the serve set-ups; figures are medians over the rounds")
     ap.add_argument("--set", action="append", default=[])
     ap.add_argument("--json", default=str(HERE / "results" / "disagg.json"))
     args = ap.parse_args()
