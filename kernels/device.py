@@ -76,6 +76,9 @@ def select_decode_backend(model, wanted: str, device: torch.device,
                          backend="torch", reason=reason)
         return "torch"
     model.set_decode_kernel(paged_decode_cpu)
+    from tokenloom.kernels.cpu import decode_stack
+    if decode_stack.install(model):   # fp32: a decode step's layers in one C++ call
+        startup_log.info("CPU decode steps: the decoder layers in one C++ call")
     return "cpu_kernel"
 
 

@@ -19,8 +19,13 @@ CSRC = Path(__file__).parent / "csrc"
 
 
 def build_name(base: str) -> str:
-    digest = hashlib.sha256(cpu_features.detect().summary().encode()).hexdigest()[:10]
-    return f"{base}_{digest}"
+    """`base` + a digest of this CPU's features and of the shared headers (csrc/*.h): torch
+    rebuilds when a listed source changes, but it does not list the headers a source
+    includes, so an edited header would otherwise load a stale build."""
+    h = hashlib.sha256(cpu_features.detect().summary().encode())
+    for header in sorted(CSRC.glob("*.h")):
+        h.update(header.read_bytes())
+    return f"{base}_{h.hexdigest()[:10]}"
 
 
 def build(base: str, source: str):

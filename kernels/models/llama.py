@@ -210,6 +210,8 @@ class LlamaForCausalLM(nn.Module):
         self._norm_fn = None   # None: RMSNorm modules; else a fused rms_norm kernel
         # Where the CPU kernel choice per batch size is remembered (None: measured each start).
         self.plan_cache_dir = None
+        # CPU decode steps in one C++ call (kernels/cpu/decode_stack.py); None: off.
+        self.decode_stacks = None
 
     def init_rope(self, max_positions: int, device: torch.device, dtype: torch.dtype) -> None:
         self.rope = RotaryEmbedding(self.spec.rope, self.spec.head_dim, max_positions,
@@ -293,6 +295,11 @@ class LlamaForCausalLM(nn.Module):
         self.prepare()
         meta = with_chunk_masks(meta, self.embed_tokens.weight.dtype)  # once, not per layer
         with self.layer_threads(input_ids, meta):
+            stacks = self.decode_stacks
+            if stacks is not None and stacks.usable(meta, kv):
+                stack = stacks.for_rows(input_ids.shape[0])
+                if stack is not None:
+                    return stacks.run(stack, input_ids, positions, kv, meta)
             return self.hidden_states(input_ids, positions, kv, meta)
 
     def prepare(self) -> None:

@@ -113,7 +113,7 @@ def test_the_wheel_lists_every_package_the_kernel_sources_and_the_default_config
         assert f"tokenloom/{module.name}" in names
     sources = sorted((REPO / "kernels" / "cpu" / "csrc").glob("*.cpp"))
     assert sources
-    for cpp in sources:
+    for cpp in [*sources, *(REPO / "kernels" / "cpu" / "csrc").glob("*.h")]:
         assert f"tokenloom/kernels/cpu/csrc/{cpp.name}" in names
     assert "tokenloom/config/default.toml" in names
     top = {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")}
@@ -126,7 +126,8 @@ def test_the_install_imports_from_its_own_site_packages(venv, tmp_path):
              "csrc = importlib.resources.files('tokenloom.kernels.cpu') / 'csrc'\n"
              "print(json.dumps({'file': tokenloom.__file__,\n"
              "  'site': sysconfig.get_paths()['purelib'],\n"
-             "  'sources': sorted(p.name for p in csrc.iterdir() if p.name.endswith('.cpp')),\n"
+             "  'sources': sorted(p.name for p in csrc.iterdir()\n"
+             "                   if p.name.endswith(('.cpp', '.h'))),\n"
              "  'build_dir': str(cpp_build.CSRC)}))\n")
     done = subprocess.run([str(venv / "bin" / "python"), "-c", probe], cwd=tmp_path,
                           capture_output=True, text=True, env=_env(), check=True, timeout=120)
@@ -134,7 +135,8 @@ def test_the_install_imports_from_its_own_site_packages(venv, tmp_path):
     site = Path(found["site"]).resolve()
     assert Path(found["file"]).resolve().is_relative_to(site), found
     assert not Path(found["file"]).resolve().is_relative_to(REPO), found
-    expected = sorted(p.name for p in (REPO / "kernels" / "cpu" / "csrc").glob("*.cpp"))
+    expected = sorted(p.name for p in (REPO / "kernels" / "cpu" / "csrc").iterdir()
+                      if p.suffix in (".cpp", ".h"))
     assert found["sources"] == expected
     assert Path(found["build_dir"]).resolve().is_relative_to(site)   # what cpp_build compiles
 

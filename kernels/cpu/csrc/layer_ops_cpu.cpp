@@ -5,36 +5,11 @@
 // ~2 us its arithmetic needs, 61 calls a step. fp32 only (bf16 keeps the torch reference,
 // whose rounding points match transformers').
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <cmath>
 #include <cstdint>
 
-namespace {
+#include "row_ops.h"
 
-void norm_rows(float* x, float* residual, const float* w, float* y, int64_t rows, int64_t n,
-               double eps) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float* xr = x + r * n;
-      float* src = xr;
-      if (residual != nullptr) {   // residual += x; the norm reads the updated residual
-        float* rr = residual + r * n;
-#pragma omp simd
-        for (int64_t j = 0; j < n; ++j) rr[j] += xr[j];
-        src = rr;
-      }
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t j = 0; j < n; ++j) ss += src[j] * src[j];
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + static_cast<float>(eps));
-      float* yr = y + r * n;
-#pragma omp simd
-      for (int64_t j = 0; j < n; ++j) yr[j] = src[j] * inv * w[j];
-    }
-  });
-}
-
-}  // namespace
+using tl_rows::norm_rows;
 
 // y = rms_norm(residual + x) with residual updated in place (when given), else rms_norm(x).
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
@@ -65,17 +40,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
               "silu_mul: contiguous float32 [T, 2I]");
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
   auto y = torch::empty({rows, inter}, gate_up.options());
-  const float* g = gate_up.data_ptr<float>();
-  float* out = y.data_ptr<float>();
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* gr = g + r * 2 * inter;
-      const float* ur = gr + inter;
-      float* yr = out + r * inter;
-#pragma omp simd
-      for (int64_t j = 0; j < inter; ++j) yr[j] = gr[j] / (1.f + std::exp(-gr[j])) * ur[j];
-    }
-  });
+  tl_rows::silu_mul_rows(gate_up.data_ptr<float>(), y.data_ptr<float>(), rows, inter);
   return y;
 }
 

@@ -1,0 +1,139 @@
+"""A CPU decode step's decoder layers in one C++ call (csrc/decode_stack_cpu.cpp).
+
+At one decode row a small model's step is mostly Python: the default model in q4 spent
+~11 ms of a 27 ms forward in its projections, the rest in ~30 op calls a layer and the
+module calls around them. The stack runs the same projection kernels and the same decode
+attention through the dispatcher, and the small ops as row loops, without returning to
+Python between layers.
+
+It serves eager decode-only steps whose projections all run a kernel it knows at that row
+count (`KINDS`) on an fp32 model with a plain fp32 KV pool and the C++ decode attention; any
+other step (a prefill chunk, an adapter row, a quantized KV cache, the runtime KV check, a
+KV rotation, a compiled program) takes the module forward, unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenloom.kernels.cpu import linear as cpu_linear
+from tokenloom.startup_log import startup_log as log
+
+# The projection kernels (kernels/cpu/linear.py names) the stack can call, by its codes.
+Q4, Q8, SMALL, DENSE = 0, 1, 2, 3
+KINDS = {"block_gemm", "small_gemm", "small_gemm_int8", "mkl", "copy_mkl"}
+PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+_module = None
+_failed: str | None = None
+
+
+def module():
+    """The built extension, or None with the reason logged (no compiler)."""
+    global _module, _failed
+    if _module is None and _failed is None:
+        try:
+            from tokenloom.kernels.cpu.cpp_build import build
+            _module = build("tokenloom_decode_stack_cpu", "decode_stack_cpu.cpp")
+        except Exception as e:
+            _failed = f"{type(e).__name__}: {e}"
+            log.info("C++ decode stack unavailable; module forward", reason=_failed)
+    return _module
+
+
+def install(model) -> bool:
+    """Give an fp32 CPU model its decode stacks (the C++ decode attention must be loaded:
+    the stack calls its operator)."""
+    if model.embed_tokens.weight.dtype != torch.float32 or module() is None:
+        return False
+    model.decode_stacks = DecodeStacks(model)
+    return True
+
+
+def _args(lin, name: str) -> tuple[int, list[torch.Tensor]] | None:
+    """(kind, the operator's tensors after x) for projection `lin` running kernel `name`."""
+    if not isinstance(lin, cpu_linear.CpuLinear):
+        return (DENSE, [lin.weight] if lin.bias is None else [lin.weight, lin.bias])
+    k = lin.kernels
+    bias = k.empty if k.bias is None else k.bias
+    if name == "block_gemm":
+        if k.storage == cpu_linear.Q4:
+            return Q4, [k.qs, k.d, k.m, bias]
+        return Q8, [k.qs, k.d, bias]
+    if name == "small_gemm":
+        return SMALL, [k.w, k.empty, bias]
+    if name == "small_gemm_int8":
+        return SMALL, [k.q, k.scale, bias]
+    if name in ("mkl", "copy_mkl"):
+        return DENSE, [k.w] if k.bias is None else [k.w, k.bias]
+    return None
+
+
+class DecodeStacks:
+    """The model's C++ stacks, one per combination of projection kernels (the kernels are
+    chosen per row count, so a batch of 1 and one of 12 may need different ones)."""
+
+    def __init__(self, model):
+        self.model = model
+        self._by_rows: dict[int, object] = {}
+        self._by_kernels: dict[tuple[str, ...], object] = {}
+        self.steps = 0   # decode steps served (tests and stats)
+
+    def usable(self, meta, kv) -> bool:
+        """Whether this step may run on a stack (see the module docstring)."""
+        if meta.prefills or meta.lora is not None or torch.compiler.is_compiling():
+            return False
+        pool = kv.pool
+        if pool is None or pool.dtype != torch.float32 or kv.scales is not None:
+            return False
+        from tokenloom.kernels.cpu.attention import paged_decode_cpu
+        attn = self.model.layers[0].self_attn
+        return (attn.kv_check is None and attn.kv_rotation is None
+                and attn.decode_fn is paged_decode_cpu and attn.rope_store_fn is None
+                and attn.store_fn is None)
+
+    def for_rows(self, rows: int):
+        """The stack for a step of `rows` decode rows, or None (a kernel it cannot call)."""
+        if rows not in self._by_rows:
+            self._by_rows[rows] = self._build(rows)
+        return self._by_rows[rows]
+
+    def _build(self, rows: int):
+        layers = self.model.layers
+        first = [layers[0].get_submodule(n) for n in PROJECTIONS]
+        kernels = tuple(lin.kernel_for(rows) if isinstance(lin, cpu_linear.CpuLinear)
+                        else "dense" for lin in first)
+        if kernels in self._by_kernels:
+            return self._by_kernels[kernels]
+        norms, kinds, args = [], [], []
+        for layer in layers:
+            norms += [layer.input_layernorm.weight.detach(),
+                      layer.post_attention_layernorm.weight.detach()]
+            for n, name in zip(PROJECTIONS, kernels):
+                found = _args(layer.get_submodule(n), name)
+                if found is None:
+                    self._by_kernels[kernels] = None
+                    return None
+                kinds.append(found[0])
+                args.append([t.detach() for t in found[1]])
+        attn, spec = layers[0].self_attn, self.model.spec
+        try:
+            stack = module().DecodeStack(norms, kinds, args, attn.num_heads,
+                                         attn.num_kv_heads, attn.head_dim,
+                                         float(spec.rms_norm_eps), float(attn.scale))
+        except RuntimeError as e:   # an operator missing from this build: the module forward
+            log.warning("C++ decode stack unavailable for these kernels; module forward",
+                        kernels=list(kernels), reason=str(e))
+            stack = None
+        self._by_kernels[kernels] = stack
+        return stack
+
+    def run(self, stack, input_ids: torch.Tensor, positions: torch.Tensor, kv,
+            meta) -> torch.Tensor:
+        """The residual stream after the last layer, [rows, hidden]."""
+        model = self.model
+        h = model.embed_tokens(input_ids)
+        cos, sin = model.rope.lookup(positions)
+        self.steps += 1
+        return stack.run(h, cos, sin, kv.pool, meta.slot_mapping, meta.decode_block_tables,
+                         meta.decode_context_lens)

@@ -1,0 +1,127 @@
+"""The C++ decode stack (kernels/cpu/decode_stack.py) computes a decode step as the module
+forward does: the same residual stream, the same K/V written into the pool, for every
+projection kernel it can call, with and without a qkv bias, for several rows (one a padded
+row that writes nowhere); and the steps it cannot serve take the module forward."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tokenloom.actors.execution.batch_inputs import build_batch_inputs
+from tokenloom.kernels.cpu import decode_stack
+from tokenloom.kernels.cpu import linear as cpu_linear
+from tokenloom.kernels.cpu.attention import load_cpu_decode_kernel, paged_decode_cpu
+from tokenloom.kernels.kv_store import KVCache
+from tokenloom.kernels.models.random_model import SHAPES, random_model
+
+BLOCK = 8
+
+
+@dataclasses.dataclass
+class Seq:  # the fields of messages.ScheduledSequence that build_batch_inputs reads
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    sample: bool = True
+
+
+@dataclasses.dataclass
+class Batch:
+    sequences: list[Seq]
+    num_decodes: int
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    if load_cpu_decode_kernel() is None or decode_stack.module() is None:
+        pytest.skip("the C++ kernels did not build")
+
+
+def _model(storage: str, bias: bool):
+    spec = dataclasses.replace(SHAPES["tiny"], attention_bias=bias)
+    model = random_model(spec, torch.float32, "cpu", max_positions=256, seed=7)
+    if bias:   # random_model leaves biases at 0: make them count
+        with torch.no_grad():
+            for layer in model.layers:
+                layer.self_attn.qkv_proj.bias.normal_(0, 0.5)
+    model.specialize_cpu(storage)
+    model.set_decode_kernel(paged_decode_cpu)
+    assert decode_stack.install(model)
+    return spec, model
+
+
+def _hidden(model, kv, seqs, num_decodes):
+    inputs = build_batch_inputs(Batch(seqs, num_decodes), BLOCK, torch.device("cpu"))
+    return model.forward_hidden(inputs.input_ids, inputs.positions, kv, inputs.meta)
+
+
+@pytest.mark.parametrize("storage", ["float", "q4", "q8", "int8"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_decode_step_on_the_stack_equals_the_module_forward(storage, bias):
+    spec, model = _model(storage, bias)
+    kv = KVCache.allocate(spec.num_layers, 32, BLOCK, spec.num_kv_heads, spec.head_dim,
+                          torch.float32, "cpu")
+    gen = torch.Generator().manual_seed(3)
+    tok = lambda n: torch.randint(3, spec.vocab_size, (n,), generator=gen).tolist()  # noqa
+    tables = {"a": [5, 9, 2, 30], "b": [11, 12], "c": [20, 1, 3, 7, 8]}
+    lens = {"a": 25, "b": 9, "c": 33}
+    stacks = model.decode_stacks
+    for rid, n in lens.items():                       # prefills: the module forward
+        _hidden(model, kv, [Seq(rid, tok(n), 0, tables[rid])], 0)
+    assert stacks.steps == 0
+    decodes = [Seq(rid, tok(1), lens[rid], tables[rid]) for rid in "abc"]
+    before = kv.pool.clone()
+    for rows in (1, 3):
+        step = decodes[:rows]
+        kv.pool.copy_(before)
+        fast = _hidden(model, kv, step, rows)
+        assert stacks.steps > 0, stacks._by_kernels
+        fast_pool = kv.pool.clone()
+        kv.pool.copy_(before)
+        model.decode_stacks = None
+        try:
+            ref = _hidden(model, kv, step, rows)
+        finally:
+            model.decode_stacks = stacks
+        assert fast.shape == ref.shape == (rows, spec.hidden_size)
+        # RoPE's products may be fused into FMAs: last-bit differences, nothing more.
+        assert (fast - ref).abs().max().item() <= 1e-5 * ref.abs().max().item() + 1e-6
+        assert (fast_pool - kv.pool).abs().max().item() <= 1e-5
+        assert not torch.equal(fast_pool, before)        # the step's K/V were written
+
+
+def test_a_padded_row_writes_nowhere_and_prefills_take_the_module_forward():
+    spec, model = _model("float", False)
+    kv = KVCache.allocate(spec.num_layers, 16, BLOCK, spec.num_kv_heads, spec.head_dim,
+                          torch.float32, "cpu")
+    _hidden(model, kv, [Seq("a", list(range(3, 15)), 0, [4, 5])], 0)
+    inputs = build_batch_inputs(Batch([Seq("a", [20], 12, [4, 5])], 1), BLOCK,
+                                torch.device("cpu"))
+    inputs.meta.slot_mapping.fill_(-1)
+    before = kv.pool.clone()
+    model.forward_hidden(inputs.input_ids, inputs.positions, kv, inputs.meta)
+    assert model.decode_stacks.steps == 1
+    assert torch.equal(kv.pool, before)
+    # A step with a prefill chunk in it is not the stack's.
+    _hidden(model, kv, [Seq("a", [20], 12, [4, 5]), Seq("b", [7, 8, 9], 0, [6])], 1)
+    assert model.decode_stacks.steps == 1
+
+
+def test_a_kernel_the_stack_cannot_call_leaves_the_module_forward():
+    spec, model = _model("float", False)
+    for layer in model.layers:      # as if the planner had chosen oneDNN for 1 row
+        layer.self_attn.o_proj._bands = ((1 << 30, "onednn"),)
+    assert cpu_linear.CpuLinear.kernel_for(model.layers[0].self_attn.o_proj, 1) == "onednn"
+    assert model.decode_stacks.for_rows(1) is None
+    for layer in model.layers:
+        layer.self_attn.o_proj._bands = ((1 << 30, "small_gemm"),)
+    model.decode_stacks = decode_stack.DecodeStacks(model)
+    kv = KVCache.allocate(spec.num_layers, 16, BLOCK, spec.num_kv_heads, spec.head_dim,
+                          torch.float32, "cpu")
+    _hidden(model, kv, [Seq("a", list(range(3, 15)), 0, [4, 5])], 0)
+    _hidden(model, kv, [Seq("a", [20], 12, [4, 5])], 1)
+    assert model.decode_stacks.steps == 1
