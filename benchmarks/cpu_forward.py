@@ -322,7 +322,7 @@ def main() -> None:
                 r[key]["startup_cold_s"] = startup_subprocess(mode, True, compiled)
             r[key]["startup_warm_s"] = startup_subprocess(mode, False, compiled)
         if MODES[mode][0].get("weight_dtype") in ("int8", "q4", "q8"):
-            r["gate"] = _gate_summary()
+            r["gate"] = _gate_summary(MODES[mode][0]["weight_dtype"])
         print(f"[{mode}] llama.cpp {MODES[mode][1]} ...", flush=True)
         r["llama"] = llama_mode(mode, args, rng, logdir)
         print(json.dumps(r, indent=1), flush=True)
@@ -331,14 +331,21 @@ def main() -> None:
     write_json(args.out, out, indent=1)
 
 
-def _gate_summary() -> str:
+def _gate_summary(weight_dtype: str) -> str:
+    """The remembered weight quality gate verdict of `weight_dtype` (the newest gate's
+    entries are "gate2|<model digest>|<weight dtype>|..."; the memo also holds KV-cache
+    verdicts and older gates' entries)."""
     from tokenloom.config.schema import ModelConfig, resolve_cache_dir
     memo = Path(resolve_cache_dir(ModelConfig())) / "quality_gate.json"
     try:
         entries = json.loads(memo.read_text())
     except (OSError, ValueError):
         return "not recorded"
-    e = list(entries.values())[-1]
+    mine = [v for k, v in entries.items()
+            if k.startswith("gate2|") and k.split("|")[2] == weight_dtype]
+    if not mine:
+        return "not recorded"
+    e = mine[-1]
     return (f"agreement {e['agreement']:.3f}, mean KL {e['mean_kl']:.4f} nats, greedy "
             f"{e['greedy_match']}/{e['greedy_tokens']}")
 

@@ -1,0 +1,147 @@
+"""Where a batch-1 CPU decode step's time goes: the module forward against the C++ decode
+stack (kernels/cpu/decode_stack.py), side by side, and the share of the step that is not
+the projections.
+
+For each weight mode, the default model is loaded by the offline engine exactly as it
+serves (same kernels per row count), one decode step at ~300 and ~1,100 tokens of context
+is captured from a real request, and the engine is closed (its compute thread would hold
+the cores). Then, in interleaved rounds on this thread:
+
+- module: the eager forward with one Python call per op (decode stacks off);
+- stack: the same step through the C++ stack;
+- projections: every projection of the step called alone at one row (all layers' q/k/v,
+  o, gate/up and down and the LM head), the floor the rest of the step sits on;
+
+each including the LM head's row. The non-projection share is 1 - projections / step.
+Medians over rounds; the spread (max/min over rounds) is printed beside each figure.
+
+    python benchmarks/decode_step.py                      # fp32 and q4, 7 rounds
+    python benchmarks/decode_step.py --modes q4 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from harness import write_json
+
+MODES = {
+    "fp32": dict(dtype="float32"),
+    "q4": dict(dtype="float32", weight_dtype="q4"),
+    "q8": dict(dtype="float32", weight_dtype="q8"),
+    "int8": dict(dtype="float32", weight_dtype="int8"),
+}
+CONTEXTS = (300, 1100)
+
+
+def capture_steps(options: dict) -> tuple[object, dict[int, tuple]]:
+    """The engine's model and one real decode step's inputs per context length."""
+    from tokenloom import LLM, SamplingParams
+    from tokenloom.kernels.models import llama
+
+    captured: dict = {}
+    original = llama.LlamaForCausalLM.forward_hidden
+
+    def spy(self, input_ids, positions, kv, meta):
+        if input_ids.shape[0] == 1 and not meta.prefills:
+            captured["model"] = self
+            captured["last"] = (input_ids.clone(), positions.clone(), kv, meta)
+        return original(self, input_ids, positions, kv, meta)
+
+    llama.LlamaForCausalLM.forward_hidden = spy
+    steps = {}
+    try:
+        llm = LLM(device="cpu", quiet=True, enable_prefix_caching=False, chunking="static",
+                  max_num_batched_tokens=2048, **options)
+        sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        try:
+            for ctx in CONTEXTS:
+                llm.generate([[1000 + i % 3000 for i in range(ctx - 4)]], sp)
+                steps[ctx] = captured["last"]
+        finally:
+            llm.close()
+    finally:
+        llama.LlamaForCausalLM.forward_hidden = original
+    return captured["model"], steps
+
+
+def _ms(fn, n: int) -> float:
+    fn()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t) / n * 1000
+
+
+def measure(model, steps: dict, rounds: int, n: int) -> dict:
+    stacks = model.decode_stacks
+    head_row = torch.tensor([0])
+    layers = model.layers
+    names = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+    projections = [layer.get_submodule(name) for layer in layers for name in names]
+    xs = [torch.randn(1, p.in_features) for p in projections]
+    hx = torch.randn(1, model.spec.hidden_size)
+
+    def step(args):
+        h = model.forward_hidden(*args)
+        return model.logits(h, head_row)
+
+    def projections_only():
+        for p, x in zip(projections, xs):
+            p(x)
+        model.lm_head(hx)
+
+    out: dict = {}
+    with torch.inference_mode():
+        for ctx, args in steps.items():
+            runs: dict[str, list[float]] = {"module": [], "stack": [], "projections": []}
+            for _ in range(rounds):
+                model.decode_stacks = None
+                runs["module"].append(_ms(lambda: step(args), n))
+                model.decode_stacks = stacks
+                if stacks is not None:
+                    before = stacks.steps
+                    runs["stack"].append(_ms(lambda: step(args), n))
+                    assert stacks.steps > before, "the stack did not serve the step"
+                runs["projections"].append(_ms(projections_only, n))
+            row = {k: statistics.median(v) for k, v in runs.items() if v}
+            row["spread"] = {k: round(max(v) / min(v), 2) for k, v in runs.items() if v}
+            for k in ("module", "stack"):
+                if k in row:
+                    row[f"{k}_non_projection_share"] = 1 - row["projections"] / row[k]
+            if "stack" in row:
+                row["stack_speedup"] = row["module"] / row["stack"]
+            out[ctx] = row
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--modes", nargs="+", default=["fp32", "q4"], choices=list(MODES))
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=20, help="steps timed per round")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "decode_step.json"))
+    args = ap.parse_args()
+    results = {"threads": torch.get_num_threads()}
+    print(f"{'mode':6s} {'ctx':>5s} {'module ms':>10s} {'stack ms':>9s} {'speedup':>8s} "
+          f"{'proj ms':>8s} {'non-proj (module)':>18s} {'non-proj (stack)':>17s}  spread")
+    for mode in args.modes:
+        model, steps = capture_steps(MODES[mode])
+        results[mode] = measure(model, steps, args.rounds, args.steps)
+        for ctx, r in results[mode].items():
+            print(f"{mode:6s} {ctx:5d} {r['module']:10.2f} {r.get('stack', float('nan')):9.2f} "
+                  f"{r.get('stack_speedup', float('nan')):7.2f}x {r['projections']:8.2f} "
+                  f"{r['module_non_projection_share']:17.0%} "
+                  f"{r.get('stack_non_projection_share', float('nan')):16.0%}  {r['spread']}")
+        del model, steps
+    write_json(args.out, results)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
