@@ -1,16 +1,20 @@
 // Paged-attention decode for the CPU: one query token per sequence, keys and values read
 // straight from the block pool through each sequence's block table (no gathered copy).
 //
-// Work item = one sequence; all its heads are processed together so every key/value row
-// ([kv_heads, head_dim], contiguous in its block) is loaded once, in order. Two passes over
-// the context: scores (q . k) then the weighted sum of values; softmax in fp32 in between.
+// Work item = a span of up to 256 keys of one sequence (kSpan); all its heads are processed
+// together so every key/value row ([kv_heads, head_dim], contiguous in its block) is loaded
+// once, in order. Two passes over the span: scores (q . k) then the weighted sum of values;
+// softmax partials in fp32 in between, merged per sequence at the end. (The quantized
+// cache's kernel below still takes a whole sequence per item.)
 // Decode attention is memory-bound: each pass prefetches one block ahead (prefetch_row).
 //
 // Built with -fopenmp (kernels/cpu/attention.py): without it at::parallel_for compiles to a plain
 // loop and every sequence runs on the calling thread. (Splitting a sequence's kv heads
-// across threads was measured too: no faster for a lone sequence, slower when one thread.)
+// across threads was measured too: no faster for a lone sequence, slower when one thread;
+// splitting its context is what lets a lone long decode use both cores.)
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -30,23 +34,39 @@ static inline void prefetch_row(const T* row, int64_t n) {
   for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64) __builtin_prefetch(p + i);
 }
 
+// Keys per work item: a sequence's context is cut into spans of this many keys, each
+// computed by one thread (softmax partials: the span's max, sum and weighted values), then
+// merged. A fixed span, not one derived from the thread count or the batch, so a
+// sequence's result is the same whatever else is in the step and however many threads run
+// (a lone 1,100-token decode spreads over every core instead of one).
+constexpr int64_t kSpan = 256;
+
 template <typename T>
 static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* tables,
                           const int64_t* lens, T* out, int64_t B, int64_t H, int64_t KVH,
                           int64_t D, int64_t BS, int64_t max_blocks, int64_t blk_stride,
                           int64_t row_stride, float scale) {
   const int64_t G = H / KVH;
-  // One work item per sequence: a token's keys for all kv heads are one contiguous row
+  std::vector<int64_t> first(B + 1, 0);   // sequence b's spans are items first[b]..first[b+1]
+  for (int64_t b = 0; b < B; ++b)
+    first[b + 1] = first[b] + std::max<int64_t>(1, (lens[b] + kSpan - 1) / kSpan);
+  const int64_t items = first[B];
+  std::vector<float> part_acc(items * H * D), part_max(items * H), part_sum(items * H);
+  // One work item per span: a token's keys for all kv heads are one contiguous row
   // ([KVH, D]) of its block, so walking t in order streams each block front to back.
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(H * D), acc(H * D), scores, row(row_stride);
-    for (int64_t b = begin; b < end; ++b) {
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(H * D), scores, row(row_stride);
+    int64_t b = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
+    for (int64_t item = begin; item < end; ++item) {
+      while (first[b + 1] <= item) ++b;
       const int64_t ctx = lens[b];
+      const int64_t t0 = (item - first[b]) * kSpan, t1 = std::min(ctx, t0 + kSpan);
+      const int64_t n = std::max<int64_t>(t1 - t0, 0);
       const int64_t* table = tables + b * max_blocks;
       for (int64_t i = 0; i < H * D; ++i) qf[i] = to_f(q[b * H * D + i]) * scale;
-      scores.assign(H * ctx, 0.f);
+      scores.assign(H * n, 0.f);
       // Pass 1: scores[h, t] = q_h . k_t(kv head of h)
-      for (int64_t t = 0; t < ctx; ++t) {
+      for (int64_t t = t0; t < t1; ++t) {
         const T* k = kc + table[t / BS] * blk_stride + (t % BS) * row_stride;
         if (t + BS < ctx) prefetch_row(kc + table[t / BS + 1] * blk_stride + (t % BS) * row_stride, row_stride);
         const float* kf;
@@ -61,22 +81,23 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* t
           const float* kh = kf + (h / G) * D;
           float s = 0.f;
           for (int64_t d = 0; d < D; ++d) s += qh[d] * kh[d];
-          scores[h * ctx + t] = s;
+          scores[h * n + t - t0] = s;
         }
       }
-      // Softmax per query head (fp32).
+      // Softmax partials per query head (fp32): the span's max and sum of exp(s - max).
       for (int64_t h = 0; h < H; ++h) {
-        float* s = &scores[h * ctx];
+        float* sc = &scores[h * n];
         float m = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < ctx; ++t) m = s[t] > m ? s[t] : m;
+        for (int64_t t = 0; t < n; ++t) m = sc[t] > m ? sc[t] : m;
         float sum = 0.f;
-        for (int64_t t = 0; t < ctx; ++t) { s[t] = std::exp(s[t] - m); sum += s[t]; }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < ctx; ++t) s[t] *= inv;
+        for (int64_t t = 0; t < n; ++t) { sc[t] = std::exp(sc[t] - m); sum += sc[t]; }
+        part_max[item * H + h] = m;
+        part_sum[item * H + h] = sum;
       }
-      // Pass 2: acc[h] = sum_t p[h, t] * v_t(kv head of h)
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < ctx; ++t) {
+      // Pass 2: acc[h] = sum_t exp(s[h, t] - max) * v_t(kv head of h)
+      float* acc = &part_acc[item * H * D];
+      std::fill(acc, acc + H * D, 0.f);
+      for (int64_t t = t0; t < t1; ++t) {
         const T* v = vc + table[t / BS] * blk_stride + (t % BS) * row_stride;
         if (t + BS < ctx) prefetch_row(vc + table[t / BS + 1] * blk_stride + (t % BS) * row_stride, row_stride);
         const float* vf;
@@ -87,13 +108,33 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* t
           vf = row.data();
         }
         for (int64_t h = 0; h < H; ++h) {
-          const float p = scores[h * ctx + t];
+          const float p = scores[h * n + t - t0];
           const float* vh = vf + (h / G) * D;
           float* a = &acc[h * D];
           for (int64_t d = 0; d < D; ++d) a[d] += p * vh[d];
         }
       }
-      for (int64_t i = 0; i < H * D; ++i) out[b * H * D + i] = static_cast<T>(acc[i]);
+    }
+  });
+  // Merge each sequence's spans: weights exp(max_span - max_all), one division at the end.
+  at::parallel_for(0, B, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> o(D);
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t h = 0; h < H; ++h) {
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t i = first[b]; i < first[b + 1]; ++i) m = std::max(m, part_max[i * H + h]);
+        float sum = 0.f;
+        std::fill(o.begin(), o.end(), 0.f);
+        for (int64_t i = first[b]; i < first[b + 1]; ++i) {
+          if (part_sum[i * H + h] == 0.f) continue;   // an empty span (no keys)
+          const float w = std::exp(part_max[i * H + h] - m);
+          sum += w * part_sum[i * H + h];
+          const float* a = &part_acc[(i * H + h) * D];
+          for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
+        }
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        for (int64_t d = 0; d < D; ++d) out[(b * H + h) * D + d] = static_cast<T>(o[d] * inv);
+      }
     }
   });
 }
