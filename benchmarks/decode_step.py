@@ -32,6 +32,7 @@ from harness import write_json
 
 MODES = {
     "fp32": dict(dtype="float32"),
+    "bf16": dict(dtype="bfloat16"),
     "q4": dict(dtype="float32", weight_dtype="q4"),
     "q8": dict(dtype="float32", weight_dtype="q8"),
     "int8": dict(dtype="float32", weight_dtype="int8"),

@@ -7,7 +7,8 @@ attention through the dispatcher, and the small ops as row loops, without return
 Python between layers.
 
 It serves eager decode-only steps whose projections all run a kernel it knows at that row
-count (`KINDS`) on an fp32 model with a plain fp32 KV pool and the C++ decode attention; any
+count (`KINDS`) on an fp32 or bf16 model with a plain KV pool in the model's dtype and the
+C++ decode attention (bf16 rounds where the module forward's torch ops round); any
 other step (a prefill chunk, an adapter row, a quantized KV cache, the runtime KV check, a
 KV rotation, a compiled program) takes the module forward, unchanged.
 """
@@ -22,6 +23,7 @@ from tokenloom.startup_log import startup_log as log
 # The projection kernels (kernels/cpu/linear.py names) the stack can call, by its codes.
 Q4, Q8, SMALL, DENSE = 0, 1, 2, 3
 KINDS = {"block_gemm", "small_gemm", "small_gemm_int8", "mkl", "copy_mkl"}
+ACTIVATIONS = (torch.float32, torch.bfloat16)
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 _module = None
@@ -42,9 +44,9 @@ def module():
 
 
 def install(model) -> bool:
-    """Give an fp32 CPU model its decode stacks (the C++ decode attention must be loaded:
-    the stack calls its operator)."""
-    if model.embed_tokens.weight.dtype != torch.float32 or module() is None:
+    """Give an fp32 or bf16 CPU model its decode stacks (the C++ decode attention must be
+    loaded: the stack calls its operator)."""
+    if model.embed_tokens.weight.dtype not in ACTIVATIONS or module() is None:
         return False
     model.decode_stacks = DecodeStacks(model)
     return True
@@ -84,7 +86,8 @@ class DecodeStacks:
         if meta.prefills or meta.lora is not None or torch.compiler.is_compiling():
             return False
         pool = kv.pool
-        if pool is None or pool.dtype != torch.float32 or kv.scales is not None:
+        if (pool is None or kv.scales is not None
+                or pool.dtype != self.model.embed_tokens.weight.dtype):
             return False
         from tokenloom.kernels.cpu.attention import paged_decode_cpu
         attn = self.model.layers[0].self_attn

@@ -1,4 +1,4 @@
-// A whole decode step's decoder layers in one call from Python (fp32 activations, CPU).
+// A whole decode step's decoder layers in one call from Python (fp32 or bf16 activations, CPU).
 //
 // A batch-1 step of a small model is mostly not its matmuls: a profile of the default model
 // in q4 (30 layers) measured ~11 ms of projections in a 27 ms forward. The rest was one
@@ -48,15 +48,75 @@ c10::TypedOperatorHandle<Q8Op> op4(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Q8Op>();
 }
 
-// Rotate-half RoPE of one head in place: x[j] * cos[j] -/+ x[j +/- half] * sin[j].
-inline void rope_head(float* x, const float* cos, const float* sin, int64_t d) {
-  const int64_t half = d / 2;
-  for (int64_t j = 0; j < half; ++j) {
-    const float a = x[j], b = x[j + half];
-    x[j] = a * cos[j] + (-b) * sin[j];
-    x[j + half] = b * cos[j + half] + a * sin[j + half];
+// The small ops per activation dtype. fp32: one pass each, as the C++ layer ops do.
+// bf16: rounded to bf16 where the module forward's torch ops round (each op's result), so
+// that a bf16 step matches it as closely as fp32 does: residual + x; the norm computed in
+// fp32, rounded, then times the bf16 weight; RoPE's two products and their sum; SiLU, then
+// times up.
+template <typename T>
+struct Ops;
+
+template <>
+struct Ops<float> {
+  static void norm(float* x, float* residual, const float* w, float* y, int64_t rows,
+                   int64_t n, double eps) {
+    tl_rows::norm_rows(x, residual, w, y, rows, n, eps);
   }
-}
+  // Rotate-half RoPE of one head in place: x[j] * cos[j] -/+ x[j +/- half] * sin[j].
+  static void rope(float* x, const float* cos, const float* sin, int64_t d) {
+    const int64_t half = d / 2;
+    for (int64_t j = 0; j < half; ++j) {
+      const float a = x[j], b = x[j + half];
+      x[j] = a * cos[j] + (-b) * sin[j];
+      x[j + half] = b * cos[j + half] + a * sin[j + half];
+    }
+  }
+  static void silu_mul(const float* g, float* y, int64_t rows, int64_t inter) {
+    tl_rows::silu_mul_rows(g, y, rows, inter);
+  }
+};
+
+using bf16 = c10::BFloat16;
+
+template <>
+struct Ops<bf16> {
+  static void norm(bf16* x, bf16* residual, const bf16* w, bf16* y, int64_t rows, int64_t n,
+                   double eps) {
+    for (int64_t r = 0; r < rows; ++r) {
+      bf16* src = x + r * n;
+      if (residual != nullptr) {
+        bf16* rr = residual + r * n;
+        for (int64_t j = 0; j < n; ++j) rr[j] = bf16(float(rr[j]) + float(src[j]));
+        src = rr;
+      }
+      float ss = 0.f;
+      for (int64_t j = 0; j < n; ++j) ss += float(src[j]) * float(src[j]);
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + static_cast<float>(eps));
+      bf16* yr = y + r * n;
+      for (int64_t j = 0; j < n; ++j) yr[j] = bf16(float(w[j]) * float(bf16(float(src[j]) * inv)));
+    }
+  }
+  static void rope(bf16* x, const bf16* cos, const bf16* sin, int64_t d) {
+    const int64_t half = d / 2;
+    for (int64_t j = 0; j < half; ++j) {
+      const float a = x[j], b = x[j + half];
+      x[j] = bf16(float(bf16(a * float(cos[j]))) + float(bf16(-b * float(sin[j]))));
+      x[j + half] = bf16(float(bf16(b * float(cos[j + half]))) +
+                         float(bf16(a * float(sin[j + half]))));
+    }
+  }
+  static void silu_mul(const bf16* g, bf16* y, int64_t rows, int64_t inter) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const bf16* gr = g + r * 2 * inter;
+      const bf16* ur = gr + inter;
+      bf16* yr = y + r * inter;
+      for (int64_t j = 0; j < inter; ++j) {
+        const float v = gr[j];
+        yr[j] = bf16(float(bf16(v / (1.f + std::exp(-v)))) * float(ur[j]));
+      }
+    }
+  }
+};
 
 class DecodeStack {
  public:
@@ -73,79 +133,91 @@ class DecodeStack {
       projs_.push_back(Proj{kinds[i], std::move(args[i])});
       need(kinds[i]);
     }
-    for (auto& n : norms_) TORCH_CHECK(n.is_contiguous() && n.scalar_type() == at::kFloat,
-                                       "decode_stack: fp32 norm weights");
+    for (auto& n : norms_) TORCH_CHECK(n.is_contiguous(), "decode_stack: norm weights");
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(norms_.size() / 2); }
 
-  // h: [B, E] embeddings (fp32, not modified); cos, sin: [B, D]; pool: the KV pool
-  // [L, 2, blocks, block_size, KVH, D] (fp32, contiguous); slots [B], tables [B, nb],
-  // lens [B] (int64). Returns the residual stream after the last layer, [B, E].
-  Tensor run(const Tensor& h_in, const Tensor& cos, const Tensor& sin, const Tensor& pool,
+  // h: [B, E] embeddings (fp32 or bf16, not modified); cos, sin: [B, D]; pool: the KV
+  // pool [L, 2, blocks, block_size, KVH, D] (h's dtype, contiguous); slots [B], tables
+  // [B, nb], lens [B] (int64). Returns the residual stream after the last layer, [B, E].
+  Tensor run(const Tensor& h, const Tensor& cos, const Tensor& sin, const Tensor& pool,
              const Tensor& slots, const Tensor& tables, const Tensor& lens) const {
-    TORCH_CHECK(h_in.dim() == 2 && h_in.scalar_type() == at::kFloat, "decode_stack: h");
-    TORCH_CHECK(pool.dim() == 6 && pool.is_contiguous() && pool.scalar_type() == at::kFloat &&
+    TORCH_CHECK(h.dim() == 2, "decode_stack: h must be [rows, hidden]");
+    if (h.scalar_type() == at::kFloat) return run_t<float>(h, cos, sin, pool, slots, tables, lens);
+    TORCH_CHECK(h.scalar_type() == at::kBFloat16, "decode_stack: fp32 or bf16 activations");
+    return run_t<bf16>(h, cos, sin, pool, slots, tables, lens);
+  }
+
+ private:
+  template <typename T>
+  Tensor run_t(const Tensor& h_in, const Tensor& cos, const Tensor& sin, const Tensor& pool,
+               const Tensor& slots, const Tensor& tables, const Tensor& lens) const {
+    const auto dtype = h_in.scalar_type();
+    TORCH_CHECK(pool.dim() == 6 && pool.is_contiguous() && pool.scalar_type() == dtype &&
                     pool.size(0) == num_layers() && pool.size(4) == KVH_ && pool.size(5) == D_,
-                "decode_stack: the pool must be fp32 [layers, 2, blocks, block_size, KVH, D]");
+                "decode_stack: the pool must be [layers, 2, blocks, block_size, KVH, D] in "
+                "the activations' dtype");
+    for (auto& n : norms_) TORCH_CHECK(n.scalar_type() == dtype, "decode_stack: norm dtype");
     const int64_t B = h_in.size(0), E = h_in.size(1), Q = H_ * D_, KV = KVH_ * D_;
     const int64_t BS = pool.size(3), slots_per_layer = pool.size(2) * BS;
     Tensor h = h_in.contiguous().clone();
-    Tensor cs = cos.contiguous(), sn = sin.contiguous(), sl = slots.contiguous();
+    Tensor cs = cos.to(dtype).contiguous(), sn = sin.to(dtype).contiguous();
+    Tensor sl = slots.contiguous();
     TORCH_CHECK(cs.numel() == B * D_ && sn.numel() == B * D_ && sl.numel() == B,
                 "decode_stack: cos, sin and slots per row");
-    const float* cp = cs.data_ptr<float>();
-    const float* sp = sn.data_ptr<float>();
+    const T* cp = cs.data_ptr<T>();
+    const T* sp = sn.data_ptr<T>();
     const int64_t* slot = sl.data_ptr<int64_t>();
     Tensor x = at::empty({B, E}, h.options());
     Tensor m;   // the previous layer's MLP output (none before the first)
     for (int64_t l = 0; l < num_layers(); ++l) {
       const Proj* p = &projs_[4 * l];
       if (m.defined()) {
-        tl_rows::norm_rows(m.data_ptr<float>(), h.data_ptr<float>(),
-                           norms_[2 * l].data_ptr<float>(), x.data_ptr<float>(), B, E, eps_);
+        Ops<T>::norm(m.data_ptr<T>(), h.data_ptr<T>(), norms_[2 * l].data_ptr<T>(),
+                     x.data_ptr<T>(), B, E, eps_);
       } else {
-        tl_rows::norm_rows(h.data_ptr<float>(), nullptr, norms_[2 * l].data_ptr<float>(),
-                           x.data_ptr<float>(), B, E, eps_);
+        Ops<T>::norm(h.data_ptr<T>(), nullptr, norms_[2 * l].data_ptr<T>(), x.data_ptr<T>(), B,
+                     E, eps_);
       }
       Tensor qkv = project(p[0], x);                      // [B, Q + 2 KV]
-      TORCH_CHECK(qkv.size(1) == Q + 2 * KV, "decode_stack: qkv width");
+      TORCH_CHECK(qkv.size(1) == Q + 2 * KV && qkv.scalar_type() == dtype,
+                  "decode_stack: qkv width and dtype");
       Tensor q = at::empty({B, H_, D_}, h.options());
       Tensor layer = pool.select(0, l);
       Tensor kc = layer.select(0, 0), vc = layer.select(0, 1);
-      float* kp = kc.data_ptr<float>();
-      float* vp = vc.data_ptr<float>();
-      const float* qkvp = qkv.data_ptr<float>();
-      float* qp = q.data_ptr<float>();
+      T* kp = kc.data_ptr<T>();
+      T* vp = vc.data_ptr<T>();
+      const T* qkvp = qkv.data_ptr<T>();
+      T* qp = q.data_ptr<T>();
       for (int64_t b = 0; b < B; ++b) {
-        const float* row = qkvp + b * (Q + 2 * KV);
-        const float* c = cp + b * D_;
-        const float* s = sp + b * D_;
-        float* qb = qp + b * Q;
+        const T* row = qkvp + b * (Q + 2 * KV);
+        const T* c = cp + b * D_;
+        const T* s = sp + b * D_;
+        T* qb = qp + b * Q;
         std::copy(row, row + Q, qb);
-        for (int64_t hh = 0; hh < H_; ++hh) rope_head(qb + hh * D_, c, s, D_);
+        for (int64_t hh = 0; hh < H_; ++hh) Ops<T>::rope(qb + hh * D_, c, s, D_);
         if (slot[b] < 0) continue;
         TORCH_CHECK(slot[b] < slots_per_layer, "decode_stack: slot out of range");
-        float* kd = kp + slot[b] * KV;
+        T* kd = kp + slot[b] * KV;
         std::copy(row + Q, row + Q + KV, kd);
-        for (int64_t hh = 0; hh < KVH_; ++hh) rope_head(kd + hh * D_, c, s, D_);
+        for (int64_t hh = 0; hh < KVH_; ++hh) Ops<T>::rope(kd + hh * D_, c, s, D_);
         std::copy(row + Q + KV, row + Q + 2 * KV, vp + slot[b] * KV);
       }
       Tensor o = decode_.call(q, kc, vc, tables, lens, scale_).view({B, Q});
       Tensor a = project(p[1], o);
-      tl_rows::norm_rows(a.data_ptr<float>(), h.data_ptr<float>(),
-                         norms_[2 * l + 1].data_ptr<float>(), x.data_ptr<float>(), B, E, eps_);
+      Ops<T>::norm(a.data_ptr<T>(), h.data_ptr<T>(), norms_[2 * l + 1].data_ptr<T>(),
+                   x.data_ptr<T>(), B, E, eps_);
       Tensor gu = project(p[2], x);
       const int64_t inter = gu.size(1) / 2;
       Tensor y = at::empty({B, inter}, h.options());
-      tl_rows::silu_mul_rows(gu.data_ptr<float>(), y.data_ptr<float>(), B, inter);
+      Ops<T>::silu_mul(gu.data_ptr<T>(), y.data_ptr<T>(), B, inter);
       m = project(p[3], y);
     }
     if (m.defined()) h.add_(m);
     return h;
   }
 
- private:
   void need(int64_t kind) {
     if (kind == kQ4 && !q4_) {
       q4_ = c10::Dispatcher::singleton().findSchemaOrThrow("tokenloom::q4_gemm", "")
