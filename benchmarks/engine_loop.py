@@ -62,6 +62,7 @@ from harness import (
     run_load,
     start_llama_server,
     start_tokenloom,
+    start_vllm_cpu,
     summarise,
     write_json,
 )
@@ -233,6 +234,26 @@ def llama_levels(args, plan, prompts_by_level, check_prompt, logdir: Path) -> di
     return res
 
 
+def vllm_levels(args, plan, prompts_by_level, check_prompt, logdir: Path) -> dict:
+    """vLLM's CPU build (--vllm: its venv) through every level, one server for all of
+    them (its scheduler sizes batches itself), with the same token-id prompts."""
+    res: dict = {"levels": {}, "kind": args.vllm_dtype}
+    server = start_vllm_cpu(args.vllm, resolve_dir(args.model), logdir / "vllm.log",
+                            args.vllm_dtype)
+    res["command"] = " ".join(server.cmd)
+    try:
+        name = run_async(model_name(server.url))
+        res["check"] = complete(server.url, name, check_prompt, 8)
+        for (c, _n), prompts in zip(plan, prompts_by_level):
+            warm_up(server.url, name, random.Random(args.seed + 100 + c), c, PeerStream)
+            s = load(server.url, name, prompts, args.output_len, c, args.seed, PeerStream)
+            res["levels"][c] = s
+            print_table(f"vLLM CPU {args.vllm_dtype}, concurrency {c}", s)
+    finally:
+        server.stop()
+    return res
+
+
 def token_prompts_ok(args, check_prompt, logdir: Path) -> tuple[bool, dict]:
     """Does llama-server take token-id prompts as they are (no BOS added)?"""
     server = start_llama(args, 1, 1024, logdir)
@@ -295,6 +316,9 @@ def section_bc(args, out: dict, run_b: bool, run_c: bool) -> None:
         res[key] = tokenloom_levels(args, overlap, plan, prompts_by_level, host_prompts,
                                     check_prompt)
         _write(args, out)
+    if run_b and args.vllm is not None:
+        res["vllm"] = vllm_levels(args, plan, prompts_by_level, check_prompt, logdir)
+        _write(args, out)
     if peer:
         a = res["on"]["check"].get("choices", [{}])[0].get("text")
         b = res["llama"]["check"].get("choices", [{}])[0].get("text")
@@ -336,6 +360,8 @@ def _print_b(res: dict, plan, peer: bool) -> None:
         if peer:
             rows.append((f"llama.cpp {res['llama'].get('kind', 'F32')}",
                          res["llama"]["levels"][c]))
+        if "vllm" in res:
+            rows.append((f"vLLM CPU {res['vllm']['kind']}", res["vllm"]["levels"][c]))
         for label, s in rows:
             print(f"c={c:<3} {label:<23}{s['requests']:>5}{_f(s['output_tokens_per_s'], 9, 0)}"
                   f"{_f(s['itl_ms']['p50'], 9)}{_f(s['itl_ms']['p99'], 9)}"
@@ -350,6 +376,12 @@ def _print_b(res: dict, plan, peer: bool) -> None:
             line += (f"; tokenloom(on)/llama.cpp: tok/s "
                      f"{_r(on['output_tokens_per_s'], ll['output_tokens_per_s'])}, ITL p50 "
                      f"{_r(on['itl_ms']['p50'], ll['itl_ms']['p50'])}")
+        if "vllm" in res:
+            vl = res["vllm"]["levels"][c]
+            line += (f"; tokenloom(on)/vLLM: tok/s "
+                     f"{_r(on['output_tokens_per_s'], vl['output_tokens_per_s'])}, ITL p50 "
+                     f"{_r(on['itl_ms']['p50'], vl['itl_ms']['p50'])}, ITL p99 "
+                     f"{_r(on['itl_ms']['p99'], vl['itl_ms']['p99'])}")
         print(line)
 
 
@@ -557,6 +589,10 @@ def main() -> None:
     g.add_argument("--gguf", type=Path, default=PEERS / "SmolLM2-135M-Instruct.F32.gguf")
     g.add_argument("--llama-threads", type=int, default=2)
     g.add_argument("--llama-ctx-per-slot", type=int, default=512)
+    g.add_argument("--vllm", type=Path, default=None, metavar="VENV",
+                   help="also run vLLM's CPU build from this venv "
+                        "(../shared/peers/install-vllm-cpu.sh)")
+    g.add_argument("--vllm-dtype", default="bfloat16")
     g = p.add_argument_group("(d)")
     g.add_argument("--interference-seconds", type=float, default=75.0)
     g.add_argument("--streams", type=int, default=16)

@@ -193,6 +193,31 @@ def start_llama_server(binary: Path, gguf: Path, slots: int, ctx: int, threads: 
                   log_path=log_path)
 
 
+def start_vllm_cpu(venv: Path, model_dir: str, log_path: Path, dtype: str = "bfloat16",
+                   max_model_len: int = 8192) -> Server:
+    """vLLM's own CPU build (installed by ../shared/peers/install-vllm-cpu.sh into `venv`),
+    with the settings that script prints: tcmalloc and Intel OpenMP preloaded, the OpenMP
+    threads bound one per core, prefix caching and chunked prefill on (vLLM's defaults).
+    Ready when /health is 200; start-up compiles for ~100 s."""
+    import glob
+    import os
+
+    port = free_port()
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", HF_HUB_OFFLINE="1",
+               VLLM_CPU_OMP_THREADS_BIND=f"0-{(os.cpu_count() or 1) - 1}")
+    preload = [p for p in ["/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+                           *glob.glob(f"{venv}/**/libiomp5.so", recursive=True)[:1]]
+               if Path(p).is_file()]
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload)
+    cmd = [str(Path(venv) / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+           "--model", model_dir, "--served-model-name", Path(model_dir).name,
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
+           "--max-model-len", str(max_model_len)]
+    return Server("vLLM CPU", cmd, f"http://127.0.0.1:{port}", "/health", timeout=900,
+                  log_path=log_path, env=env)
+
+
 def start_transformers(model_dir: str) -> Server:
     """`transformers serve --continuous-batching` (needs transformers[serving])."""
     port = free_port()
