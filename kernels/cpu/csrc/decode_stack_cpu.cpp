@@ -31,8 +31,19 @@ namespace {
 using at::Tensor;
 
 // How a projection runs (kernels/cpu/linear.py's kernel names): the operator and its
-// tensor arguments after x.
-enum Kind : int64_t { kQ4 = 0, kQ8 = 1, kSmall = 2, kDense = 3 };
+// tensor arguments after x. kOneDNN: oneDNN's linear on a prepacked weight ([packed] or
+// [packed, bias]), called at the row counts kernels/cpu/linear.py's onednn_rows pads to.
+enum Kind : int64_t { kQ4 = 0, kQ8 = 1, kSmall = 2, kDense = 3, kOneDNN = 4 };
+
+// kernels/cpu/linear.py's onednn_rows: exact up to 16 rows, above that rounded up to 1/8 of
+// the power of two below, so that oneDNN's primitive cache sees a bounded set of shapes.
+int64_t onednn_rows(int64_t rows) {
+  if (rows <= 16) return rows;
+  int bits = 0;
+  for (int64_t r = rows - 1; r > 0; r >>= 1) ++bits;
+  const int64_t step = int64_t{1} << (bits - 4);
+  return (rows + step - 1) / step * step;
+}
 
 struct Proj {
   int64_t kind;
@@ -129,7 +140,7 @@ class DecodeStack {
                     norms_.size() * 2 == kinds.size(),
                 "decode_stack: 4 projections and 2 norms per layer");
     for (size_t i = 0; i < kinds.size(); ++i) {
-      TORCH_CHECK(kinds[i] >= kQ4 && kinds[i] <= kDense, "decode_stack: unknown kind");
+      TORCH_CHECK(kinds[i] >= kQ4 && kinds[i] <= kOneDNN, "decode_stack: unknown kind");
       projs_.push_back(Proj{kinds[i], std::move(args[i])});
       need(kinds[i]);
     }
@@ -226,7 +237,27 @@ class DecodeStack {
       q8_ = op4("tokenloom::q8_gemm");
     } else if (kind == kSmall && !small_) {
       small_ = op4("tokenloom::small_gemm");
+    } else if (kind == kOneDNN && !onednn_) {
+      onednn_ = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
     }
+  }
+
+  // Boxed: the operator's C++ signature (string views, a list of optional scalars) is not
+  // part of torch's extension headers; a boxed call costs ~1 us against a projection's
+  // tens of microseconds.
+  Tensor onednn(const Tensor& x, const std::vector<Tensor>& a) const {
+    const int64_t rows = x.size(0), padded = onednn_rows(rows);
+    Tensor in = padded == rows ? x : at::constant_pad_nd(x, {0, 0, 0, padded - rows});
+    torch::jit::Stack st;
+    st.emplace_back(in);
+    st.emplace_back(a[0]);
+    st.emplace_back(a.size() > 1 ? c10::IValue(a[1]) : c10::IValue());
+    st.emplace_back(std::string("none"));
+    st.emplace_back(c10::List<c10::optional<at::Scalar>>());
+    st.emplace_back(std::string(""));
+    onednn_->callBoxed(&st);
+    Tensor out = st[0].toTensor();
+    return padded == rows ? out : out.narrow(0, 0, rows).contiguous();
   }
 
   Tensor project(const Proj& p, const Tensor& x) const {
@@ -235,6 +266,7 @@ class DecodeStack {
       case kQ4: return q4_->call(x, a[0], a[1], a[2], a[3]);
       case kQ8: return q8_->call(x, a[0], a[1], a[2]);
       case kSmall: return small_->call(x, a[0], a[1], a[2]);
+      case kOneDNN: return onednn(x, a);
       default: return at::linear(x, a[0], a.size() > 1 ? c10::optional<Tensor>(a[1])
                                                          : c10::nullopt);
     }
@@ -246,6 +278,7 @@ class DecodeStack {
   double eps_, scale_;
   c10::optional<c10::TypedOperatorHandle<Q4Op>> q4_;
   c10::optional<c10::TypedOperatorHandle<Q8Op>> q8_, small_;
+  c10::optional<c10::OperatorHandle> onednn_;
   c10::TypedOperatorHandle<DecodeOp> decode_ = c10::Dispatcher::singleton()
       .findSchemaOrThrow("tokenloom::paged_decode_cpu", "").typed<DecodeOp>();
 };

@@ -42,13 +42,18 @@ def built():
         pytest.fail("the C++ decode attention and decode stack must build on the CI machine")
 
 
-def _model(storage: str, bias: bool, dtype: torch.dtype = torch.float32):
+def _model(storage: str, bias: bool, dtype: torch.dtype = torch.float32,
+           kernel: str | None = None, monkeypatch=None):
+    """`kernel`: every projection runs it at every row count (else: the measured plan)."""
     spec = dataclasses.replace(SHAPES["tiny"], attention_bias=bias)
     model = random_model(spec, dtype, "cpu", max_positions=256, seed=7)
     if bias:   # random_model leaves biases at 0: make them count
         with torch.no_grad():
             for layer in model.layers:
                 layer.self_attn.qkv_proj.bias.normal_(0, 0.5)
+    if kernel is not None:
+        forced = cpu_linear.Plan(((1 << 30, kernel),), {})
+        monkeypatch.setattr(cpu_linear, "cached_plan", lambda *a, **k: forced)
     model.specialize_cpu(storage)
     model.set_decode_kernel(paged_decode_cpu)
     assert decode_stack.install(model)
@@ -60,25 +65,23 @@ def _hidden(model, kv, seqs, num_decodes):
     return model.forward_hidden(inputs.input_ids, inputs.positions, kv, inputs.meta)
 
 
-@pytest.mark.parametrize("storage,dtype", [
-    ("float", torch.float32), ("q4", torch.float32), ("q8", torch.float32),
-    ("int8", torch.float32), ("float", torch.bfloat16), ("q4", torch.bfloat16)])
-@pytest.mark.parametrize("bias", [False, True])
-def test_a_decode_step_on_the_stack_equals_the_module_forward(storage, dtype, bias):
-    spec, model = _model(storage, bias, dtype)
-    kv = KVCache.allocate(spec.num_layers, 32, BLOCK, spec.num_kv_heads, spec.head_dim,
-                          dtype, "cpu")
+def _stack_equals_module(spec, model, dtype, row_counts=(1, 3)):
+    seqs = max(row_counts)
+    kv = KVCache.allocate(spec.num_layers, 6 * seqs + 2, BLOCK, spec.num_kv_heads,
+                          spec.head_dim, dtype, "cpu")
     gen = torch.Generator().manual_seed(3)
     tok = lambda n: torch.randint(3, spec.vocab_size, (n,), generator=gen).tolist()  # noqa
-    tables = {"a": [5, 9, 2, 30], "b": [11, 12], "c": [20, 1, 3, 7, 8]}
-    lens = {"a": 25, "b": 9, "c": 33}
+    # Block tables out of order and of different lengths; contexts across block edges.
+    free = torch.randperm(6 * seqs + 2, generator=gen).tolist()
+    lens = [(9, 25, 33)[i % 3] + i % 5 for i in range(seqs)]
+    tables = [[free.pop() for _ in range(n // BLOCK + 1)] for n in lens]
     stacks = model.decode_stacks
-    for rid, n in lens.items():                       # prefills: the module forward
-        _hidden(model, kv, [Seq(rid, tok(n), 0, tables[rid])], 0)
+    for i, n in enumerate(lens):                       # prefills: the module forward
+        _hidden(model, kv, [Seq(str(i), tok(n), 0, tables[i])], 0)
     assert stacks.steps == 0
-    decodes = [Seq(rid, tok(1), lens[rid], tables[rid]) for rid in "abc"]
+    decodes = [Seq(str(i), tok(1), lens[i], tables[i]) for i in range(seqs)]
     before = kv.pool.clone()
-    for rows in (1, 3):
+    for rows in row_counts:
         step = decodes[:rows]
         kv.pool.copy_(before)
         fast = _hidden(model, kv, step, rows)
@@ -94,11 +97,38 @@ def test_a_decode_step_on_the_stack_equals_the_module_forward(storage, dtype, bi
         # fp32: RoPE's products may be fused into FMAs, last-bit differences and nothing
         # more. bf16 rounds where torch rounds, but the norm's fp32 sum may be ordered
         # otherwise: now and then a value lands one bf16 step away.
-        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        # q4/q8 block kernels quantize activations to int8 blocks per call: such a
+        # last-bit difference can flip one rounding there (measured up to ~4e-5 relative).
+        blocks = model.layers[0].mlp.down_proj.storage in cpu_linear.BLOCK_STORAGES
+        tol = (1e-4 if blocks else 1e-5) if dtype == torch.float32 else 2e-2
         diff = (fast.float() - ref.float()).abs().max().item()
         assert diff <= tol * ref.float().abs().max().item() + 1e-6, diff
         assert (fast_pool.float() - kv.pool.float()).abs().max().item() <= tol
         assert not torch.equal(fast_pool, before)        # the step's K/V were written
+
+
+@pytest.mark.parametrize("storage,dtype", [
+    ("float", torch.float32), ("q4", torch.float32), ("q8", torch.float32),
+    ("int8", torch.float32), ("float", torch.bfloat16), ("q4", torch.bfloat16)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_decode_step_on_the_stack_equals_the_module_forward(storage, dtype, bias):
+    spec, model = _model(storage, bias, dtype)
+    _stack_equals_module(spec, model, dtype)
+
+
+@pytest.mark.parametrize("storage,kernel", [
+    ("float", "mkl"), ("float", "small_gemm"), ("float", "onednn"), ("q4", "block_gemm"),
+    ("q8", "block_gemm"), ("q4", "copy_mkl"), ("q4", "copy_onednn"),
+    ("int8", "small_gemm_int8")])
+def test_every_kernel_the_stack_calls_at_decode_and_padded_row_counts(storage, kernel,
+                                                                        monkeypatch):
+    # 20 rows: oneDNN is called at a padded row count above 16 (kernels/cpu/linear.py).
+    if "onednn" in kernel and not cpu_linear.onednn_available():
+        pytest.skip("this torch build has no oneDNN packed linear")
+    spec, model = _model(storage, True, torch.float32, kernel, monkeypatch)
+    assert model.layers[0].mlp.down_proj.kernel_for(20) == kernel
+    _stack_equals_module(spec, model, torch.float32, (1, 3, 16, 20))
+    assert model.decode_stacks.for_rows(20) is not None
 
 
 def test_a_padded_row_writes_nowhere_and_prefills_take_the_module_forward():
@@ -120,9 +150,9 @@ def test_a_padded_row_writes_nowhere_and_prefills_take_the_module_forward():
 
 def test_a_kernel_the_stack_cannot_call_leaves_the_module_forward():
     spec, model = _model("float", False)
-    for layer in model.layers:      # as if the planner had chosen oneDNN for 1 row
-        layer.self_attn.o_proj._bands = ((1 << 30, "onednn"),)
-    assert cpu_linear.CpuLinear.kernel_for(model.layers[0].self_attn.o_proj, 1) == "onednn"
+    for layer in model.layers:      # as if the planner had chosen torch's int8 matmul
+        layer.self_attn.o_proj._bands = ((1 << 30, "int8pack_bf16"),)
+    assert model.layers[0].self_attn.o_proj.kernel_for(1) == "int8pack_bf16"
     assert model.decode_stacks.for_rows(1) is None
     for layer in model.layers:
         layer.self_attn.o_proj._bands = ((1 << 30, "small_gemm"),)

@@ -1,0 +1,247 @@
+"""tokenloom against vLLM's own CPU build, workload for workload, one server at a time.
+
+The table of issue #28, in one run on one machine: each server (tokenloom in one or more
+modes, then vLLM CPU from ../shared/peers/install-vllm-cpu.sh with the settings that script
+prints) runs the same token-id prompts through
+
+- prefill: --prefill-reps distinct 1,024-token prompts, one at a time, 1 output token:
+  TTFT median with its min and max (the spread between requests is reported, not hidden);
+- decode: batch-1 ITL p50 at ~1,100 tokens of context (1,024-token prompts, 128 tokens);
+- streams: 256 -> 64 closed loop at 1, 4 and 16 streams: output tok/s, ITL p50/p99;
+- shared prefix: 4 prefixes of 1,024 tokens, each request a prefix + 32 own tokens -> 32,
+  8 streams: requests/s (prefix caching on in both, their defaults);
+- interference: 4 short streams (64 -> 256, back to back) while a 2,000-token prompt
+  arrives every 4 s: the short streams' output tok/s, ITL p99 and max.
+
+Prints one table with tokenloom/vLLM ratios (> 1 is better for tokenloom on every row:
+times are inverted) and writes benchmarks/results/vllm_cpu.json.
+
+    python benchmarks/vllm_cpu.py --vllm ~/.cache/tokenloom-peers/vllm
+    python benchmarks/vllm_cpu.py --vllm VENV --tokenloom bf16 fp32 q4 --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+import interference  # benchmarks/interference.py
+from harness import (
+    PEERS,
+    VOCAB_HI,
+    VOCAB_LO,
+    PeerStream,
+    model_name,
+    percentile,
+    resolve_dir,
+    run_async,
+    run_load,
+    start_tokenloom,
+    start_vllm_cpu,
+    summarise,
+    write_json,
+)
+
+MODES = {  # tokenloom settings per mode
+    "bf16": ["model.dtype=bfloat16"],
+    "fp32": ["model.dtype=float32"],
+    "q4": ["model.weight_dtype=q4"],
+}
+
+
+def prompts(rng: random.Random, n: int, length: int) -> list[list[int]]:
+    return [[rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(length)] for _ in range(n)]
+
+
+def load(url, name, ps, output_len, concurrency, protocol) -> dict:
+    results, elapsed = run_async(run_load(url, name, ps, output_len, concurrency, 0, 0, True,
+                                          protocol))
+    return summarise(results, elapsed)
+
+
+async def _interference(url, name, args, rng) -> dict:
+    """--short-streams slots streaming short requests back to back for --seconds, a
+    --long-len prompt every --long-every s meanwhile (the first once they decode)."""
+    import aiohttp
+
+    deadline = time.perf_counter() + args.seconds
+    shorts: list[dict] = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=None)) as session:
+        async def slot():
+            while time.perf_counter() < deadline:
+                p = [rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(64)]
+                shorts.append(await interference._stream(session, url, name, p, 256))
+
+        t0 = time.perf_counter()
+        slots = [asyncio.create_task(slot()) for _ in range(args.short_streams)]
+        await asyncio.sleep(2.0)
+        longs = []
+        while time.perf_counter() < deadline:
+            p = [rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(args.long_len)]
+            longs.append(asyncio.create_task(
+                interference._stream(session, url, name, p, 16)))
+            await asyncio.sleep(args.long_every)
+        await asyncio.gather(*slots)
+        long_results = await asyncio.gather(*longs)
+        elapsed = time.perf_counter() - t0
+    ok = [r for r in shorts if "error" not in r]
+    gaps = np.array([g for r in ok for g in r["gaps"]]) * 1000
+    return {"elapsed_s": elapsed, "short_requests": len(shorts),
+            "errors": len(shorts) - len(ok) + sum("error" in r for r in long_results),
+            "long_prompts": len(long_results),
+            "short_output_tokens_per_s": sum(r["tokens"] for r in ok) / elapsed,
+            "short_itl_ms": {"p50": percentile(gaps, 50), "p99": percentile(gaps, 99),
+                             "max": float(gaps.max()) if len(gaps) else None}}
+
+
+def run_server(server, args, protocol) -> dict:
+    """Every workload against one started server (stopped here)."""
+    res: dict = {"command": " ".join(server.cmd)}
+    url = server.url
+    try:
+        name = run_async(model_name(url))
+        load(url, name, prompts(random.Random(99), 4, 64), 8, 4, protocol)   # warm-up
+        # The same prompts for every server: each workload draws from its own seed.
+        rng = random.Random(1)
+        pre = []
+        for p in prompts(rng, args.prefill_reps, 1024):
+            s = load(url, name, [p], 1, 1, protocol)
+            pre.append(s["ttft_ms"]["p50"])
+        res["prefill_1024_ttft_ms"] = {"median": statistics.median(pre), "min": min(pre),
+                                       "max": max(pre), "all": pre}
+        print(f"  prefill 1,024: TTFT median {statistics.median(pre):.0f} ms "
+              f"(min {min(pre):.0f}, max {max(pre):.0f})", flush=True)
+        s = load(url, name, prompts(random.Random(2), 2, 1024), 128, 1, protocol)
+        res["decode_1100_itl_p50_ms"] = s["itl_ms"]["p50"]
+        print(f"  batch-1 decode at ~1,100 ctx: ITL p50 {s['itl_ms']['p50']:.1f} ms", flush=True)
+        res["streams"] = {}
+        for c in args.levels:
+            n = max(4, args.requests_per_slot * c)
+            s = load(url, name, prompts(random.Random(10 + c), n, 256), 64, c, protocol)
+            res["streams"][c] = s
+            print(f"  {c} streams: {s['output_tokens_per_s']:.1f} out tok/s, ITL p50 "
+                  f"{s['itl_ms']['p50']:.1f} p99 {s['itl_ms']['p99']:.1f} ms, "
+                  f"{s['errors']} errors", flush=True)
+        rng = random.Random(3)
+        prefixes = prompts(rng, 4, 1024)
+        shared = [prefixes[i % 4] + prompts(rng, 1, 32)[0] for i in range(args.shared_requests)]
+        s = load(url, name, shared, 32, 8, protocol)
+        res["shared_prefix"] = s
+        print(f"  shared prefix: {s['requests_per_s']:.2f} req/s, {s['errors']} errors",
+              flush=True)
+        r = run_async(_interference(url, name, args, random.Random(4)))
+        res["interference"] = r
+        print(f"  interference: {r['short_output_tokens_per_s']:.1f} short out tok/s, ITL p99 "
+              f"{r['short_itl_ms']['p99']:.0f} max {r['short_itl_ms']['max']:.0f} ms, "
+              f"{r['long_prompts']} long prompts, {r['errors']} errors", flush=True)
+    finally:
+        server.stop()
+    return res
+
+
+ROWS = [  # label, getter, higher is better
+    ("prefill 1,024 TTFT median (ms)", lambda r: r["prefill_1024_ttft_ms"]["median"], False),
+    ("batch-1 ITL p50 ~1,100 ctx (ms)", lambda r: r["decode_1100_itl_p50_ms"], False),
+]
+
+
+def rows(levels) -> list:
+    out = list(ROWS)
+    for c in levels:
+        out.append((f"{c} stream(s): out tok/s", lambda r, c=c: r["streams"][c]
+                    ["output_tokens_per_s"], True))
+        out.append((f"{c} stream(s): ITL p99 (ms)", lambda r, c=c: r["streams"][c]["itl_ms"]
+                    ["p99"], False))
+    return out + [
+        ("shared prefix, 8 streams (req/s)", lambda r: r["shared_prefix"]["requests_per_s"],
+         True),
+        ("interference: short out tok/s", lambda r: r["interference"]
+         ["short_output_tokens_per_s"], True),
+        ("interference: short ITL p99 (ms)", lambda r: r["interference"]["short_itl_ms"]["p99"],
+         False),
+        ("interference: short ITL max (ms)", lambda r: r["interference"]["short_itl_ms"]["max"],
+         False),
+    ]
+
+
+def print_table(out: dict, levels) -> None:
+    servers = list(out["servers"])
+    vllm = out["servers"].get("vllm")
+    print(f"\n{'workload':<36}" + "".join(f"{s:>14}" for s in servers)
+          + ("".join(f"{s + '/vLLM':>14}" for s in servers if s != "vllm") if vllm else ""))
+    for label, get, higher in rows(levels):
+        vals = {}
+        for s in servers:
+            try:
+                vals[s] = get(out["servers"][s])
+            except (KeyError, TypeError):
+                vals[s] = None
+        line = f"{label:<36}" + "".join(f"{v:>14.1f}" if v is not None else f"{'-':>14}"
+                                        for v in vals.values())
+        if vllm:
+            for s in servers:
+                if s == "vllm":
+                    continue
+                a, b = vals[s], vals["vllm"]
+                ratio = None if not a or not b else (a / b if higher else b / a)
+                line += f"{ratio:>13.2f}x" if ratio is not None else f"{'-':>14}"
+        print(line)
+    print("(ratios: > 1 is better for tokenloom; for times, vLLM's over tokenloom's)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--vllm", type=Path, default=PEERS / "vllm", metavar="VENV")
+    ap.add_argument("--vllm-dtype", default="bfloat16")
+    ap.add_argument("--tokenloom", nargs="+", default=["bf16"], choices=list(MODES))
+    ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="more tokenloom settings (every mode)")
+    ap.add_argument("--levels", type=lambda t: [int(x) for x in t.split(",")],
+                    default=[1, 4, 16])
+    ap.add_argument("--requests-per-slot", type=int, default=3)
+    ap.add_argument("--prefill-reps", type=int, default=5)
+    ap.add_argument("--shared-requests", type=int, default=32)
+    ap.add_argument("--short-streams", type=int, default=4)
+    ap.add_argument("--long-len", type=int, default=2000)
+    ap.add_argument("--long-every", type=float, default=4.0)
+    ap.add_argument("--seconds", type=float, default=60.0)
+    ap.add_argument("--quick", action="store_true", help="smoke test (numbers mean nothing)")
+    ap.add_argument("--json", default=str(Path(__file__).parent / "results" / "vllm_cpu.json"))
+    args = ap.parse_args()
+    if args.quick:
+        args.levels, args.requests_per_slot, args.prefill_reps = [1, 4], 1, 2
+        args.shared_requests, args.seconds, args.long_len = 8, 8.0, 512
+    out: dict = {"workloads": {k: v for k, v in vars(args).items() if k != "vllm"},
+                 "servers": {}}
+    logdir = Path(tempfile.mkdtemp(prefix="vllm_cpu-"))
+    for mode in args.tokenloom:
+        print(f"\n== tokenloom {mode}", flush=True)
+        server = start_tokenloom(args.model, ["admin.enabled=false", *MODES[mode], *args.set],
+                                 log_path=logdir / f"tokenloom-{mode}.log")
+        out["servers"][mode] = run_server(server, args, None)
+        write_json(Path(args.json), out)
+    if not args.no_vllm:
+        if not (args.vllm / "bin" / "python").is_file():
+            raise SystemExit(f"no vLLM venv at {args.vllm}: run "
+                             f"../shared/peers/install-vllm-cpu.sh (or pass --no-vllm)")
+        print(f"\n== vLLM CPU {args.vllm_dtype} (start-up compiles for ~100 s)", flush=True)
+        server = start_vllm_cpu(args.vllm, resolve_dir(args.model), logdir / "vllm.log",
+                                args.vllm_dtype)
+        out["servers"]["vllm"] = run_server(server, args, PeerStream)
+        write_json(Path(args.json), out)
+    print_table(out, args.levels)
+    print(f"\nJSON: {args.json}; server logs: {logdir}")
+
+
+if __name__ == "__main__":
+    main()
