@@ -85,8 +85,9 @@ def measure(model, steps: dict, rounds: int, n: int) -> dict:
     layers = model.layers
     names = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
     projections = [layer.get_submodule(name) for layer in layers for name in names]
-    xs = [torch.randn(1, p.in_features) for p in projections]
-    hx = torch.randn(1, model.spec.hidden_size)
+    act = model.embed_tokens.weight.dtype   # the activations' dtype (bf16 models: bf16)
+    xs = [torch.randn(1, p.in_features).to(act) for p in projections]
+    hx = torch.randn(1, model.spec.hidden_size).to(act)
 
     def step(args):
         h = model.forward_hidden(*args)

@@ -62,6 +62,8 @@ def register_shape_functions() -> None:
              scale: torch.empty_like(q, memory_format=torch.contiguous_format))
     register("store_kv_cpu", lambda key, value, key_cache, value_cache, slots: None)
     register("small_gemm", lambda x, w, scale, bias: x.new_empty((x.shape[0], w.shape[0])))
+    register("small_gemm_strips",
+             lambda x, w, scale, bias: x.new_empty((x.shape[0], w.shape[0])))
     # q4/q8 block kernels
     register("q4_gemm", lambda x, qs, d, m, bias: x.new_empty((x.shape[0], qs.shape[0])))
     register("q8_gemm", lambda x, qs, d, bias: x.new_empty((x.shape[0], qs.shape[0])))

@@ -219,8 +219,8 @@ class KernelSet(nn.Module):
             q, scale = quantize_int8(weight)
             self.register_buffer("q", q, persistent=False)
             self.register_buffer("scale", scale, persistent=False)
-            if gemm is not None and want("small_gemm_int8"):
-                names.append("small_gemm_int8")
+            names += [n for n in ("small_gemm_int8", "small_gemm_strips_int8")
+                      if gemm is not None and want(n)]
             # torch's packed int8 matmul takes bf16 activations: a candidate only when the
             # model's activations are bf16 anyway. With fp32 activations it would round
             # them to bf16 whenever it measured fastest, so the numerics (and the quality
@@ -241,8 +241,8 @@ class KernelSet(nn.Module):
                     names.append("onednn")
                 except RuntimeError as e:  # a torch build without the primitive for this dtype
                     log.info("oneDNN linear unavailable", dtype=str(act_dtype), reason=str(e))
-            if gemm is not None and want("small_gemm"):
-                names.append("small_gemm")
+            names += [n for n in ("small_gemm", "small_gemm_strips")
+                      if gemm is not None and want(n)]
         self.names = tuple(names)
 
     def _copies(self, dequantized, act_dtype: torch.dtype, want) -> list[str]:
@@ -277,6 +277,12 @@ class KernelSet(nn.Module):
             return F.linear(x, self.w, b)
         if name in ("onednn", "copy_onednn"):
             return onednn_linear(x, self.packed, b)
+        if name == "small_gemm_strips":
+            return torch.ops.tokenloom.small_gemm_strips(x, self.w, self.empty,
+                                                         self.empty if b is None else b)
+        if name == "small_gemm_strips_int8":
+            return torch.ops.tokenloom.small_gemm_strips(x, self.q, self.scale,
+                                                         self.empty if b is None else b)
         if name == "small_gemm":
             return torch.ops.tokenloom.small_gemm(x, self.w, self.empty,
                                                   self.empty if b is None else b)
@@ -290,11 +296,14 @@ class KernelSet(nn.Module):
         raise ValueError(f"unknown CPU matmul kernel {name!r}")
 
 
-def _min_ms(fn, reps: int = 5) -> float:
-    """Best of `reps` (the machine may be shared: the minimum is the kernel's own time)."""
+def _min_ms(fn, reps: int = 5, before=None) -> float:
+    """Best of `reps` (the machine may be shared: the minimum is the kernel's own time).
+    `before`: called (untimed) before each run."""
     fn()
     best = float("inf")
     for _ in range(reps):
+        if before is not None:
+            before()
         t = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - t)
@@ -348,6 +357,11 @@ def _available(name: str) -> bool:
     return name in ("mkl", "copy_mkl")
 
 
+# Bumped when the candidate kernels change (a plan remembered before would never consider
+# the new ones): 2 = small_gemm walks rows, small_gemm_strips added.
+PLAN_VERSION = "kernels-2"
+
+
 def plan_cache_key(weights: list[tuple[torch.Tensor, torch.Tensor | None]], storage: str,
                    act_dtype: torch.dtype, rows: tuple[int, ...],
                    excluded: frozenset = frozenset()) -> str:
@@ -357,7 +371,8 @@ def plan_cache_key(weights: list[tuple[torch.Tensor, torch.Tensor | None]], stor
 
     from tokenloom.kernels.cpu.features import detect
 
-    parts = [storage, str(act_dtype), repr(rows), detect().summary(), torch.__version__,
+    parts = [PLAN_VERSION, storage, str(act_dtype), repr(rows), detect().summary(),
+             torch.__version__,
              str(torch.get_num_threads()), repr(sorted(excluded))]
     parts += [f"{tuple(w.shape)}:{w.dtype}:{b is not None}" for w, b in weights]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
@@ -409,15 +424,49 @@ def plan(weights: list[tuple[torch.Tensor, torch.Tensor | None]], storage: str,
     names = [n for n in cands[0].names if all(n in c.names for c in cands)]
     if not names and excluded:   # no quantized kernel built here: a copy is all there is
         return plan(weights, storage, act_dtype, rows, blocks)
+    # A decode step streams every layer's weights from memory; one layer's alone would stay
+    # in the last-level cache between timing runs, and the kernel that is fastest from the
+    # cache need not be fastest from memory (on one AMD Zen 4, small_gemm's two ways of
+    # walking the weights swapped places). Decode-sized calls are timed from memory: the
+    # cache is flushed (a buffer twice its size is read) before each timed run.
+    flush = _cache_flusher()
     timings: dict[int, dict[str, float]] = {}
     best: list[str] = []
     with torch.inference_mode():
         for n in rows:
             xs = [torch.randn(n, w.shape[1]).to(act_dtype) for w, _ in weights]
-            timings[n] = {name: _min_ms(lambda: [c.run(name, x) for c, x in zip(cands, xs)])
+            before = flush if n <= STREAMING_ROWS else None
+            timings[n] = {name: _min_ms(lambda: [c.run(name, x) for c, x in zip(cands, xs)],
+                                        before=before)
                           for name in names}
             best.append(min(timings[n], key=timings[n].get))
     return Plan(_merge_bands(list(zip(rows, best))), timings)
+
+
+# Row counts up to this are weight-streaming (timed from memory, not cache, by `plan`).
+STREAMING_ROWS = 16
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache's size from sysfs (0 when unknown)."""
+    from pathlib import Path
+
+    best = 0
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip().upper()
+        try:
+            mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            best = max(best, int(text.rstrip("KMG")) * mult)
+        except ValueError:
+            continue
+    return best
+
+
+def _cache_flusher():
+    """A function that evicts the caches: it reads a buffer twice the last-level cache's
+    size (at least 64 MiB)."""
+    buf = torch.ones(max(2 * last_level_cache_bytes(), 64 << 20) // 4)
+    return lambda: buf.sum()
 
 
 def _band_kernel(bands: tuple[tuple[int, str], ...], rows: int) -> str:

@@ -33,7 +33,7 @@ using at::Tensor;
 // How a projection runs (kernels/cpu/linear.py's kernel names): the operator and its
 // tensor arguments after x. kOneDNN: oneDNN's linear on a prepacked weight ([packed] or
 // [packed, bias]), called at the row counts kernels/cpu/linear.py's onednn_rows pads to.
-enum Kind : int64_t { kQ4 = 0, kQ8 = 1, kSmall = 2, kDense = 3, kOneDNN = 4 };
+enum Kind : int64_t { kQ4 = 0, kQ8 = 1, kSmall = 2, kDense = 3, kOneDNN = 4, kStrips = 5 };
 
 // kernels/cpu/linear.py's onednn_rows: exact up to 16 rows, above that rounded up to 1/8 of
 // the power of two below, so that oneDNN's primitive cache sees a bounded set of shapes.
@@ -140,7 +140,7 @@ class DecodeStack {
                     norms_.size() * 2 == kinds.size(),
                 "decode_stack: 4 projections and 2 norms per layer");
     for (size_t i = 0; i < kinds.size(); ++i) {
-      TORCH_CHECK(kinds[i] >= kQ4 && kinds[i] <= kOneDNN, "decode_stack: unknown kind");
+      TORCH_CHECK(kinds[i] >= kQ4 && kinds[i] <= kStrips, "decode_stack: unknown kind");
       projs_.push_back(Proj{kinds[i], std::move(args[i])});
       need(kinds[i]);
     }
@@ -237,6 +237,8 @@ class DecodeStack {
       q8_ = op4("tokenloom::q8_gemm");
     } else if (kind == kSmall && !small_) {
       small_ = op4("tokenloom::small_gemm");
+    } else if (kind == kStrips && !strips_) {
+      strips_ = op4("tokenloom::small_gemm_strips");
     } else if (kind == kOneDNN && !onednn_) {
       onednn_ = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
     }
@@ -266,6 +268,7 @@ class DecodeStack {
       case kQ4: return q4_->call(x, a[0], a[1], a[2], a[3]);
       case kQ8: return q8_->call(x, a[0], a[1], a[2]);
       case kSmall: return small_->call(x, a[0], a[1], a[2]);
+      case kStrips: return strips_->call(x, a[0], a[1], a[2]);
       case kOneDNN: return onednn(x, a);
       default: return at::linear(x, a[0], a.size() > 1 ? c10::optional<Tensor>(a[1])
                                                          : c10::nullopt);
@@ -277,7 +280,7 @@ class DecodeStack {
   int64_t H_, KVH_, D_;
   double eps_, scale_;
   c10::optional<c10::TypedOperatorHandle<Q4Op>> q4_;
-  c10::optional<c10::TypedOperatorHandle<Q8Op>> q8_, small_;
+  c10::optional<c10::TypedOperatorHandle<Q8Op>> q8_, small_, strips_;
   c10::optional<c10::OperatorHandle> onednn_;
   c10::TypedOperatorHandle<DecodeOp> decode_ = c10::Dispatcher::singleton()
       .findSchemaOrThrow("tokenloom::paged_decode_cpu", "").typed<DecodeOp>();

@@ -117,7 +117,8 @@ def test_a_decode_step_on_the_stack_equals_the_module_forward(storage, dtype, bi
 
 
 @pytest.mark.parametrize("storage,kernel", [
-    ("float", "mkl"), ("float", "small_gemm"), ("float", "onednn"), ("q4", "block_gemm"),
+    ("float", "mkl"), ("float", "small_gemm"), ("float", "small_gemm_strips"),
+    ("float", "onednn"), ("q4", "block_gemm"), ("int8", "small_gemm_strips_int8"),
     ("q8", "block_gemm"), ("q4", "copy_mkl"), ("q4", "copy_onednn"),
     ("int8", "small_gemm_int8")])
 def test_every_kernel_the_stack_calls_at_decode_and_padded_row_counts(storage, kernel,
