@@ -23,7 +23,8 @@ from tokenloom.kernels.kv_quant import QuantizedCache
 
 def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, key: torch.Tensor | None = None,
-                    value: torch.Tensor | None = None, decode_fn=None) -> torch.Tensor:
+                    value: torch.Tensor | None = None, decode_fn=None,
+                    prefill_fn=None) -> torch.Tensor:
     """q: [T, H, D]; caches: [num_blocks, block_size, KVH, D] -> out [T, H, D].
 
     `key`/`value` ([T, KVH, D], already stored in the cache) are an optional shortcut: a
@@ -48,7 +49,7 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
         if seg.start_pos == 0 and key is not None and not isinstance(key_cache, QuantizedCache):
             local = (key[rows], value[rows])
         out[rows] = prefill_attention(q[rows], key_cache, value_cache, seg.block_table,
-                                      seg.start_pos, scale, local, seg.mask)
+                                      seg.start_pos, scale, local, seg.mask, prefill_fn)
     return out
 
 
@@ -112,11 +113,13 @@ def decode_mask(context_lens: torch.Tensor, length: int) -> torch.Tensor:
 def prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       block_table: torch.Tensor, start_pos: int, scale: float,
                       local: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      mask: torch.Tensor | None = None) -> torch.Tensor:
+                      mask: torch.Tensor | None = None, kernel=None) -> torch.Tensor:
     """A chunk of n query tokens at positions [start_pos, start_pos + n). q: [n, H, D].
 
     `local`: the chunk's own (key, value) [n, KVH, D], usable when start_pos == 0.
-    `mask`: chunk_mask(start_pos, n, ...) when start_pos > 0, if already built."""
+    `mask`: chunk_mask(start_pos, n, ...) when start_pos > 0, if already built.
+    `kernel`: a causal attention kernel over the gathered context (the CPU's C++ one)
+    instead of SDPA; it needs no mask."""
     n, h, d = q.shape
     kvh = key_cache.shape[2]
     ctx = start_pos + n
@@ -127,6 +130,8 @@ def prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     else:
         k = gather_context(key_cache, block_table[:nb])[:ctx].transpose(0, 1)  # [KVH, ctx, D]
         v = gather_context(value_cache, block_table[:nb])[:ctx].transpose(0, 1)
+    if kernel is not None:
+        return kernel(q, k, v, scale)
     qh = q.transpose(0, 1).unsqueeze(0)                        # [1, H, n, D]
     if start_pos == 0:
         # Plain causal prefill: the fused kernel's top-left causal mask is exactly right.

@@ -69,6 +69,7 @@ def select_decode_backend(model, wanted: str, device: torch.device,
         cpu_kernel_status,
         load_cpu_decode_kernel,
         paged_decode_cpu,
+        prefill_attention_cpu,
     )
     if load_cpu_decode_kernel() is None:
         reason = cpu_kernel_status()
@@ -76,6 +77,8 @@ def select_decode_backend(model, wanted: str, device: torch.device,
                          backend="torch", reason=reason)
         return "torch"
     model.set_decode_kernel(paged_decode_cpu)
+    if model.embed_tokens.weight.dtype in (torch.float32, torch.bfloat16):
+        model.set_prefill_kernel(prefill_attention_cpu)
     from tokenloom.kernels.cpu import decode_stack
     if decode_stack.install(model):   # fp32: a decode step's layers in one C++ call
         startup_log.info("CPU decode steps: the decoder layers in one C++ call")

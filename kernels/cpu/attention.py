@@ -51,6 +51,14 @@ def cpu_kernel_status() -> str:
     return "loaded" if _module is not None else (_failed or "not loaded")
 
 
+def prefill_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+    """Causal attention of a prefill chunk over its context: q [n, H, D], k and v [KVH,
+    ctx, D] -> [n, H, D] (query i at position ctx - n + i). The C++ kernel: register-tiled
+    scores and P . V, no mask tensor (paged_decode_cpu.cpp)."""
+    return _module.prefill_attention(q, k, v, scale)
+
+
 def paged_decode_cpu(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor,
                      max_context: int = 0, scale: float = 1.0,

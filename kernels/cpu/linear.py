@@ -364,16 +364,17 @@ PLAN_VERSION = "kernels-2"
 
 def plan_cache_key(weights: list[tuple[torch.Tensor, torch.Tensor | None]], storage: str,
                    act_dtype: torch.dtype, rows: tuple[int, ...],
-                   excluded: frozenset = frozenset()) -> str:
+                   excluded: frozenset = frozenset(), from_memory: bool = False) -> str:
     """What a measured plan depends on: the projections' shapes and dtypes, the storage,
-    the row ladder, this CPU, torch and the thread count."""
+    the row ladder, this CPU, torch, the thread count and whether it was timed from
+    memory."""
     import hashlib
 
     from tokenloom.kernels.cpu.features import detect
 
     parts = [PLAN_VERSION, storage, str(act_dtype), repr(rows), detect().summary(),
              torch.__version__,
-             str(torch.get_num_threads()), repr(sorted(excluded))]
+             str(torch.get_num_threads()), repr(sorted(excluded)), f"memory={from_memory}"]
     parts += [f"{tuple(w.shape)}:{w.dtype}:{b is not None}" for w, b in weights]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
@@ -381,7 +382,7 @@ def plan_cache_key(weights: list[tuple[torch.Tensor, torch.Tensor | None]], stor
 def cached_plan(weights: list[tuple[torch.Tensor, torch.Tensor | None]], storage: str,
                 act_dtype: torch.dtype, rows: tuple[int, ...] = ROW_LADDER,
                 cache_dir=None, blocks: list | None = None,
-                excluded: frozenset = frozenset()) -> Plan:
+                excluded: frozenset = frozenset(), from_memory: bool = False) -> Plan:
     """`plan`, remembered in `cache_dir` (when given) for the next start on this machine:
     the choice stays the same from one start to the next (measurements are noisy), so the
     compiled decode programs that call the chosen kernels stay in their on-disk cache."""
@@ -390,7 +391,7 @@ def cached_plan(weights: list[tuple[torch.Tensor, torch.Tensor | None]], storage
 
     path = None
     if cache_dir is not None:
-        key = plan_cache_key(weights, storage, act_dtype, rows, excluded)
+        key = plan_cache_key(weights, storage, act_dtype, rows, excluded, from_memory)
         path = Path(cache_dir) / "cpu_kernel_plans" / f"{key}.json"
         try:
             raw = json.loads(path.read_text())
@@ -401,7 +402,7 @@ def cached_plan(weights: list[tuple[torch.Tensor, torch.Tensor | None]], storage
                 return cached
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass
-    chosen = plan(weights, storage, act_dtype, rows, blocks, excluded)
+    chosen = plan(weights, storage, act_dtype, rows, blocks, excluded, from_memory)
     if path is not None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -413,29 +414,32 @@ def cached_plan(weights: list[tuple[torch.Tensor, torch.Tensor | None]], storage
 
 def plan(weights: list[tuple[torch.Tensor, torch.Tensor | None]], storage: str,
          act_dtype: torch.dtype, rows: tuple[int, ...] = ROW_LADDER,
-         blocks: list | None = None, excluded: frozenset = frozenset()) -> Plan:
+         blocks: list | None = None, excluded: frozenset = frozenset(),
+         from_memory: bool = False) -> Plan:
     """Time every candidate kernel on these projections (e.g. one decoder layer's) at each
     row count and keep the fastest per row count, merged into bands. `blocks`: the
     projections' own q4/q8 blocks (aligned with `weights`); `excluded`: kernels not to
-    consider (e.g. the dequantized copies where memory does not allow them)."""
+    consider (e.g. the dequantized copies where memory does not allow them);
+    `from_memory`: the model's weights outgrow the last-level cache (see below)."""
     blocks = blocks or [None] * len(weights)
     cands = [KernelSet(w, b, storage, act_dtype, blocks=bl, excluded=excluded)
              for (w, b), bl in zip(weights, blocks)]
     names = [n for n in cands[0].names if all(n in c.names for c in cands)]
     if not names and excluded:   # no quantized kernel built here: a copy is all there is
-        return plan(weights, storage, act_dtype, rows, blocks)
-    # A decode step streams every layer's weights from memory; one layer's alone would stay
-    # in the last-level cache between timing runs, and the kernel that is fastest from the
-    # cache need not be fastest from memory (on one AMD Zen 4, small_gemm's two ways of
-    # walking the weights swapped places). Decode-sized calls are timed from memory: the
-    # cache is flushed (a buffer twice its size is read) before each timed run.
-    flush = _cache_flusher()
+        return plan(weights, storage, act_dtype, rows, blocks, from_memory=from_memory)
+    # A decode step of a model larger than the last-level cache streams every layer's
+    # weights from memory; one layer's alone would stay in the cache between timing runs,
+    # and the kernel that is fastest from the cache need not be fastest from memory (on one
+    # AMD Zen 4, small_gemm's two ways of walking the weights swapped places). For such a
+    # model decode-sized calls are timed from memory: the cache is flushed (a buffer twice
+    # its size is read) before each timed run. A model that fits runs from the cache.
+    flush = _cache_flusher() if from_memory else None
     timings: dict[int, dict[str, float]] = {}
     best: list[str] = []
     with torch.inference_mode():
         for n in rows:
             xs = [torch.randn(n, w.shape[1]).to(act_dtype) for w, _ in weights]
-            before = flush if n <= STREAMING_ROWS else None
+            before = flush if n <= STREAMING_ROWS else None   # None: no flush
             timings[n] = {name: _min_ms(lambda: [c.run(name, x) for c, x in zip(cands, xs)],
                                         before=before)
                           for name in names}
@@ -460,6 +464,12 @@ def last_level_cache_bytes() -> int:
         except ValueError:
             continue
     return best
+
+
+def weight_bytes_per_element(storage: str, act_dtype: torch.dtype) -> float:
+    """What a decode kernel streams per weight in `storage` (scales included)."""
+    return {Q4: 0.625, Q8: 1.0625, INT8: 1.0}.get(
+        storage, torch.tensor([], dtype=act_dtype).element_size())
 
 
 def _cache_flusher():

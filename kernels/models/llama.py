@@ -48,6 +48,7 @@ class Attention(nn.Module):
                                   bias=spec.attention_bias)
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
         self.decode_fn = None  # None: torch reference; see LlamaForCausalLM.set_decode_kernel
+        self.prefill_fn = None  # None: torch SDPA; see LlamaForCausalLM.set_prefill_kernel
         self.store_fn = None   # None: kv_store.store_kv; see LlamaForCausalLM.set_kv_store_kernel
         # None: rope_and_store + the KV store above; else a kernel that rotates q and k and
         # writes k and v into the cache in one launch (LlamaForCausalLM.set_fused_kernels).
@@ -126,7 +127,8 @@ class Attention(nn.Module):
         """q [T, H, D] against the cache (the step's k and v already stored) -> [T, H, D].
         The one part of a layer whose work depends on the batch's contexts: a piecewise
         graph runs it eagerly between its captured pieces."""
-        return paged_attention(q, key_cache, value_cache, meta, self.scale, k, v, self.decode_fn)
+        return paged_attention(q, key_cache, value_cache, meta, self.scale, k, v, self.decode_fn,
+                               self.prefill_fn)
 
 
 def _rotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
@@ -221,6 +223,12 @@ class LlamaForCausalLM(nn.Module):
         """Route decode attention through `decode_fn` (same contract as decode_attention)."""
         for layer in self.layers:
             layer.self_attn.decode_fn = decode_fn
+
+    def set_prefill_kernel(self, prefill_fn) -> None:
+        """Route prefill-chunk attention through `prefill_fn(q [n, H, D], k, v [KVH, ctx,
+        D], scale)` (causal, query i at position ctx - n + i); None: torch SDPA."""
+        for layer in self.layers:
+            layer.self_attn.prefill_fn = prefill_fn
 
     def set_kv_check(self, check) -> None:
         """Route every layer's K/V and query through the runtime KV quality check (None:
@@ -364,14 +372,20 @@ class LlamaForCausalLM(nn.Module):
         first = self.layers[0]
         names = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
         linears = [first.get_submodule(n) for n in names]
+        # Whether a decode step streams the weights from memory (the planner then times
+        # decode-sized calls with the caches flushed) or finds them in the cache.
+        streamed = (sum(lin.weight.numel() for lin in linears) * len(self.layers)
+                    * cpu_linear.weight_bytes_per_element(storage, act))
+        from_memory = streamed > cpu_linear.last_level_cache_bytes()
         layer_plan = cpu_linear.cached_plan(
             [(lin.weight, lin.bias) for lin in linears], storage, act,
             cache_dir=self.plan_cache_dir, excluded=excluded,
-            blocks=[blocks.get(f"layers.0.{n}") for n in names])
+            blocks=[blocks.get(f"layers.0.{n}") for n in names], from_memory=from_memory)
         head_plan = cpu_linear.cached_plan([(self.lm_head.weight, None)], head_storage, act,
                                            cpu_linear.HEAD_ROW_LADDER,
                                            cache_dir=self.plan_cache_dir, excluded=excluded,
-                                           blocks=[blocks.get("lm_head")])
+                                           blocks=[blocks.get("lm_head")],
+                                           from_memory=from_memory)
         for i, layer in enumerate(self.layers):
             for n in names:
                 parent, attr = n.split(".")

@@ -132,3 +132,37 @@ def test_quantized_cache_matches_reference(k_fmt, v_fmt, dtype):
     kv.key[0].promote()
     out = paged_decode_cpu(q, kv.key[0], kv.value[0], tables, lens, 777, 0.125)
     assert (out.float() - ref.float()).abs().max().item() < tol
+
+
+PREFILL_CASES = [  # (queries, context, heads, kv_heads, head_dim)
+    (1, 1, 4, 4, 64),       # one token, nothing before it
+    (37, 37, 9, 3, 64),     # a fresh prompt, not a whole tile of rows or keys
+    (64, 300, 9, 3, 64),    # a continuation chunk: 236 earlier keys
+    (5, 1000, 8, 1, 128),   # a few rows (a speculative verify) at a long context, MQA
+    (20, 50, 4, 2, 80),     # a head size that is not a whole number of 16-lane vectors
+    (300, 300, 32, 4, 128),
+]
+
+
+@pytest.mark.parametrize("n,ctx,heads,kv_heads,head_dim", PREFILL_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_kernel_matches_sdpa(n, ctx, heads, kv_heads, head_dim, dtype):
+    from torch.nn import functional as F
+
+    from tokenloom.kernels.cpu.attention import prefill_attention_cpu
+
+    g = torch.Generator().manual_seed(n * 7 + ctx)
+    q = torch.randn(n, heads, head_dim, generator=g).to(dtype)
+    # k, v as the model passes them: [KVH, ctx, D] views of [ctx, KVH, D] rows.
+    k = torch.randn(ctx, kv_heads, head_dim, generator=g).to(dtype).transpose(0, 1)
+    v = torch.randn(ctx, kv_heads, head_dim, generator=g).to(dtype).transpose(0, 1)
+    scale = head_dim ** -0.5
+    out = prefill_attention_cpu(q, k, v, scale)
+    # query i at position ctx - n + i sees keys 0 .. ctx - n + i
+    mask = torch.ones(n, ctx, dtype=torch.bool).tril_(ctx - n)
+    ref = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], k.float()[None],
+                                         v.float()[None], attn_mask=mask, scale=scale,
+                                         enable_gqa=True)[0].transpose(0, 1)
+    assert out.shape == q.shape and out.dtype == dtype
+    tol = 2e-6 if dtype == torch.float32 else 2e-2   # bf16: the output's rounding
+    assert (out.float() - ref).abs().max().item() <= tol * max(1.0, ref.abs().max().item())
