@@ -33,7 +33,9 @@ using at::Tensor;
 // How a projection runs (kernels/cpu/linear.py's kernel names): the operator and its
 // tensor arguments after x. kOneDNN: oneDNN's linear on a prepacked weight ([packed] or
 // [packed, bias]), called at the row counts kernels/cpu/linear.py's onednn_rows pads to.
-enum Kind : int64_t { kQ4 = 0, kQ8 = 1, kSmall = 2, kDense = 3, kOneDNN = 4, kStrips = 5 };
+enum Kind : int64_t {
+  kQ4 = 0, kQ8 = 1, kSmall = 2, kDense = 3, kOneDNN = 4, kStrips = 5, kInt8Pack = 6
+};
 
 // kernels/cpu/linear.py's onednn_rows: exact up to 16 rows, above that rounded up to 1/8 of
 // the power of two below, so that oneDNN's primitive cache sees a bounded set of shapes.
@@ -140,7 +142,7 @@ class DecodeStack {
                     norms_.size() * 2 == kinds.size(),
                 "decode_stack: 4 projections and 2 norms per layer");
     for (size_t i = 0; i < kinds.size(); ++i) {
-      TORCH_CHECK(kinds[i] >= kQ4 && kinds[i] <= kStrips, "decode_stack: unknown kind");
+      TORCH_CHECK(kinds[i] >= kQ4 && kinds[i] <= kInt8Pack, "decode_stack: unknown kind");
       projs_.push_back(Proj{kinds[i], std::move(args[i])});
       need(kinds[i]);
     }
@@ -270,6 +272,11 @@ class DecodeStack {
       case kSmall: return small_->call(x, a[0], a[1], a[2]);
       case kStrips: return strips_->call(x, a[0], a[1], a[2]);
       case kOneDNN: return onednn(x, a);
+      case kInt8Pack: {   // torch's int8 matmul: [q, bf16 scales, bias or empty]
+        Tensor y = at::_weight_int8pack_mm(x.to(at::kBFloat16).contiguous(), a[0], a[1])
+                       .to(x.scalar_type());
+        return a[2].numel() > 0 ? y.add_(a[2]) : y;
+      }
       default: return at::linear(x, a[0], a.size() > 1 ? c10::optional<Tensor>(a[1])
                                                          : c10::nullopt);
     }

@@ -120,15 +120,19 @@ def test_a_decode_step_on_the_stack_equals_the_module_forward(storage, dtype, bi
     ("float", "mkl"), ("float", "small_gemm"), ("float", "small_gemm_strips"),
     ("float", "onednn"), ("q4", "block_gemm"), ("int8", "small_gemm_strips_int8"),
     ("q8", "block_gemm"), ("q4", "copy_mkl"), ("q4", "copy_onednn"),
-    ("int8", "small_gemm_int8")])
+    ("int8", "small_gemm_int8"), ("int8", "int8pack_bf16")])
 def test_every_kernel_the_stack_calls_at_decode_and_padded_row_counts(storage, kernel,
                                                                         monkeypatch):
     # 20 rows: oneDNN is called at a padded row count above 16 (kernels/cpu/linear.py).
     if "onednn" in kernel and not cpu_linear.onednn_available():
         pytest.skip("this torch build has no oneDNN packed linear")
-    spec, model = _model(storage, True, torch.float32, kernel, monkeypatch)
+    if kernel == "int8pack_bf16" and not cpu_linear.has_int8_weight_op():
+        pytest.skip("this torch build has no int8 weight matmul")
+    # torch's int8 matmul is a candidate only with bf16 activations
+    dtype = torch.bfloat16 if kernel == "int8pack_bf16" else torch.float32
+    spec, model = _model(storage, True, dtype, kernel, monkeypatch)
     assert model.layers[0].mlp.down_proj.kernel_for(20) == kernel
-    _stack_equals_module(spec, model, torch.float32, (1, 3, 16, 20))
+    _stack_equals_module(spec, model, dtype, (1, 3, 16, 20))
     assert model.decode_stacks.for_rows(20) is not None
 
 
@@ -151,9 +155,9 @@ def test_a_padded_row_writes_nowhere_and_prefills_take_the_module_forward():
 
 def test_a_kernel_the_stack_cannot_call_leaves_the_module_forward():
     spec, model = _model("float", False)
-    for layer in model.layers:      # as if the planner had chosen torch's int8 matmul
-        layer.self_attn.o_proj._bands = ((1 << 30, "int8pack_bf16"),)
-    assert model.layers[0].self_attn.o_proj.kernel_for(1) == "int8pack_bf16"
+    for layer in model.layers:      # as if the planner had chosen a kernel the stack lacks
+        layer.self_attn.o_proj._bands = ((1 << 30, "a_kernel_the_stack_lacks"),)
+    assert model.layers[0].self_attn.o_proj.kernel_for(1) == "a_kernel_the_stack_lacks"
     assert model.decode_stacks.for_rows(1) is None
     for layer in model.layers:
         layer.self_attn.o_proj._bands = ((1 << 30, "small_gemm"),)
