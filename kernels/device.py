@@ -56,11 +56,14 @@ def select_decode_backend(model, wanted: str, device: torch.device,
                           "(on CPU: auto, torch or cpu_kernel)", key="model.attention_backend")
     if device.type == "cpu":
         log_cpu_features(model.embed_tokens.weight.dtype)
+        from tokenloom.kernels.cpu.allocator import keep_freed_memory
+        if keep_freed_memory():   # no page faults on a step's temporaries (allocator.py)
+            startup_log.info("CPU allocator: freed memory kept in the process (glibc mallopt)")
     if wanted == "torch" or (wanted == "auto" and device.type != "cpu"):
         return "torch"
     if device.type == "cpu":
         from tokenloom.kernels.cpu import layer_ops
-        if layer_ops.install(model):   # fp32: residual add + RMSNorm and SiLU*mul in C++
+        if layer_ops.install(model):   # residual add + RMSNorm and SiLU*mul in C++
             startup_log.info("CPU layer ops: C++ residual add + RMSNorm and SiLU*mul")
     if device.type != "cpu":
         raise ConfigError("config error: model.attention_backend 'cpu_kernel' needs "

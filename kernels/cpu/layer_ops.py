@@ -1,7 +1,8 @@
 """The CPU decode step's small per-layer ops in C++ (csrc/layer_ops_cpu.cpp): residual add +
 RMSNorm and SiLU(gate) * up, each one pass over the row instead of torch's chain of ops.
 Installed through LlamaForCausalLM.set_fused_kernels with the same contracts as the GPU's
-Triton kernels; fp32 only (other dtypes and compiled programs use the torch reference)."""
+Triton kernels; fp32 and bf16 (bf16 rounds where the torch reference does; compiled programs
+use the torch reference)."""
 
 from __future__ import annotations
 
@@ -27,14 +28,18 @@ def module():
     return _module
 
 
-def _eager_fp32(x: torch.Tensor) -> bool:
-    return x.dtype == torch.float32 and not torch.compiler.is_compiling()
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _eager(x: torch.Tensor) -> bool:
+    return x.dtype in DTYPES and not torch.compiler.is_compiling()
 
 
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> torch.Tensor:
     """norm(residual + x) with residual updated in place (when given), else norm(x)."""
-    if _eager_fp32(x) and x.is_contiguous() and (residual is None or residual.is_contiguous()):
+    if (_eager(x) and weight.dtype == x.dtype and x.is_contiguous()
+            and (residual is None or residual.is_contiguous())):
         return _module.rms_norm(x, weight, eps, residual)
     if residual is not None:
         residual.add_(x)
@@ -45,14 +50,15 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def silu_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
-    if _eager_fp32(gate_up) and gate_up.dim() == 2 and gate_up.is_contiguous():
+    if _eager(gate_up) and gate_up.dim() == 2 and gate_up.is_contiguous():
         return _module.silu_mul(gate_up)
     return silu_and_mul(gate_up)
 
 
 def install(model) -> bool:
-    """Route the model's norms and SiLU*mul through the C++ ops (fp32 models on CPU)."""
-    if model.embed_tokens.weight.dtype != torch.float32 or module() is None:
+    """Route the model's norms and SiLU*mul through the C++ ops (fp32 and bf16 models on
+    CPU)."""
+    if model.embed_tokens.weight.dtype not in DTYPES or module() is None:
         return False
     model.set_fused_kernels(rms_norm_cpu, silu_mul_cpu, None)
     return True

@@ -21,6 +21,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "prefill_attention.h"
+
 template <typename T>
 static inline float to_f(T x) { return static_cast<float>(x); }
 
@@ -298,167 +300,6 @@ torch::Tensor paged_decode_q(torch::Tensor q, torch::Tensor key_cache, torch::Te
   return out;
 }
 
-// Causal prefill attention over a contiguous context (fp32 or bf16; sums in fp32).
-// q: [n, H, D]; k, v: [KVH, ctx, D] (any strides); query i sits at position ctx - n + i and
-// sees keys 0 .. ctx - n + i. Returns [n, H, D] in q's dtype.
-//
-// torch's fused CPU SDPA ran a 1,024-token causal prefill of the default model (9 heads,
-// D = 64) at about 85 GFLOP/s on 2 cores, 40% of the prefill's time. Here K is transposed
-// once per call to [KVH][D][ctx] (fp32), so that a tile of kPR query rows x 16 keys is
-// kPR x 16 accumulators updated by one 16-key load per d: the scores are a register-tiled
-// GEMM, as is P . V (one 16-wide load of a value row per key, kPR FMAs with it). Each
-// (head, row tile) is one work item; its scores (kPR x the tile's last key) are a
-// per-thread scratch row, and the softmax is the plain two-pass one over them: no mask
-// tensor, no materialised [n, ctx] score matrix.
-constexpr int64_t kPR = 8;    // query rows per tile
-constexpr int64_t kPL = 16;   // keys (score tile) / value lanes per vector
-constexpr float kMasked = -1e30f;   // finite: -ffast-math assumes no infinities
-
-template <typename T>
-void prefill_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                  float scale, torch::Tensor& out) {
-  const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t KVH = k.size(0), ctx = k.size(1), G = H / KVH, off = ctx - n;
-  const int64_t cp = (ctx + kPL - 1) / kPL * kPL;        // keys padded to whole tiles
-  const int64_t dp = (D + kPL - 1) / kPL * kPL;          // value lanes padded likewise
-  // fp32 copies: K transposed [KVH][D][cp] (padding keys are 0), V [KVH][ctx][dp].
-  std::vector<float> kt(KVH * D * cp, 0.f), vf(KVH * ctx * dp, 0.f);
-  auto k32 = k.to(torch::kFloat32), v32 = v.to(torch::kFloat32);
-  auto ka = k32.accessor<float, 3>(), va = v32.accessor<float, 3>();
-  at::parallel_for(0, KVH * ctx, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t h = i / ctx, t = i % ctx;
-      for (int64_t d = 0; d < D; ++d) {
-        kt[(h * D + d) * cp + t] = ka[h][t][d];
-        vf[(h * ctx + t) * dp + d] = va[h][t][d];
-      }
-    }
-  });
-  auto q32 = q.to(torch::kFloat32).contiguous();
-  const float* qp = q32.data_ptr<float>();
-  auto o32 = torch::empty({n, H, D}, q32.options());
-  float* op = o32.data_ptr<float>();
-  const int64_t tiles = (n + kPR - 1) / kPR, items = H * tiles;
-  // Later tiles see more keys: hand them out first, one at a time, so the threads finish
-  // together.
-#pragma omp parallel
-  {
-    std::vector<float> sc(kPR * cp);
-    float acc[kPR][kPL];
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t it = 0; it < items; ++it) {
-      const int64_t tile = tiles - 1 - it / H, h = it % H, hk = h / G;
-      const int64_t i0 = tile * kPR, rows = std::min<int64_t>(kPR, n - i0);
-      const int64_t last = off + i0 + rows - 1;           // the tile's last visible key
-      const int64_t tk = (last + kPL) / kPL * kPL;        // keys scored, whole tiles
-      float qr[kPR][256];
-      for (int64_t r = 0; r < kPR; ++r)
-        for (int64_t d = 0; d < D; ++d)
-          qr[r][d] = r < rows ? qp[((i0 + r) * H + h) * D + d] * scale : 0.f;
-      const float* ktp = kt.data() + hk * D * cp;
-      for (int64_t t0 = 0; t0 < tk; t0 += 2 * kPL) {      // scores: q . k, 32 keys a pass
-        const bool two = t0 + kPL < tk;
-        float acc2[kPR][kPL];
-        for (int64_t r = 0; r < kPR; ++r)
-#pragma omp simd
-          for (int64_t l = 0; l < kPL; ++l) acc[r][l] = acc2[r][l] = 0.f;
-        if (two) {
-          for (int64_t d = 0; d < D; ++d) {
-            const float* kv = ktp + d * cp + t0;
-            for (int64_t r = 0; r < kPR; ++r) {
-              const float qd = qr[r][d];
-#pragma omp simd
-              for (int64_t l = 0; l < kPL; ++l) {
-                acc[r][l] += qd * kv[l];
-                acc2[r][l] += qd * kv[kPL + l];
-              }
-            }
-          }
-        } else {
-          for (int64_t d = 0; d < D; ++d) {
-            const float* kv = ktp + d * cp + t0;
-            for (int64_t r = 0; r < kPR; ++r) {
-              const float qd = qr[r][d];
-#pragma omp simd
-              for (int64_t l = 0; l < kPL; ++l) acc[r][l] += qd * kv[l];
-            }
-          }
-        }
-        for (int64_t r = 0; r < kPR; ++r) {
-          const int64_t visible = off + i0 + r;            // keys > visible are masked
-#pragma omp simd
-          for (int64_t l = 0; l < kPL; ++l)
-            sc[r * cp + t0 + l] = t0 + l <= visible ? acc[r][l] : kMasked;
-          if (two) {
-#pragma omp simd
-            for (int64_t l = 0; l < kPL; ++l)
-              sc[r * cp + t0 + kPL + l] = t0 + kPL + l <= visible ? acc2[r][l] : kMasked;
-          }
-        }
-      }
-      float inv[kPR];
-      for (int64_t r = 0; r < kPR; ++r) {                  // softmax numerators and sums
-        float* s = sc.data() + r * cp;
-        float m = kMasked;
-        for (int64_t t = 0; t < tk; ++t) m = std::max(m, s[t]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < tk; ++t) { s[t] = std::exp(s[t] - m); sum += s[t]; }
-        inv[r] = 1.f / sum;
-      }
-      const float* vp = vf.data() + hk * ctx * dp;
-      const int64_t tv = std::min(tk, ctx);                // padding keys have p = 0
-      // P . V: 4 rows x 64 value lanes a pass (16 accumulators), each value row read once a
-      // pass; other head sizes take several or partial lane blocks.
-      constexpr int64_t kVR = 4, kVL = 4 * kPL;
-      for (int64_t r0 = 0; r0 < rows; r0 += kVR)
-        for (int64_t d0 = 0; d0 < dp; d0 += kVL) {
-          const int64_t lanes = std::min<int64_t>(kVL, dp - d0);
-          float pv[kVR][kVL];
-          for (int64_t r = 0; r < kVR; ++r)
-#pragma omp simd
-            for (int64_t l = 0; l < kVL; ++l) pv[r][l] = 0.f;
-          if (lanes == kVL) {
-            for (int64_t t = 0; t < tv; ++t) {
-              const float* vr = vp + t * dp + d0;
-              for (int64_t r = 0; r < kVR; ++r) {
-                const float pr = sc[(r0 + r) * cp + t];
-#pragma omp simd
-                for (int64_t l = 0; l < kVL; ++l) pv[r][l] += pr * vr[l];
-              }
-            }
-          } else {
-            for (int64_t t = 0; t < tv; ++t) {
-              const float* vr = vp + t * dp + d0;
-              for (int64_t r = 0; r < kVR; ++r) {
-                const float pr = sc[(r0 + r) * cp + t];
-                for (int64_t l = 0; l < lanes; ++l) pv[r][l] += pr * vr[l];
-              }
-            }
-          }
-          for (int64_t r = 0; r < kVR && r0 + r < rows; ++r)
-            for (int64_t l = 0; l < lanes && d0 + l < D; ++l)
-              op[((i0 + r0 + r) * H + h) * D + d0 + l] = pv[r][l] * inv[r0 + r];
-        }
-    }
-  }
-  out = o32.to(q.scalar_type());
-}
-
-torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "prefill_attention: 3-d tensors");
-  TORCH_CHECK(k.sizes() == v.sizes() && k.size(2) == q.size(2) && q.size(1) % k.size(0) == 0,
-              "prefill_attention: q [n, H, D], k and v [KVH, ctx, D], H a multiple of KVH");
-  TORCH_CHECK(k.size(1) >= q.size(0), "prefill_attention: the context holds the queries");
-  TORCH_CHECK(q.size(2) <= 256, "prefill_attention: head_dim up to 256");
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16,
-              "prefill_attention: fp32 or bf16");
-  torch::Tensor out;
-  if (q.size(0) == 0) return torch::empty_like(q);
-  prefill_impl<float>(q, k, v, static_cast<float>(scale), out);
-  return out;
-}
-
 // How many threads at::parallel_for spreads `n` one-item tasks over: 1 if the module was
 // built without OpenMP, whatever torch's thread setting (tested).
 int64_t parallel_threads(int64_t n) {
@@ -515,5 +356,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_q", &paged_decode_q, "paged-attention decode over a quantized pool (CPU)");
   m.def("store_kv", &store_kv, "write K/V rows into their cache slots, skipping slot < 0");
   m.def("prefill_attention", &prefill_attention, "causal prefill attention (CPU)");
+  m.def("prefill_bf16_dot_built", &prefill_bf16_dot_built,
+        "whether bf16 prefill attention runs the AVX512-BF16 kernel");
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for uses for n items");
 }

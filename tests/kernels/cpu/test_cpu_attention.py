@@ -165,4 +165,19 @@ def test_prefill_kernel_matches_sdpa(n, ctx, heads, kv_heads, head_dim, dtype):
                                          enable_gqa=True)[0].transpose(0, 1)
     assert out.shape == q.shape and out.dtype == dtype
     tol = 2e-6 if dtype == torch.float32 else 2e-2   # bf16: the output's rounding
-    assert (out.float() - ref).abs().max().item() <= tol * max(1.0, ref.abs().max().item())
+    err = (out.float() - ref).abs().max().item()
+    assert err <= tol * max(1.0, ref.abs().max().item())
+    if dtype == torch.bfloat16:
+        # No worse than torch's own bf16 SDPA (which also rounds P to bf16 before P . V).
+        sdpa = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None],
+                                              attn_mask=mask, scale=scale,
+                                              enable_gqa=True)[0].transpose(0, 1)
+        assert err <= 2 * (sdpa.float() - ref).abs().max().item() + 4e-3
+
+
+def test_bf16_prefill_runs_the_bf16_dot_kernel_where_the_cpu_has_it():
+    from tokenloom.kernels.cpu.attention import load_cpu_decode_kernel
+    from tokenloom.kernels.cpu.features import detect
+
+    module = load_cpu_decode_kernel()
+    assert module.prefill_bf16_dot_built() == ("avx512_bf16" in detect().flags)
