@@ -16,7 +16,12 @@ prints) runs the same token-id prompts through
 Prints one table with tokenloom/vLLM ratios (> 1 is better for tokenloom on every row:
 times are inverted) and writes benchmarks/results/vllm_cpu.json.
 
+--rounds N runs every server N times, interleaved (tokenloom, vLLM, tokenloom, vLLM...), so
+that a slow stretch of a shared machine falls on both; the table then shows each figure's
+median over rounds and its spread (max / min over rounds), and the ratio of the medians.
+
     python benchmarks/vllm_cpu.py --vllm ~/.cache/tokenloom-peers/vllm
+    python benchmarks/vllm_cpu.py --rounds 3          # interleaved; medians and spread
     python benchmarks/vllm_cpu.py --vllm VENV --tokenloom bf16 fp32 q4 --quick
 """
 
@@ -172,21 +177,39 @@ def rows(levels) -> list:
     ]
 
 
+def figure(rounds: list[dict], server: str, get) -> tuple[float | None, float | None]:
+    """(median over rounds, max / min over rounds) of one figure of one server."""
+    vals = []
+    for r in rounds:
+        try:
+            v = get(r[server])
+        except (KeyError, TypeError):
+            continue
+        if v is not None:
+            vals.append(v)
+    if not vals:
+        return None, None
+    return statistics.median(vals), (max(vals) / min(vals) if min(vals) > 0 else None)
+
+
 def print_table(out: dict, levels) -> None:
-    servers = list(out["servers"])
-    vllm = out["servers"].get("vllm")
+    rounds = out["rounds"]
+    servers = list(dict.fromkeys(s for r in rounds for s in r))
+    has_vllm = "vllm" in servers
+    many = len(rounds) > 1
     print(f"\n{'workload':<36}" + "".join(f"{s:>14}" for s in servers)
-          + ("".join(f"{s + '/vLLM':>14}" for s in servers if s != "vllm") if vllm else ""))
+          + ("".join(f"{s + ' spread':>14}" for s in servers) if many else "")
+          + ("".join(f"{s + '/vLLM':>14}" for s in servers if s != "vllm") if has_vllm else ""))
     for label, get, higher in rows(levels):
-        vals = {}
+        vals, spreads = {}, {}
         for s in servers:
-            try:
-                vals[s] = get(out["servers"][s])
-            except (KeyError, TypeError):
-                vals[s] = None
+            vals[s], spreads[s] = figure(rounds, s, get)
         line = f"{label:<36}" + "".join(f"{v:>14.1f}" if v is not None else f"{'-':>14}"
                                         for v in vals.values())
-        if vllm:
+        if many:
+            line += "".join(f"{v:>13.2f}x" if v is not None else f"{'-':>14}"
+                            for v in spreads.values())
+        if has_vllm:
             for s in servers:
                 if s == "vllm":
                     continue
@@ -194,7 +217,9 @@ def print_table(out: dict, levels) -> None:
                 ratio = None if not a or not b else (a / b if higher else b / a)
                 line += f"{ratio:>13.2f}x" if ratio is not None else f"{'-':>14}"
         print(line)
-    print("(ratios: > 1 is better for tokenloom; for times, vLLM's over tokenloom's)")
+    print("(ratios: > 1 is better for tokenloom; for times, vLLM's over tokenloom's"
+          + (f"; medians over {len(rounds)} interleaved rounds, spread = max / min)" if many
+             else ")"))
 
 
 def main() -> None:
@@ -215,30 +240,39 @@ def main() -> None:
     ap.add_argument("--long-len", type=int, default=2000)
     ap.add_argument("--long-every", type=float, default=4.0)
     ap.add_argument("--seconds", type=float, default=60.0)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every server this many times, interleaved (medians, spread)")
     ap.add_argument("--quick", action="store_true", help="smoke test (numbers mean nothing)")
     ap.add_argument("--json", default=str(Path(__file__).parent / "results" / "vllm_cpu.json"))
     args = ap.parse_args()
     if args.quick:
         args.levels, args.requests_per_slot, args.prefill_reps = [1, 4], 1, 2
         args.shared_requests, args.seconds, args.long_len = 8, 8.0, 512
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
+    if not args.no_vllm and not (args.vllm / "bin" / "python").is_file():
+        raise SystemExit(f"no vLLM venv at {args.vllm}: run "
+                         f"../shared/peers/install-vllm-cpu.sh (or pass --no-vllm)")
     out: dict = {"workloads": {k: v for k, v in vars(args).items() if k != "vllm"},
-                 "servers": {}}
+                 "rounds": []}
     logdir = Path(tempfile.mkdtemp(prefix="vllm_cpu-"))
-    for mode in args.tokenloom:
-        print(f"\n== tokenloom {mode}", flush=True)
-        server = start_tokenloom(args.model, ["admin.enabled=false", *MODES[mode], *args.set],
-                                 log_path=logdir / f"tokenloom-{mode}.log")
-        out["servers"][mode] = run_server(server, args, None)
-        write_json(Path(args.json), out)
-    if not args.no_vllm:
-        if not (args.vllm / "bin" / "python").is_file():
-            raise SystemExit(f"no vLLM venv at {args.vllm}: run "
-                             f"../shared/peers/install-vllm-cpu.sh (or pass --no-vllm)")
-        print(f"\n== vLLM CPU {args.vllm_dtype} (start-up compiles for ~100 s)", flush=True)
-        server = start_vllm_cpu(args.vllm, resolve_dir(args.model), logdir / "vllm.log",
-                                args.vllm_dtype)
-        out["servers"]["vllm"] = run_server(server, args, PeerStream)
-        write_json(Path(args.json), out)
+    for n in range(args.rounds):
+        servers: dict = {}
+        out["rounds"].append(servers)
+        tag = f" (round {n + 1} of {args.rounds})" if args.rounds > 1 else ""
+        for mode in args.tokenloom:
+            print(f"\n== tokenloom {mode}{tag}", flush=True)
+            server = start_tokenloom(args.model, ["admin.enabled=false", *MODES[mode], *args.set],
+                                     log_path=logdir / f"tokenloom-{mode}-{n}.log")
+            servers[mode] = run_server(server, args, None)
+            write_json(Path(args.json), out)
+        if not args.no_vllm:
+            print(f"\n== vLLM CPU {args.vllm_dtype}{tag} (start-up compiles for ~100 s)",
+                  flush=True)
+            server = start_vllm_cpu(args.vllm, resolve_dir(args.model),
+                                    logdir / f"vllm-{n}.log", args.vllm_dtype)
+            servers["vllm"] = run_server(server, args, PeerStream)
+            write_json(Path(args.json), out)
     print_table(out, args.levels)
     print(f"\nJSON: {args.json}; server logs: {logdir}")
 
