@@ -557,7 +557,12 @@ class TierManager:
                 restore_error_median=self.restore_errors.median(),
                 recompute_error_median=self.recompute_errors.median())
 
-    def close(self) -> None:
+    def close(self, drain_timeout: float = 5.0) -> None:
+        """Let the writes already queued land (up to `drain_timeout` seconds: a graceful
+        stop of a prefill worker must not lose the handoff blocks its last requests wrote
+        through), then drop what is left and close the stores."""
+        if self._writers and drain_timeout > 0:
+            self.drain_writes(timeout=drain_timeout)
         self._closed = True
         for pool in (*self._readers.values(), *self._writers.values(), self._planner):
             pool.shutdown(wait=True, cancel_futures=True)

@@ -82,6 +82,28 @@ def test_slow_tier_queue_is_bounded_and_drops(layout, tmp_path, make_chain):
     m.close()
 
 
+def test_close_lands_the_queued_writes_first(layout, tmp_path, make_chain):
+    """A graceful stop (a prefill worker writing through to the handoff tier) keeps the
+    writes already queued: close() waits for them, up to its drain timeout."""
+    m = manager(layout, tmp_path, host="off", disk="through")
+    gate = threading.Event()
+    m._writers["disk"].submit(gate.wait)                # the writer is busy...
+    offer(m, make_chain(3), committed=True)
+    threading.Timer(0.2, gate.set).start()              # ...for a moment after close begins
+    m.close()
+    assert m.counters["disk"].stored_blocks == 3 and m.counters["disk"].dropped_writes == 0
+
+
+def test_close_gives_up_on_a_wedged_writer(layout, tmp_path, make_chain):
+    m = manager(layout, tmp_path, host="off", disk="through")
+    gate = threading.Event()
+    m._writers["disk"].submit(gate.wait)                # never finishes before close's limit
+    offer(m, make_chain(2), committed=True)
+    threading.Timer(1.0, gate.set).start()              # (lets the pool's thread end)
+    m.close(drain_timeout=0.1)
+    assert m.counters["disk"].stored_blocks == 0        # dropped, and close returned
+
+
 def test_fetch_from_disk_is_held_then_staged_in_order(layout, tmp_path, make_chain):
     m = manager(layout, tmp_path, host_blocks=1)
     chain = make_chain(5)
