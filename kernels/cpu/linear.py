@@ -357,24 +357,29 @@ def _available(name: str) -> bool:
     return name in ("mkl", "copy_mkl")
 
 
-# Bumped when the candidate kernels change (a plan remembered before would never consider
-# the new ones): 2 = small_gemm walks rows, small_gemm_strips added.
+# Bumped when the set of candidate kernels changes (a plan remembered before would never
+# consider the new ones): 2 = small_gemm walks rows, small_gemm_strips added. A change to a
+# C++ kernel's source needs no bump: its build digest is part of the key.
 PLAN_VERSION = "kernels-2"
+CPP_KERNELS = (("tokenloom_small_gemm_cpu", "small_gemm_cpu.cpp"),
+               ("tokenloom_block_gemm_cpu", "block_gemm_cpu.cpp"))
 
 
 def plan_cache_key(weights: list[tuple[torch.Tensor, torch.Tensor | None]], storage: str,
                    act_dtype: torch.dtype, rows: tuple[int, ...],
                    excluded: frozenset = frozenset(), from_memory: bool = False) -> str:
     """What a measured plan depends on: the projections' shapes and dtypes, the storage,
-    the row ladder, this CPU, torch, the thread count and whether it was timed from
-    memory."""
+    the row ladder, this CPU, torch, the thread count, whether it was timed from memory
+    and the C++ kernels' sources (a faster kernel must be measured again)."""
     import hashlib
 
+    from tokenloom.kernels.cpu.cpp_build import build_name
     from tokenloom.kernels.cpu.features import detect
 
     parts = [PLAN_VERSION, storage, str(act_dtype), repr(rows), detect().summary(),
              torch.__version__,
              str(torch.get_num_threads()), repr(sorted(excluded)), f"memory={from_memory}"]
+    parts += [build_name(base, source) for base, source in CPP_KERNELS]
     parts += [f"{tuple(w.shape)}:{w.dtype}:{b is not None}" for w, b in weights]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 

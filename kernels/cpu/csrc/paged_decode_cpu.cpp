@@ -1,12 +1,18 @@
 // Paged-attention decode for the CPU: one query token per sequence, keys and values read
 // straight from the block pool through each sequence's block table (no gathered copy).
 //
-// Work item = a span of up to 256 keys of one sequence (kSpan); all its heads are processed
-// together so every key/value row ([kv_heads, head_dim], contiguous in its block) is loaded
-// once, in order. Two passes over the span: scores (q . k) then the weighted sum of values;
-// softmax partials in fp32 in between, merged per sequence at the end. (The quantized
-// cache's kernel below still takes a whole sequence per item.)
-// Decode attention is memory-bound: each pass prefetches one block ahead (prefetch_row).
+// Two passes over a span of keys: scores (q . k) then the weighted sum of values; softmax
+// partials in fp32 in between, merged per sequence at the end. Decode attention should be
+// memory-bound: each pass prefetches one block ahead (prefetch_row).
+//
+// With AVX-512 and head_dim a multiple of 16 (the vector path, decode_kernel_avx512): a work
+// item is one kv head over a span of 64 keys, its query heads four at a time, rows widened
+// to fp32 in registers, exp on 16 lanes. Measured on the default model's shapes (9 heads,
+// 3 kv heads, 64 dims, bf16, 30 layers, blocks scattered over a large pool) against the
+// scalar loops: 300 keys 1.37 -> 0.61 ms, 1,100 keys 3.94 -> 2.35 ms. Otherwise (the scalar
+// path, decode_kernel): a span of up to 256 keys of one sequence with all its heads, so every
+// key/value row ([kv_heads, head_dim], contiguous in its block) is loaded once, in order.
+// (The quantized cache's kernel below still takes a whole sequence per item.)
 //
 // Built with -fopenmp (kernels/cpu/attention.py): without it at::parallel_for compiles to a plain
 // loop and every sequence runs on the calling thread. (Splitting a sequence's kv heads
@@ -42,6 +48,240 @@ static inline void prefetch_row(const T* row, int64_t n) {
 // sequence's result is the same whatever else is in the step and however many threads run
 // (a lone 1,100-token decode spreads over every core instead of one).
 constexpr int64_t kSpan = 256;
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#include <atomic>
+#define TL_DECODE_AVX512 1
+
+// 16 cache elements as fp32: bf16 is the top half of an fp32, fp16 converts in hardware.
+template <typename T>
+static inline __m512 load16(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(p);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  } else {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+}
+
+// exp on 16 lanes: 2^n * exp(r), n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts),
+// exp(r) by Cephes expf's polynomial (< 2 ulp against std::exp), 2^n by vscalefps. Inputs
+// are s - max <= 0 here; below -87 the result is 0 to fp32's precision anyway.
+static inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(y, n);
+}
+
+// The sums of four 16-lane vectors, in the four lanes of the result (a shuffle tree: a
+// third of the instructions of four separate horizontal sums).
+static inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 s0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 s1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  // per 128-bit lane: [a0, a1, a2, a3] partial sums
+  __m512 x = _mm512_add_ps(_mm512_shuffle_ps(s0, s1, 0x44), _mm512_shuffle_ps(s0, s1, 0xEE));
+  x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, 0x4E));
+  x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, 0xB1));
+  return _mm512_castps512_ps128(x);
+}
+
+// One work item of the vector path: keys t0..t1 of sequence b against the G query heads
+// that share kv head g. A key or value row's slice for one kv head is NV vectors of 16,
+// widened once and kept in registers while every query head of the group uses it. Heads go
+// in fours (qf is zero-padded to a multiple of 4 heads): their four dot products are summed
+// by one shuffle tree and stored together, so scores are laid out [head quad][t][4].
+// Scores are scaled after the dot product (the same products as scaling q first, up to
+// fp32 rounding). Partials as decode_kernel's: the span's max, sum of exp and weighted
+// values per head.
+template <typename T, int NV>
+static void decode_item_avx512(const float* qf, const T* kc, const T* vc, const int64_t* table,
+                               int64_t ctx, int64_t t0, int64_t t1, int64_t g, int64_t G,
+                               int64_t BS, int64_t blk_stride, int64_t row_stride, float scale,
+                               float* scores, float* acc, float* pmax, float* psum) {
+  constexpr int64_t D = NV * 16;
+  const int64_t n = t1 - t0, off = g * D, quads = (G + 3) / 4;
+  const __m128 sc4 = _mm_set1_ps(scale);
+  // Keys walked block by block: one division per block, not per key.
+#define TL_FOR_KEYS(cache)                                                                    \
+  for (int64_t t = t0; t < t1;) {                                                             \
+    const int64_t tb = t % BS, te = std::min(t1, t - tb + BS);                                \
+    const T* base = cache + table[t / BS] * blk_stride + off;                                 \
+    const T* next = t - tb + BS < ctx ? cache + table[t / BS + 1] * blk_stride + off : nullptr; \
+    for (int64_t i = tb; t < te; ++t, ++i) {                                                  \
+      const T* rowp = base + i * row_stride;                                                  \
+      if (next != nullptr) prefetch_row(next + i * row_stride, D);
+#define TL_END_KEYS }}
+  TL_FOR_KEYS(kc)
+    __m512 kv[NV];
+    for (int j = 0; j < NV; ++j) kv[j] = load16(rowp + 16 * j);
+    for (int64_t qd = 0; qd < quads; ++qd) {
+      const float* q4 = qf + qd * 4 * D;
+      __m512 a[4];
+      for (int h = 0; h < 4; ++h) {
+        a[h] = _mm512_mul_ps(kv[0], _mm512_loadu_ps(q4 + h * D));
+        for (int j = 1; j < NV; ++j)
+          a[h] = _mm512_fmadd_ps(kv[j], _mm512_loadu_ps(q4 + h * D + 16 * j), a[h]);
+      }
+      _mm_storeu_ps(scores + (qd * n + t - t0) * 4, _mm_mul_ps(sum4(a[0], a[1], a[2], a[3]), sc4));
+    }
+  TL_END_KEYS
+  // Softmax partials, four heads at a time: a quad's scores are 4n floats whose lane i % 4
+  // is head i % 4, so per-lane max and sums over 16-lane chunks reduce to per-head ones.
+  const int64_t len = 4 * n;
+  for (int64_t qd = 0; qd < quads; ++qd) {
+    float* sc = scores + qd * len;
+    __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::max());
+    for (int64_t i = 0; i < len; i += 16) {
+      const __mmask16 k = len - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len - i)) - 1);
+      mv = _mm512_mask_max_ps(mv, k, mv, _mm512_maskz_loadu_ps(k, sc + i));
+    }
+    mv = _mm512_max_ps(mv, _mm512_shuffle_f32x4(mv, mv, 0x4E));
+    mv = _mm512_max_ps(mv, _mm512_shuffle_f32x4(mv, mv, 0xB1));   // per head, every quad of lanes
+    __m512 sv = _mm512_setzero_ps();
+    for (int64_t i = 0; i < len; i += 16) {
+      const __mmask16 k = len - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len - i)) - 1);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc + i), mv));
+      _mm512_mask_storeu_ps(sc + i, k, e);
+      sv = _mm512_add_ps(sv, _mm512_maskz_mov_ps(k, e));
+    }
+    sv = _mm512_add_ps(sv, _mm512_shuffle_f32x4(sv, sv, 0x4E));
+    sv = _mm512_add_ps(sv, _mm512_shuffle_f32x4(sv, sv, 0xB1));
+    float m4[16], s4[16];
+    _mm512_storeu_ps(m4, mv);
+    _mm512_storeu_ps(s4, sv);
+    for (int64_t h = qd * 4; h < std::min(G, qd * 4 + 4); ++h) {
+      pmax[h] = m4[h % 4];
+      psum[h] = s4[h % 4];
+    }
+  }
+  // Weighted values, four heads at a time; with D <= 64 their 4 x NV sums stay in registers.
+  for (int64_t qd = 0; qd < quads; ++qd) {
+    const int64_t hn = std::min<int64_t>(4, G - qd * 4);
+    const float* pq = scores + qd * n * 4;
+    if constexpr (NV <= 4) {
+      __m512 a[4][NV];
+      for (int h = 0; h < 4; ++h)
+        for (int j = 0; j < NV; ++j) a[h][j] = _mm512_setzero_ps();
+      TL_FOR_KEYS(vc)
+        __m512 vv[NV];
+        for (int j = 0; j < NV; ++j) vv[j] = load16(rowp + 16 * j);
+        for (int h = 0; h < 4; ++h) {
+          const __m512 p = _mm512_set1_ps(pq[(t - t0) * 4 + h]);
+          for (int j = 0; j < NV; ++j) a[h][j] = _mm512_fmadd_ps(p, vv[j], a[h][j]);
+        }
+      TL_END_KEYS
+      for (int64_t h = 0; h < hn; ++h)
+        for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + (qd * 4 + h) * D + 16 * j, a[h][j]);
+    } else {
+      float* aq = acc + qd * 4 * D;
+      std::fill(aq, aq + hn * D, 0.f);
+      TL_FOR_KEYS(vc)
+        __m512 vv[NV];
+        for (int j = 0; j < NV; ++j) vv[j] = load16(rowp + 16 * j);
+        for (int64_t h = 0; h < hn; ++h) {
+          const __m512 p = _mm512_set1_ps(pq[(t - t0) * 4 + h]);
+          float* ah = aq + h * D;
+          for (int j = 0; j < NV; ++j)
+            _mm512_storeu_ps(ah + 16 * j, _mm512_fmadd_ps(p, vv[j], _mm512_loadu_ps(ah + 16 * j)));
+        }
+      TL_END_KEYS
+    }
+  }
+#undef TL_FOR_KEYS
+#undef TL_END_KEYS
+}
+#endif
+
+// Keys per work item of the vector path (with one kv head): small enough that a lone
+// sequence's context splits into many items that two or more threads take in turn (a
+// 300-token decode is 5 spans x 3 kv heads), fixed so that the result does not depend on
+// the thread count or the batch.
+constexpr int64_t kVecSpan = 64;
+
+#ifdef TL_DECODE_AVX512
+// The vector path: items are (sequence, kv head, span of kVecSpan keys), taken from a
+// shared counter (spans differ in length: the last one of a sequence is short), merged per
+// (sequence, head) as decode_kernel's spans are. D a multiple of 16 up to 256.
+template <typename T>
+static void decode_kernel_avx512(const T* q, const T* kc, const T* vc, const int64_t* tables,
+                                 const int64_t* lens, T* out, int64_t B, int64_t H, int64_t KVH,
+                                 int64_t D, int64_t BS, int64_t max_blocks, int64_t blk_stride,
+                                 int64_t row_stride, float scale) {
+  const int64_t G = H / KVH;
+  std::vector<int64_t> spans(B), first(B + 1, 0);   // items of sequence b: first[b]..
+  for (int64_t b = 0; b < B; ++b) {
+    spans[b] = std::max<int64_t>(1, (lens[b] + kVecSpan - 1) / kVecSpan);
+    first[b + 1] = first[b] + spans[b] * KVH;
+  }
+  const int64_t items = first[B];
+  std::vector<float> part_acc(items * G * D), part_max(items * G), part_sum(items * G);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    const int64_t quads = (G + 3) / 4;
+    std::vector<float> qf(quads * 4 * D, 0.f), scores(quads * 4 * kVecSpan);
+    int64_t item;
+    while ((item = next.fetch_add(1, std::memory_order_relaxed)) < items) {
+      const int64_t b = std::upper_bound(first.begin(), first.end(), item) - first.begin() - 1;
+      const int64_t local = item - first[b], g = local / spans[b], span = local % spans[b];
+      const int64_t ctx = lens[b], t0 = span * kVecSpan, t1 = std::min(ctx, t0 + kVecSpan);
+      float* pm = &part_max[item * G];
+      float* ps = &part_sum[item * G];
+      float* pa = &part_acc[item * G * D];
+      if (t1 <= t0) {   // an empty sequence
+        std::fill(ps, ps + G, 0.f);
+        std::fill(pm, pm + G, 0.f);
+        std::fill(pa, pa + G * D, 0.f);
+        continue;
+      }
+      for (int64_t i = 0; i < G * D; ++i) qf[i] = to_f(q[(b * H + g * G) * D + i]);
+      const int64_t* table = tables + b * max_blocks;
+      switch (D / 16) {
+#define TL_ITEM(NV) case NV: decode_item_avx512<T, NV>(qf.data(), kc, vc, table, ctx, t0, t1, g, G, BS, blk_stride, row_stride, scale, scores.data(), pa, pm, ps); break;
+        TL_ITEM(1) TL_ITEM(2) TL_ITEM(3) TL_ITEM(4) TL_ITEM(5) TL_ITEM(6) TL_ITEM(7) TL_ITEM(8)
+        TL_ITEM(9) TL_ITEM(10) TL_ITEM(11) TL_ITEM(12) TL_ITEM(13) TL_ITEM(14) TL_ITEM(15)
+        TL_ITEM(16)
+#undef TL_ITEM
+      }
+    }
+  });
+  at::parallel_for(0, B, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> o(D);
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t g = h / G, hl = h % G;
+        const int64_t i0 = first[b] + g * spans[b], i1 = i0 + spans[b];
+        float m = -std::numeric_limits<float>::max();
+        for (int64_t i = i0; i < i1; ++i)
+          if (part_sum[i * G + hl] > 0.f) m = std::max(m, part_max[i * G + hl]);
+        float sum = 0.f;
+        std::fill(o.begin(), o.end(), 0.f);
+        for (int64_t i = i0; i < i1; ++i) {
+          if (part_sum[i * G + hl] == 0.f) continue;
+          const float w = std::exp(part_max[i * G + hl] - m);
+          sum += w * part_sum[i * G + hl];
+          const float* a = &part_acc[(i * G + hl) * D];
+          for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
+        }
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        for (int64_t d = 0; d < D; ++d) out[(b * H + h) * D + d] = static_cast<T>(o[d] * inv);
+      }
+    }
+  });
+}
+#endif
 
 template <typename T>
 static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* tables,
@@ -159,6 +399,19 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor key_cache, torch::Tens
   const int64_t max_blocks = block_tables.size(1);
   const int64_t blk_stride = BS * KVH * D, row_stride = KVH * D;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+#ifdef TL_DECODE_AVX512
+    if constexpr (!std::is_same_v<scalar_t, double>) {
+      if (D % 16 == 0 && D <= 256) {
+        decode_kernel_avx512<scalar_t>(q.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(),
+                                       value_cache.data_ptr<scalar_t>(),
+                                       block_tables.data_ptr<int64_t>(),
+                                       context_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
+                                       B, H, KVH, D, BS, max_blocks, blk_stride, row_stride,
+                                       static_cast<float>(scale));
+        return;
+      }
+    }
+#endif
     decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(),
                             value_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int64_t>(),
                             context_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), B, H, KVH,

@@ -27,6 +27,8 @@ CASES = [  # (heads, kv_heads, head_dim, block_size)
     (9, 3, 64, 16),     # ratio 3 (SmolLM2)
     (32, 4, 128, 32),   # ratio 8
     (8, 1, 128, 16),    # MQA
+    (10, 2, 80, 16),    # ratio 5: a second, partial quad of heads; 5 vectors a row
+    (6, 2, 40, 16),     # head_dim not a multiple of 16: the scalar loops
 ]
 
 

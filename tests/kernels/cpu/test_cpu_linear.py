@@ -148,3 +148,17 @@ def test_onednn_calls_at_every_row_count_build_a_bounded_set_of_primitives(monke
                                        rtol=1e-4, atol=1e-4)
     assert seen == {cpu_linear.onednn_rows(r) for r in range(1, 401)}
     assert len(seen) == 16 + 8 * 4 + 5      # (16, 32], ..., (128, 256]: 8 each; 5 to 416
+
+
+def test_a_remembered_plan_is_measured_again_when_a_kernel_source_changes(monkeypatch):
+    """Plans are remembered per machine; one timed with an older small_gemm would keep
+    choosing against the kernel that replaced it."""
+    from tokenloom.kernels.cpu import cpp_build
+
+    weights = [(torch.zeros(8, 4), None)]
+    key = cpu_linear.plan_cache_key(weights, "float", torch.float32, (1, 4))
+    assert key == cpu_linear.plan_cache_key(weights, "float", torch.float32, (1, 4))
+    real = cpp_build.build_name
+    monkeypatch.setattr(cpp_build, "build_name",
+                        lambda base, source=None: real(base, source) + "-edited")
+    assert key != cpu_linear.plan_cache_key(weights, "float", torch.float32, (1, 4))
