@@ -255,8 +255,10 @@ inline void dispatch(int rows, int64_t ms, const char* w, int64_t wb, const XTyp
 // each load of x. Which is faster depends on the machine (an AMD Zen 4 streamed DRAM 1.3x
 // (fp32) to 1.6x (bf16) faster one row at a time; x is in L1 either way), so both are
 // kernels the planner measures: small_gemm (rows) and small_gemm_strips.
-template <WType WT>
-void run(const XType<WT>* x, const char* w, const float* scale, const float* bias, float* y,
+// y: fp32, or bf16 (rounded to nearest even as it is stored: what a separate .to(bf16) pass
+// over an fp32 result would give, without that pass and its allocation).
+template <WType WT, typename YT>
+void run(const XType<WT>* x, const char* w, const float* scale, const float* bias, YT* y,
          int64_t M, int64_t N, int64_t K, int64_t w_elem, int64_t strip) {
   const int64_t w_row_bytes = K * w_elem;
   const int64_t strips = (N + strip - 1) / strip;
@@ -273,7 +275,7 @@ void run(const XType<WT>* x, const char* w, const float* scale, const float* bia
         for (int r = 0; r < rows; ++r) {
           const float sc = scale ? scale[n0 + r] : 1.f;
           const float b = bias ? bias[n0 + r] : 0.f;
-          for (int m = 0; m < ms; ++m) y[(m0 + m) * N + n0 + r] = acc[r][m] * sc + b;
+          for (int m = 0; m < ms; ++m) y[(m0 + m) * N + n0 + r] = YT(acc[r][m] * sc + b);
         }
       }
     }
@@ -294,37 +296,46 @@ torch::Tensor gemm(const torch::Tensor& x, const torch::Tensor& w, const torch::
 #endif
   // The dot path reads x as it is (bf16); the others widen it to fp32 once per call.
   auto xf = bf16_dot ? x.contiguous() : x.to(torch::kFloat32).contiguous();
-  auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
+  const bool bf16_out = x.scalar_type() == torch::kBFloat16;
+  auto y = torch::empty({M, N}, x.options().dtype(bf16_out ? torch::kBFloat16 : torch::kFloat32));
   const bool has_scale = scale.numel() > 0, has_bias = bias.numel() > 0;
   torch::Tensor sf = has_scale ? scale.to(torch::kFloat32).contiguous() : scale;
   torch::Tensor bf = has_bias ? bias.to(torch::kFloat32).contiguous() : bias;
   const float* sp = has_scale ? sf.data_ptr<float>() : nullptr;
   const float* bp = has_bias ? bf.data_ptr<float>() : nullptr;
   const char* wp = static_cast<const char*>(w.data_ptr());
-  if (M > 0 && N > 0) {
+  auto call = [&](auto* yp) {
+    using YT = std::remove_pointer_t<decltype(yp)>;
     switch (w.scalar_type()) {
       case torch::kFloat32:
-        run<WType::F32>(xf.data_ptr<float>(), wp, sp, bp, y.data_ptr<float>(), M, N, K, 4, strip);
+        run<WType::F32, YT>(xf.data_ptr<float>(), wp, sp, bp, yp, M, N, K, 4, strip);
         break;
       case torch::kBFloat16:
 #ifdef TL_BF16_DOT
         if (bf16_dot) {
-          run<WType::BF16_DOT>(reinterpret_cast<const uint16_t*>(xf.data_ptr()), wp, sp, bp,
-                               y.data_ptr<float>(), M, N, K, 2, strip);
+          run<WType::BF16_DOT, YT>(reinterpret_cast<const uint16_t*>(xf.data_ptr()), wp, sp, bp,
+                                   yp, M, N, K, 2, strip);
           break;
         }
 #endif
-        run<WType::BF16>(xf.data_ptr<float>(), wp, sp, bp, y.data_ptr<float>(), M, N, K, 2, strip);
+        run<WType::BF16, YT>(xf.data_ptr<float>(), wp, sp, bp, yp, M, N, K, 2, strip);
         break;
       case torch::kInt8:
         TORCH_CHECK(has_scale, "small_gemm: int8 weights need per-row scales");
-        run<WType::I8>(xf.data_ptr<float>(), wp, sp, bp, y.data_ptr<float>(), M, N, K, 1, strip);
+        run<WType::I8, YT>(xf.data_ptr<float>(), wp, sp, bp, yp, M, N, K, 1, strip);
         break;
       default:
         TORCH_CHECK(false, "small_gemm: weight dtype must be float32, bfloat16 or int8");
     }
+  };
+  if (M > 0 && N > 0) {
+    if (bf16_out) {
+      call(y.data_ptr<c10::BFloat16>());
+    } else {
+      call(y.data_ptr<float>());
+    }
   }
-  return x.scalar_type() == torch::kFloat32 ? y : y.to(x.scalar_type());
+  return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
 }
 
 }  // namespace

@@ -63,3 +63,17 @@ def test_int8_weights_apply_the_row_scale():
 
 def test_the_bf16_dot_path_is_built_exactly_where_the_cpu_has_avx512_bf16():
     assert module.bf16_dot_build() == ("avx512_bf16" in detect().flags)
+
+
+def test_bf16_results_are_rounded_as_a_separate_conversion_would_round_them():
+    """bf16 outputs are rounded as they are stored: bit-identical to the fp32 result's
+    .to(bfloat16) (int8 weights: the same widening sums for fp32 and bf16 x)."""
+    g = torch.Generator().manual_seed(9)
+    q = torch.randint(-127, 128, (70, 300), generator=g, dtype=torch.int8)
+    scale = torch.rand(70, generator=g) * 0.02
+    bias = torch.randn(70, generator=g)
+    x = torch.randn(5, 300, generator=g).to(torch.bfloat16)
+    for kernel in KERNELS:
+        y = getattr(module, kernel)(x, q, scale, bias)
+        ref = getattr(module, kernel)(x.float(), q, scale, bias).to(torch.bfloat16)
+        assert y.dtype == torch.bfloat16 and torch.equal(y, ref)
