@@ -24,10 +24,14 @@ time, the same token-id prompts, greedy, EOS ignored):
   multi-threaded read bandwidth; and the int8 quality gate (agreement, KL) beside its speed.
 
 Prints one table of ratios (tokenloom / llama.cpp speed: > 1 is faster) and writes
-benchmarks/results/cpu_forward.json.
+benchmarks/results/cpu_forward.json. `--rounds N` runs tokenloom and llama.cpp alternately N
+times per mode and reports each figure's median over the rounds (the JSON keeps every round
+and the spread, max / min): on a machine whose speed drifts by tens of percent within
+minutes, one tokenloom run then one llama.cpp run compares two different machines.
 
     python benchmarks/cpu_forward.py                 # everything (~10 min on 2 cores)
     python benchmarks/cpu_forward.py --modes fp32 --quick
+    python benchmarks/cpu_forward.py --modes bf16 fp32 --rounds 3 --cpu-compile off --no-cold
 """
 
 from __future__ import annotations
@@ -234,6 +238,29 @@ def llama_mode(mode: str, args, rng: random.Random, logdir: Path) -> dict:
     return res
 
 
+def merge_rounds(runs: list[dict]) -> dict:
+    """One server's runs of a mode -> its figures' medians over the runs, with every run
+    under "rounds" and each figure's max / min under "spread". A figure a run lacks is
+    left out of that figure's median."""
+    if len(runs) == 1:
+        return dict(runs[0])
+    keys = dict.fromkeys(k for r in runs for k, v in r.items()
+                         if isinstance(v, (int, float)) and not isinstance(v, bool))
+    out: dict = {}
+    spread: dict = {}
+    for k in keys:
+        vals = [r[k] for r in runs if isinstance(r.get(k), (int, float))]
+        out[k] = statistics.median(vals)
+        if min(vals) > 0:
+            spread[k] = max(vals) / min(vals)
+    for r in runs:   # non-numeric fields (none today) from the first run that has them
+        for k, v in r.items():
+            out.setdefault(k, v)
+    out["spread"] = spread
+    out["rounds"] = runs
+    return out
+
+
 # -- report ------------------------------------------------------------------------------
 def roofline_ms(weight_bytes: int, kv_bytes_per_token: int, ctx: int, gbs: float) -> float:
     return (weight_bytes + kv_bytes_per_token * ctx) / gbs / 1e6
@@ -244,7 +271,8 @@ def report(out: dict) -> list[str]:
     kv_elems = 30 * 2 * 3 * 64   # SmolLM2-135M: layers x (K, V) x kv heads x head dim
     lines = [f"read bandwidth {gbs:.1f} GB/s ({out['threads']} threads); ratio = tokenloom "
              "speed / llama.cpp speed (> 1: tokenloom faster); roofline = bytes per token / "
-             "bandwidth",
+             "bandwidth" + (f"; medians over {out['rounds']} alternating rounds"
+                            if out.get("rounds", 1) > 1 else ""),
              "",
              "| mode (vs llama.cpp) | figure | tokenloom | llama.cpp | ratio "
              "| tokenloom roofline |",
@@ -294,6 +322,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="tokenloom and llama.cpp alternately, this many times per mode; "
+                         "medians over the rounds")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--quick", action="store_true", help="one repetition, no cold start")
     ap.add_argument("--no-cold", action="store_true")
@@ -306,6 +337,7 @@ def main() -> None:
         args.reps, args.no_cold = 1, True
     rng = random.Random(0)
     out: dict = {"threads": args.threads, "read_bandwidth_gbs": read_bandwidth_gbs(),
+                 "rounds": args.rounds,
                  "peers": str(PEERS), "modes": {}}
     from tokenloom.kernels.cpu.features import detect
     out["cpu"] = f"{detect().model_name}, {detect().summary()}"
@@ -314,17 +346,24 @@ def main() -> None:
     for mode in args.modes:
         r = out["modes"].setdefault(mode, {})
         variants = {"both": (False, True), "on": (True,), "off": (False,)}[args.cpu_compile]
-        for compiled in variants:
-            key = "tokenloom_compiled" if compiled else "tokenloom"
-            print(f"[{mode}] {key} ...", flush=True)
-            r[key] = tokenloom_mode(mode, args, rng, compiled)
-            if not args.no_cold and (compiled or mode == args.modes[-1]):
-                r[key]["startup_cold_s"] = startup_subprocess(mode, True, compiled)
-            r[key]["startup_warm_s"] = startup_subprocess(mode, False, compiled)
+        runs: dict[str, list[dict]] = {}
+        for rnd in range(args.rounds):
+            for compiled in variants:
+                key = "tokenloom_compiled" if compiled else "tokenloom"
+                print(f"[{mode}] round {rnd + 1}/{args.rounds}: {key} ...", flush=True)
+                res = tokenloom_mode(mode, args, rng, compiled)
+                if rnd == 0:
+                    if not args.no_cold and (compiled or mode == args.modes[-1]):
+                        res["startup_cold_s"] = startup_subprocess(mode, True, compiled)
+                    res["startup_warm_s"] = startup_subprocess(mode, False, compiled)
+                runs.setdefault(key, []).append(res)
+            print(f"[{mode}] round {rnd + 1}/{args.rounds}: llama.cpp {MODES[mode][1]} ...",
+                  flush=True)
+            runs.setdefault("llama", []).append(llama_mode(mode, args, rng, logdir))
+        for key, got in runs.items():
+            r[key] = merge_rounds(got)
         if MODES[mode][0].get("weight_dtype") in ("int8", "q4", "q8"):
             r["gate"] = _gate_summary(MODES[mode][0]["weight_dtype"])
-        print(f"[{mode}] llama.cpp {MODES[mode][1]} ...", flush=True)
-        r["llama"] = llama_mode(mode, args, rng, logdir)
         print(json.dumps(r, indent=1), flush=True)
         write_json(args.out, out, indent=1)
     print("\n".join(report(out)))
