@@ -25,6 +25,7 @@ from torch import nn
 
 from tokenloom.arith import cdiv
 from tokenloom.kernels.cpu import blocks as blk
+from tokenloom.kernels.cpu.allocator import weight_arena
 from tokenloom.startup_log import startup_log as log
 
 ROWS_HINT = 16   # the batch size oneDNN picks the packed layout for (any size works)
@@ -206,18 +207,21 @@ class KernelSet(nn.Module):
         self.register_buffer("empty", torch.empty(0), persistent=False)
         gemm = small_gemm_module()
         self.storage = storage
+        # The forms a decode step streams go to huge-page memory (allocator.py says why).
+        place = weight_arena().place
         if storage in BLOCK_STORAGES:
             if blocks is None:
                 blocks = (blk.quantize_q4 if storage == Q4 else blk.quantize_q8)(weight)
-            self.register_buffer("qs", blocks.qs, persistent=False)
-            self.register_buffer("d", blocks.d, persistent=False)
-            self.register_buffer("m", blocks.m if storage == Q4 else None, persistent=False)
+            self.register_buffer("qs", place(blocks.qs), persistent=False)
+            self.register_buffer("d", place(blocks.d), persistent=False)
+            self.register_buffer("m", place(blocks.m) if storage == Q4 else None,
+                                 persistent=False)
             if block_gemm_module() is not None and want("block_gemm"):
                 names.append("block_gemm")
             names += self._copies(lambda: blk.dequantize(blocks), act_dtype, want)
         elif storage == INT8:
             q, scale = quantize_int8(weight)
-            self.register_buffer("q", q, persistent=False)
+            self.register_buffer("q", place(q), persistent=False)
             self.register_buffer("scale", scale, persistent=False)
             names += [n for n in ("small_gemm_int8", "small_gemm_strips_int8")
                       if gemm is not None and want(n)]
@@ -230,7 +234,7 @@ class KernelSet(nn.Module):
                 names.append("int8pack_bf16")
             names += self._copies(lambda: q.float() * scale[:, None], act_dtype, want)
         else:
-            self.register_buffer("w", weight.detach().to(act_dtype).contiguous(),
+            self.register_buffer("w", place(weight.detach().to(act_dtype).contiguous()),
                                  persistent=False)
             if want("mkl"):
                 names.append("mkl")

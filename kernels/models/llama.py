@@ -395,15 +395,30 @@ class LlamaForCausalLM(nn.Module):
                     lin.weight, lin.bias, storage, act, layer_plan,
                     blocks=blocks.get(f"layers.{i}.{n}")))
         # A tied head keeps the embedding for lookups (one row a token) and gets its own
-        # copy in the head's storage.
+        # copy in the head's storage; in the model's own dtype ("float") that copy is the
+        # embedding's weight moved to huge-page memory (kernels/cpu/allocator.py), and the
+        # embedding then looks its rows up there: one copy, as before.
+        tied = self.lm_head.weight.data_ptr() == self.embed_tokens.weight.data_ptr()
         self.lm_head = cpu_linear.CpuLinear(self.lm_head.weight, None, head_storage, act,
                                             head_plan, blocks=blocks.get("lm_head"))
+        moved = getattr(self.lm_head.kernels, "w", None)
+        if (tied and storage == "float" and moved is not None
+                and moved.dtype == self.embed_tokens.weight.dtype
+                and moved.shape == self.embed_tokens.weight.shape):
+            self.embed_tokens.weight = nn.Parameter(moved, requires_grad=False)
+        # The weights' old memory: freed, and handed back rather than kept for reuse.
+        from tokenloom.kernels.cpu.allocator import release_freed_memory
+        release_freed_memory()
         chosen = {"layers": layer_plan.describe(), "head": head_plan.describe()}
         self.cpu_kernels = chosen   # part of a compiled program's cache key
+        from tokenloom.kernels.cpu.allocator import huge_page_bytes, weight_arena
+        placed, huge = weight_arena().placed_bytes >> 20, huge_page_bytes() >> 20
         cpu_linear.log.info(f"CPU projections ({storage} weights, "
                             f"{str(act).removeprefix('torch.')} activations): "
-                            f"layers {chosen['layers']}; head {chosen['head']}",
-                            storage=storage, **chosen)
+                            f"layers {chosen['layers']}; head {chosen['head']}; "
+                            f"{placed} MiB of weights placed for huge pages, {huge} MiB of the "
+                            f"process on huge pages", storage=storage, weights_placed_mib=placed,
+                            huge_pages_mib=huge, **chosen)
         return chosen
 
     def _copy_kernels_excluded(self, storage: str) -> frozenset:

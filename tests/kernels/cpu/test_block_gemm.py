@@ -162,3 +162,18 @@ def test_copies_are_left_out_when_excluded():
                                    excluded=frozenset(cpu_linear.COPY_KERNELS))
     assert not set(kernels.names) & cpu_linear.COPY_KERNELS
     assert getattr(kernels, "w", None) is None
+
+
+def test_a_tied_head_and_its_embedding_share_one_copy_in_float_storage(tiny_dir, monkeypatch):
+    """In the model's own dtype the head's weight is moved to the huge-page arena
+    (kernels/cpu/allocator.py): the embedding follows it instead of keeping the old copy,
+    and lookups and logits are unchanged."""
+    from tokenloom.kernels.cpu import allocator
+
+    monkeypatch.setattr(allocator, "ARENA_MIN_BYTES", 0)   # the tiny model's head too
+    model, _ = load_model(tiny_dir, torch.float32, torch.device("cpu"), 256)
+    before = model.embed_tokens.weight.detach().clone()
+    assert model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
+    model.specialize_cpu("float")
+    assert model.embed_tokens.weight.data_ptr() == model.lm_head.kernels.w.data_ptr()
+    assert torch.equal(model.embed_tokens.weight, before)
