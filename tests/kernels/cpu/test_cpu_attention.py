@@ -85,8 +85,9 @@ def test_kernel_spreads_sequences_over_torch_threads():
 
 
 def test_output_does_not_depend_on_thread_count_or_prefetch():
-    """Each sequence is computed whole by one thread, in the same order: bit-identical.
-    Long contexts (many blocks ahead to prefetch) and short ones (none) alike."""
+    """Work items are fixed spans of a sequence (whichever thread takes one), merged in a
+    fixed order: bit-identical with 1 or 2 threads. Long contexts (many blocks ahead to
+    prefetch) and short ones (none) alike."""
     g = torch.Generator().manual_seed(7)
     kc = torch.randn(200, 16, 3, 64, generator=g)
     vc = torch.randn(200, 16, 3, 64, generator=g)
