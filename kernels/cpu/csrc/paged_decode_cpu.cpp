@@ -9,7 +9,10 @@
 // item is one kv head over a span of 64 keys, its query heads four at a time, rows widened
 // to fp32 in registers, exp on 16 lanes. Measured on the default model's shapes (9 heads,
 // 3 kv heads, 64 dims, bf16, 30 layers, blocks scattered over a large pool) against the
-// scalar loops: 300 keys 1.37 -> 0.61 ms, 1,100 keys 3.94 -> 2.35 ms. Otherwise (the scalar
+// scalar loops: 300 keys 1.37 -> 0.61 ms, 1,100 keys 3.94 -> 2.35 ms. A quad with fewer
+// than four heads (3 here) computes only those, and bf16 keys meet a bf16 query on
+// vdpbf16ps where the CPU has AVX512-BF16: side by side, 16 sequences x 300 keys 11.06 ->
+// 9.74 ms, one x 300 0.48 -> 0.41 ms, one x 1,100 1.93 -> 1.75 ms. Otherwise (the scalar
 // path, decode_kernel): a span of up to 256 keys of one sequence with all its heads, so every
 // key/value row ([kv_heads, head_dim], contiguous in its block) is loaded once, in order.
 // (The quantized cache's kernel below still takes a whole sequence per item.)
@@ -51,6 +54,9 @@ constexpr int64_t kSpan = 256;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
+#if defined(__AVX512BF16__)
+#define TL_DECODE_BF16_DOT 1
+#endif
 #include <atomic>
 #define TL_DECODE_AVX512 1
 
@@ -98,23 +104,7 @@ static inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
   return _mm512_castps512_ps128(x);
 }
 
-// One work item of the vector path: keys t0..t1 of sequence b against the G query heads
-// that share kv head g. A key or value row's slice for one kv head is NV vectors of 16,
-// widened once and kept in registers while every query head of the group uses it. Heads go
-// in fours (qf is zero-padded to a multiple of 4 heads): their four dot products are summed
-// by one shuffle tree and stored together, so scores are laid out [head quad][t][4].
-// Scores are scaled after the dot product (the same products as scaling q first, up to
-// fp32 rounding). Partials as decode_kernel's: the span's max, sum of exp and weighted
-// values per head.
-template <typename T, int NV>
-static void decode_item_avx512(const float* qf, const T* kc, const T* vc, const int64_t* table,
-                               int64_t ctx, int64_t t0, int64_t t1, int64_t g, int64_t G,
-                               int64_t BS, int64_t blk_stride, int64_t row_stride, float scale,
-                               float* scores, float* acc, float* pmax, float* psum) {
-  constexpr int64_t D = NV * 16;
-  const int64_t n = t1 - t0, off = g * D, quads = (G + 3) / 4;
-  const __m128 sc4 = _mm_set1_ps(scale);
-  // Keys walked block by block: one division per block, not per key.
+// Keys walked block by block: one division per block, not per key.
 #define TL_FOR_KEYS(cache)                                                                    \
   for (int64_t t = t0; t < t1;) {                                                             \
     const int64_t tb = t % BS, te = std::min(t1, t - tb + BS);                                \
@@ -124,13 +114,81 @@ static void decode_item_avx512(const float* qf, const T* kc, const T* vc, const 
       const T* rowp = base + i * row_stride;                                                  \
       if (next != nullptr) prefetch_row(next + i * row_stride, D);
 #define TL_END_KEYS }}
+
+// P . V for one quad of HN (<= 4) heads, their HN x NV sums in registers (D <= 64).
+template <typename T, int NV, int HN>
+static inline void pv_quad(const float* pq, const T* vc, const int64_t* table, int64_t ctx,
+                           int64_t t0, int64_t t1, int64_t off, int64_t BS, int64_t blk_stride,
+                           int64_t row_stride, float* acc) {
+  constexpr int64_t D = NV * 16;
+  __m512 a[HN][NV];
+  for (int h = 0; h < HN; ++h)
+    for (int j = 0; j < NV; ++j) a[h][j] = _mm512_setzero_ps();
+  TL_FOR_KEYS(vc)
+    __m512 vv[NV];
+    for (int j = 0; j < NV; ++j) vv[j] = load16(rowp + 16 * j);
+    for (int h = 0; h < HN; ++h) {
+      const __m512 p = _mm512_set1_ps(pq[(t - t0) * 4 + h]);
+      for (int j = 0; j < NV; ++j) a[h][j] = _mm512_fmadd_ps(p, vv[j], a[h][j]);
+    }
+  TL_END_KEYS
+  for (int h = 0; h < HN; ++h)
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + h * D + 16 * j, a[h][j]);
+}
+
+// One work item of the vector path: keys t0..t1 of sequence b against the G query heads
+// that share kv head g. A key or value row's slice for one kv head is NV vectors of 16,
+// widened once and kept in registers while every query head of the group uses it. Heads go
+// in fours (qf is zero-padded to a multiple of 4 heads): their four dot products are summed
+// by one shuffle tree and stored together, so scores are laid out [head quad][t][4].
+// Scores are scaled after the dot product (the same products as scaling q first, up to
+// fp32 rounding). Partials as decode_kernel's: the span's max, sum of exp and weighted
+// values per head.
+template <typename T, int NV>
+static void decode_item_avx512(const float* qf, const uint16_t* qb, const T* kc, const T* vc,
+                               const int64_t* table, int64_t ctx, int64_t t0, int64_t t1,
+                               int64_t g, int64_t G,
+                               int64_t BS, int64_t blk_stride, int64_t row_stride, float scale,
+                               float* scores, float* acc, float* pmax, float* psum) {
+  constexpr int64_t D = NV * 16;
+  const int64_t n = t1 - t0, off = g * D, quads = (G + 3) / 4;
+  const __m128 sc4 = _mm_set1_ps(scale);
+
   TL_FOR_KEYS(kc)
+#ifdef TL_DECODE_BF16_DOT
+    if constexpr (std::is_same_v<T, c10::BFloat16> && NV % 2 == 0) {
+      // bf16 keys times the bf16 query on vdpbf16ps: no widening, half the multiply
+      // instructions; the products are exact (bf16 x bf16 fits an fp32), two are summed
+      // per lane before the fp32 sums, so scores differ from the widening path's only in
+      // fp32 rounding. The query is bf16 already (the cache's dtype), nothing is rounded.
+      __m512bh kb[NV / 2];
+      for (int j = 0; j < NV / 2; ++j)
+        kb[j] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const uint16_t*>(rowp) + 32 * j);
+      for (int64_t qd = 0; qd < quads; ++qd) {
+        const uint16_t* q4 = qb + qd * 4 * D;
+        const int hn = static_cast<int>(std::min<int64_t>(4, G - qd * 4));
+        __m512 a[4];
+        for (int h = 0; h < 4; ++h) {
+          a[h] = _mm512_setzero_ps();
+          if (h >= hn) continue;
+          for (int j = 0; j < NV / 2; ++j)
+            a[h] = _mm512_dpbf16_ps(a[h], kb[j],
+                                    (__m512bh)_mm512_loadu_si512(q4 + h * D + 32 * j));
+        }
+        _mm_storeu_ps(scores + (qd * n + t - t0) * 4,
+                      _mm_mul_ps(sum4(a[0], a[1], a[2], a[3]), sc4));
+      }
+      continue;
+    }
+#endif
     __m512 kv[NV];
     for (int j = 0; j < NV; ++j) kv[j] = load16(rowp + 16 * j);
     for (int64_t qd = 0; qd < quads; ++qd) {
       const float* q4 = qf + qd * 4 * D;
       __m512 a[4];
+      const int hn = static_cast<int>(std::min<int64_t>(4, G - qd * 4));
       for (int h = 0; h < 4; ++h) {
+        if (h >= hn) { a[h] = _mm512_setzero_ps(); continue; }
         a[h] = _mm512_mul_ps(kv[0], _mm512_loadu_ps(q4 + h * D));
         for (int j = 1; j < NV; ++j)
           a[h] = _mm512_fmadd_ps(kv[j], _mm512_loadu_ps(q4 + h * D + 16 * j), a[h]);
@@ -172,19 +230,15 @@ static void decode_item_avx512(const float* qf, const T* kc, const T* vc, const 
     const int64_t hn = std::min<int64_t>(4, G - qd * 4);
     const float* pq = scores + qd * n * 4;
     if constexpr (NV <= 4) {
-      __m512 a[4][NV];
-      for (int h = 0; h < 4; ++h)
-        for (int j = 0; j < NV; ++j) a[h][j] = _mm512_setzero_ps();
-      TL_FOR_KEYS(vc)
-        __m512 vv[NV];
-        for (int j = 0; j < NV; ++j) vv[j] = load16(rowp + 16 * j);
-        for (int h = 0; h < 4; ++h) {
-          const __m512 p = _mm512_set1_ps(pq[(t - t0) * 4 + h]);
-          for (int j = 0; j < NV; ++j) a[h][j] = _mm512_fmadd_ps(p, vv[j], a[h][j]);
-        }
-      TL_END_KEYS
-      for (int64_t h = 0; h < hn; ++h)
-        for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + (qd * 4 + h) * D + 16 * j, a[h][j]);
+      switch (hn) {
+#define TL_PV(HN)                                                                 \
+  case HN:                                                                        \
+    pv_quad<T, NV, HN>(pq, vc, table, ctx, t0, t1, off, BS, blk_stride, row_stride, \
+                       acc + qd * 4 * D);                                         \
+    break;
+        TL_PV(1) TL_PV(2) TL_PV(3) TL_PV(4)
+#undef TL_PV
+      }
     } else {
       float* aq = acc + qd * 4 * D;
       std::fill(aq, aq + hn * D, 0.f);
@@ -200,8 +254,6 @@ static void decode_item_avx512(const float* qf, const T* kc, const T* vc, const 
       TL_END_KEYS
     }
   }
-#undef TL_FOR_KEYS
-#undef TL_END_KEYS
 }
 #endif
 
@@ -232,6 +284,7 @@ static void decode_kernel_avx512(const T* q, const T* kc, const T* vc, const int
   at::parallel_for(0, std::min<int64_t>(items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     const int64_t quads = (G + 3) / 4;
     std::vector<float> qf(quads * 4 * D, 0.f), scores(quads * 4 * kVecSpan);
+    std::vector<uint16_t> qb(quads * 4 * D, 0);
     int64_t item;
     while ((item = next.fetch_add(1, std::memory_order_relaxed)) < items) {
       const int64_t b = std::upper_bound(first.begin(), first.end(), item) - first.begin() - 1;
@@ -247,9 +300,11 @@ static void decode_kernel_avx512(const T* q, const T* kc, const T* vc, const int
         continue;
       }
       for (int64_t i = 0; i < G * D; ++i) qf[i] = to_f(q[(b * H + g * G) * D + i]);
+      if constexpr (std::is_same_v<T, c10::BFloat16>)   // the vdpbf16ps path's query
+        std::memcpy(qb.data(), q + (b * H + g * G) * D, G * D * sizeof(uint16_t));
       const int64_t* table = tables + b * max_blocks;
       switch (D / 16) {
-#define TL_ITEM(NV) case NV: decode_item_avx512<T, NV>(qf.data(), kc, vc, table, ctx, t0, t1, g, G, BS, blk_stride, row_stride, scale, scores.data(), pa, pm, ps); break;
+#define TL_ITEM(NV) case NV: decode_item_avx512<T, NV>(qf.data(), qb.data(), kc, vc, table, ctx, t0, t1, g, G, BS, blk_stride, row_stride, scale, scores.data(), pa, pm, ps); break;
         TL_ITEM(1) TL_ITEM(2) TL_ITEM(3) TL_ITEM(4) TL_ITEM(5) TL_ITEM(6) TL_ITEM(7) TL_ITEM(8)
         TL_ITEM(9) TL_ITEM(10) TL_ITEM(11) TL_ITEM(12) TL_ITEM(13) TL_ITEM(14) TL_ITEM(15)
         TL_ITEM(16)

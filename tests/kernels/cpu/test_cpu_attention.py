@@ -84,21 +84,46 @@ def test_kernel_spreads_sequences_over_torch_threads():
     assert _with_threads(1, lambda: module.parallel_threads(64)) == 1
 
 
-def test_output_does_not_depend_on_thread_count_or_prefetch():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_output_does_not_depend_on_thread_count_or_prefetch(dtype):
     """Work items are fixed spans of a sequence (whichever thread takes one), merged in a
     fixed order: bit-identical with 1 or 2 threads. Long contexts (many blocks ahead to
-    prefetch) and short ones (none) alike."""
+    prefetch) and short ones (none) alike; bf16 takes the vdpbf16ps scores where the CPU
+    has them."""
     g = torch.Generator().manual_seed(7)
-    kc = torch.randn(200, 16, 3, 64, generator=g)
-    vc = torch.randn(200, 16, 3, 64, generator=g)
+    kc = torch.randn(200, 16, 3, 64, generator=g).to(dtype)
+    vc = torch.randn(200, 16, 3, 64, generator=g).to(dtype)
     lens = torch.tensor([1, 15, 16, 17, 33, 700, 1500, 64])
     tables = torch.stack([torch.randperm(200, generator=g)[:94] for _ in range(len(lens))])
-    q = torch.randn(len(lens), 9, 64, generator=g)
+    q = torch.randn(len(lens), 9, 64, generator=g).to(dtype)
     run = lambda: paged_decode_cpu(q, kc, vc, tables, lens, 1500, 0.125)  # noqa: E731
     one, two = _with_threads(1, run), _with_threads(2, run)
     assert torch.equal(one, two)
-    ref = decode_attention(q, kc, vc, tables, lens, 1500, 0.125)
-    assert (one - ref).abs().max().item() < 1e-5
+    ref = decode_attention(q.float(), kc.float(), vc.float(), tables, lens, 1500, 0.125)
+    assert (one.float() - ref).abs().max().item() < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_bf16_scores_are_fp32_accurate():
+    """bf16 K and q (vdpbf16ps where the CPU has it, else widened): the products are exact
+    and summed in fp32, so the attention weights match a float64 computation to fp32
+    rounding, not to bf16's. A value cache of one-hot rows reads the weights back out (each
+    output element is one key's softmax weight, rounded once to bf16 on the way out)."""
+    g = torch.Generator().manual_seed(3)
+    heads, kv_heads, d, bs, ctx = 9, 3, 64, 16, 64
+    kc = (torch.randn(8, bs, kv_heads, d, generator=g) * 3).to(torch.bfloat16)
+    vc = torch.zeros(8, bs, kv_heads, d, dtype=torch.bfloat16)
+    for t in range(ctx):                                  # key t's value: e_t
+        vc[t // bs, t % bs, :, t] = 1
+    q = torch.randn(1, heads, d, generator=g).to(torch.bfloat16)
+    tables = torch.arange(4).view(1, 4)
+    lens = torch.tensor([ctx])
+    out = paged_decode_cpu(q, kc, vc, tables, lens, ctx, 0.125).double()
+    keys = kc[:4].reshape(ctx, kv_heads, d).double()
+    for h in range(heads):
+        s = (keys[:, h // 3] @ q[0, h].double()) * 0.125
+        w = torch.softmax(s, dim=0)
+        # one bf16 rounding of the output (2^-8 relative) and fp32 noise, nothing more
+        assert torch.allclose(out[0, h], w, rtol=2 ** -8, atol=1e-6), h
 
 
 @pytest.mark.parametrize("k_fmt,v_fmt", [("int8", "int8"), ("fp8_e4m3", "fp8_e4m3"),
