@@ -199,6 +199,63 @@ static inline void pv_tile_bf16(const uint32_t* vp, int64_t dp, const uint16_t* 
   }
 }
 
+// K and V into the pair layouts below. Rows contiguous in d (the usual case: a view of
+// the cache's [ctx, KVH, D] rows) go through raw pointers: a key row's 32-bit words are
+// its d pairs, and a pair of value rows is interleaved by two 16-bit permutes per 32
+// lanes. Repacked per call, so its cost is per layer whatever the chunk: through tensor
+// accessors it was a fixed ~0.1 ms a layer, most of a small continuation chunk's
+// attention.
+static inline void repack_bf16(const torch::Tensor& k, const torch::Tensor& v, uint32_t* kp,
+                               uint32_t* vp, int64_t dh, int64_t cp, int64_t cv, int64_t dp) {
+  const int64_t KVH = k.size(0), ctx = k.size(1), D = k.size(2);
+  if (k.stride(2) != 1 || v.stride(2) != 1 || D % 32 != 0) {
+    auto ka = k.accessor<at::BFloat16, 3>(), va = v.accessor<at::BFloat16, 3>();
+    at::parallel_for(0, KVH * ctx, 256, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t h = i / ctx, t = i % ctx;
+        for (int64_t j = 0; j < dh; ++j)
+          kp[(h * dh + j) * cp + t] =
+              bf16_pair(ka[h][t][2 * j].x, 2 * j + 1 < D ? ka[h][t][2 * j + 1].x : 0);
+        uint16_t* vrow = reinterpret_cast<uint16_t*>(vp + (h * cv + t / 2) * dp);
+        for (int64_t d = 0; d < D; ++d) vrow[2 * d + (t & 1)] = va[h][t][d].x;
+      }
+    });
+    return;
+  }
+  const uint16_t* kb = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
+  const uint16_t* vb = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
+  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
+  // lanes 0..31 of the interleave of rows a (even lanes) and b (odd lanes): a0 b0 a1 b1 ...
+  alignas(64) uint16_t lo_idx[32], hi_idx[32];
+  for (int i = 0; i < 32; ++i) {
+    lo_idx[i] = static_cast<uint16_t>((i % 2 ? 32 : 0) + i / 2);
+    hi_idx[i] = static_cast<uint16_t>((i % 2 ? 32 : 0) + 16 + i / 2);
+  }
+  const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx);
+  at::parallel_for(0, KVH * cv, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t h = i / cv, u = i % cv;
+      for (int64_t t = 2 * u; t < std::min(ctx, 2 * u + 2); ++t) {   // K: words to columns
+        const uint16_t* row = kb + h * ks0 + t * ks1;
+        for (int64_t j = 0; j < dh; ++j) {
+          uint32_t w;
+          std::memcpy(&w, row + 2 * j, sizeof(w));
+          kp[(h * dh + j) * cp + t] = w;
+        }
+      }
+      const uint16_t* a = vb + h * vs0 + 2 * u * vs1;                 // V: rows 2u, 2u + 1
+      uint16_t* out = reinterpret_cast<uint16_t*>(vp + (h * cv + u) * dp);
+      for (int64_t d = 0; d < D; d += 32) {
+        const __m512i ra = _mm512_loadu_si512(a + d);
+        const __m512i rb = 2 * u + 1 < ctx ? _mm512_loadu_si512(a + vs1 + d)
+                                           : _mm512_setzero_si512();
+        _mm512_storeu_si512(out + 2 * d, _mm512_permutex2var_epi16(ra, lo, rb));
+        _mm512_storeu_si512(out + 2 * d + 32, _mm512_permutex2var_epi16(ra, hi, rb));
+      }
+    }
+  });
+}
+
 // Layouts (uint32 = one bf16 pair): K as [KVH][D/2][cp] pairs along d (a 16-key load is
 // 16 lanes of one d pair); V as [KVH][ctx/2][dp] pairs along keys (a 16-lane load is 16
 // value lanes of one key pair); P per row as bf16 [cp], read two keys at a time. Padding
@@ -212,17 +269,7 @@ inline void prefill_bf16_dot(const torch::Tensor& q, const torch::Tensor& k,
   const int64_t dh = (D + 1) / 2, cp = (ctx + kSK - 1) / kSK * kSK;
   const int64_t cv = (ctx + 1) / 2, dp = (D + 15) / 16 * 16;
   std::vector<uint32_t> kp(KVH * dh * cp, 0u), vp(KVH * cv * dp, 0u);
-  auto ka = k.accessor<at::BFloat16, 3>(), va = v.accessor<at::BFloat16, 3>();
-  at::parallel_for(0, KVH * ctx, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t h = i / ctx, t = i % ctx;
-      for (int64_t j = 0; j < dh; ++j)
-        kp[(h * dh + j) * cp + t] =
-            bf16_pair(ka[h][t][2 * j].x, 2 * j + 1 < D ? ka[h][t][2 * j + 1].x : 0);
-      uint16_t* vrow = reinterpret_cast<uint16_t*>(vp.data() + (h * cv + t / 2) * dp);
-      for (int64_t d = 0; d < D; ++d) vrow[2 * d + (t & 1)] = va[h][t][d].x;
-    }
-  });
+  repack_bf16(k, v, kp.data(), vp.data(), dh, cp, cv, dp);
   auto qc = q.contiguous();
   const uint16_t* qp = reinterpret_cast<const uint16_t*>(qc.data_ptr<at::BFloat16>());
   auto o32 = torch::empty({n, H, D}, q.options().dtype(torch::kFloat32));

@@ -203,6 +203,25 @@ def test_prefill_kernel_matches_sdpa(n, ctx, heads, kv_heads, head_dim, dtype):
         assert err <= 2 * (sdpa.float() - ref).abs().max().item() + 4e-3
 
 
+@pytest.mark.parametrize("n,ctx", [(64, 300), (37, 37), (1, 2)])
+def test_bf16_prefill_repacks_rows_the_same_whatever_their_strides(n, ctx):
+    """Rows contiguous in head_dim (the model's views) take the pointer repack; any other
+    layout the accessor loop. Same pair layout, so bit-identical output, odd contexts (a
+    last key pair with one key) included."""
+    from tokenloom.kernels.cpu.attention import prefill_attention_cpu
+
+    g = torch.Generator().manual_seed(ctx)
+    q = torch.randn(n, 9, 64, generator=g).to(torch.bfloat16)
+    k = torch.randn(ctx, 3, 64, generator=g).to(torch.bfloat16).transpose(0, 1)
+    v = torch.randn(ctx, 3, 64, generator=g).to(torch.bfloat16).transpose(0, 1)
+    # the same values with head_dim strided: [KVH, D, ctx] storage seen as [KVH, ctx, D]
+    k2 = k.transpose(1, 2).contiguous().transpose(1, 2)
+    v2 = v.transpose(1, 2).contiguous().transpose(1, 2)
+    assert k.stride(2) == 1 and k2.stride(2) != 1
+    assert torch.equal(prefill_attention_cpu(q, k, v, 0.125),
+                       prefill_attention_cpu(q, k2, v2, 0.125))
+
+
 def test_bf16_prefill_runs_the_bf16_dot_kernel_where_the_cpu_has_it():
     from tokenloom.kernels.cpu.attention import load_cpu_decode_kernel
     from tokenloom.kernels.cpu.features import detect
