@@ -23,6 +23,10 @@ median over rounds and its spread (max / min over rounds), and the ratio of the 
     python benchmarks/vllm_cpu.py --vllm ~/.cache/tokenloom-peers/vllm
     python benchmarks/vllm_cpu.py --rounds 3          # interleaved; medians and spread
     python benchmarks/vllm_cpu.py --vllm VENV --tokenloom bf16 fp32 q4 --quick
+    python benchmarks/vllm_cpu.py --no-vllm --variant static:scheduler.chunking=static
+
+--variant NAME:KEY=VALUE[,KEY=VALUE...] adds a tokenloom server: bf16 with those settings,
+run in every round beside the --tokenloom modes (settings compared under the same drift).
 """
 
 from __future__ import annotations
@@ -59,6 +63,18 @@ MODES = {  # tokenloom settings per mode
     "fp32": ["model.dtype=float32"],
     "q4": ["model.weight_dtype=q4"],
 }
+
+
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    """"NAME:KEY=VALUE[,KEY=VALUE...]" -> (NAME, ["KEY=VALUE", ...])."""
+    name, sep, rest = text.partition(":")
+    settings = [item for item in rest.split(",") if item]
+    if not sep or not name or name in MODES or name == "vllm" or not settings \
+            or any("=" not in item for item in settings):
+        raise argparse.ArgumentTypeError(
+            f"--variant must be NAME:KEY=VALUE[,KEY=VALUE...] with a NAME other than "
+            f"{', '.join([*MODES, 'vllm'])}, got {text!r}")
+    return name, settings
 
 
 def prompts(rng: random.Random, n: int, length: int) -> list[list[int]]:
@@ -231,6 +247,9 @@ def main() -> None:
     ap.add_argument("--model", default="default")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="more tokenloom settings (every mode)")
+    ap.add_argument("--variant", action="append", default=[], type=parse_variant,
+                    metavar="NAME:KEY=VALUE[,KEY=VALUE...]",
+                    help="one more tokenloom server: bf16 with these settings (repeatable)")
     ap.add_argument("--levels", type=lambda t: [int(x) for x in t.split(",")],
                     default=[1, 4, 16])
     ap.add_argument("--requests-per-slot", type=int, default=3)
@@ -260,9 +279,11 @@ def main() -> None:
         servers: dict = {}
         out["rounds"].append(servers)
         tag = f" (round {n + 1} of {args.rounds})" if args.rounds > 1 else ""
-        for mode in args.tokenloom:
+        configs = [(mode, MODES[mode]) for mode in args.tokenloom]
+        configs += [(name, [*MODES["bf16"], *settings]) for name, settings in args.variant]
+        for mode, settings in configs:
             print(f"\n== tokenloom {mode}{tag}", flush=True)
-            server = start_tokenloom(args.model, ["admin.enabled=false", *MODES[mode], *args.set],
+            server = start_tokenloom(args.model, ["admin.enabled=false", *settings, *args.set],
                                      log_path=logdir / f"tokenloom-{mode}-{n}.log")
             servers[mode] = run_server(server, args, None)
             write_json(Path(args.json), out)

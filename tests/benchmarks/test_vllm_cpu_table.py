@@ -4,8 +4,11 @@ times; a figure a round lacks is skipped, not counted as zero."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
+
+import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))
@@ -35,3 +38,11 @@ def test_table_ratios_are_between_medians(capsys):
     assert prefill[-5:] == ["800.0", "900.0", "1.29x", "1.25x", "1.12x"]
     tok = lines["1 stream(s): out tok/s"].split()
     assert tok[-5:] == ["70.0", "40.0", "1.33x", "1.67x", "1.75x"]
+
+
+def test_variant_names_a_bf16_server_with_more_settings():
+    assert vllm_cpu.parse_variant("static:scheduler.chunking=static,scheduler.x=1") == (
+        "static", ["scheduler.chunking=static", "scheduler.x=1"])
+    for bad in ("static", "static:", "bf16:a=1", "vllm:a=1", ":a=1", "s:novalue"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            vllm_cpu.parse_variant(bad)
