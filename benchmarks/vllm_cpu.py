@@ -242,7 +242,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--vllm", type=Path, default=PEERS / "vllm", metavar="VENV")
     ap.add_argument("--vllm-dtype", default="bfloat16")
-    ap.add_argument("--tokenloom", nargs="+", default=["bf16"], choices=list(MODES))
+    ap.add_argument("--tokenloom", nargs="*", default=["bf16"], choices=list(MODES),
+                    help="modes to run (none: only the --variant servers)")
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--model", default="default")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
