@@ -20,8 +20,10 @@ time, the same token-id prompts, greedy, EOS ignored):
   plan or compiled programs) and warm; llama-server until /health answers 200;
 - tokenloom eager and with compiled decode programs (graphs.cpu_compile) side by side;
 - the roofline next to each decode figure: bytes streamed per token (every projection
-  weight once, the tied LM head once, the KV read at that context) over a measured
-  multi-threaded read bandwidth; and the int8 quality gate (agreement, KL) beside its speed.
+  weight once, the tied LM head once, the KV read at that context) over the
+  multi-threaded read bandwidth, measured before every round of every mode (the median of
+  those samples; the report gives their range); and the int8 quality gate (agreement, KL)
+  beside its speed.
 
 Prints one table of ratios (tokenloom / llama.cpp speed: > 1 is faster) and writes
 benchmarks/results/cpu_forward.json. `--rounds N` runs tokenloom and llama.cpp alternately N
@@ -269,7 +271,11 @@ def roofline_ms(weight_bytes: int, kv_bytes_per_token: int, ctx: int, gbs: float
 def report(out: dict) -> list[str]:
     gbs = out["read_bandwidth_gbs"]
     kv_elems = 30 * 2 * 3 * 64   # SmolLM2-135M: layers x (K, V) x kv heads x head dim
-    lines = [f"read bandwidth {gbs:.1f} GB/s ({out['threads']} threads); ratio = tokenloom "
+    samples = out.get("read_bandwidth_samples_gbs") or [gbs]
+    measured = (f"median of {len(samples)} measurements, {min(samples):.1f}-"
+                f"{max(samples):.1f}, " if len(samples) > 1 else "")
+    lines = [f"read bandwidth {gbs:.1f} GB/s ({measured}{out['threads']} threads); "
+             "ratio = tokenloom "
              "speed / llama.cpp speed (> 1: tokenloom faster); roofline = bytes per token / "
              "bandwidth" + (f"; medians over {out['rounds']} alternating rounds"
                             if out.get("rounds", 1) > 1 else ""),
@@ -336,8 +342,11 @@ def main() -> None:
     if args.quick:
         args.reps, args.no_cold = 1, True
     rng = random.Random(0)
-    out: dict = {"threads": args.threads, "read_bandwidth_gbs": read_bandwidth_gbs(),
-                 "rounds": args.rounds,
+    # Measured again before every round of every mode (this kind of machine's bandwidth
+    # moved 29 -> 48 GB/s within an hour): the roofline uses the median of the samples.
+    samples = [read_bandwidth_gbs()]
+    out: dict = {"threads": args.threads, "read_bandwidth_gbs": samples[0],
+                 "read_bandwidth_samples_gbs": samples, "rounds": args.rounds,
                  "peers": str(PEERS), "modes": {}}
     from tokenloom.kernels.cpu.features import detect
     out["cpu"] = f"{detect().model_name}, {detect().summary()}"
@@ -348,6 +357,9 @@ def main() -> None:
         variants = {"both": (False, True), "on": (True,), "off": (False,)}[args.cpu_compile]
         runs: dict[str, list[dict]] = {}
         for rnd in range(args.rounds):
+            if mode != args.modes[0] or rnd > 0:
+                samples.append(read_bandwidth_gbs())
+                out["read_bandwidth_gbs"] = statistics.median(samples)
             for compiled in variants:
                 key = "tokenloom_compiled" if compiled else "tokenloom"
                 print(f"[{mode}] round {rnd + 1}/{args.rounds}: {key} ...", flush=True)

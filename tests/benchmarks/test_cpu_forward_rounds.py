@@ -41,3 +41,17 @@ def test_report_ratios_are_between_medians():
     assert "medians over 3 alternating rounds" in lines[0]
     row = next(line for line in lines if "~300 ctx" in line).split("|")
     assert [c.strip() for c in row[3:6]] == ["12.00", "11.00", "0.92x"]
+
+
+def test_roofline_uses_the_median_of_the_bandwidth_samples():
+    """The bandwidth is measured before every round; the report names the samples' range
+    and prices the roofline at their median."""
+    out = {"read_bandwidth_gbs": 30.0, "read_bandwidth_samples_gbs": [29.0, 30.0, 48.0],
+           "threads": 2, "rounds": 1, "modes": {"bf16": {
+               "tokenloom": _run(10, 900), "llama": _run(11, 400)}}}
+    lines = cpu_forward.report(out)
+    assert "read bandwidth 30.0 GB/s (median of 3 measurements, 29.0-48.0, 2 threads)" \
+        in lines[0]
+    row = next(line for line in lines if "~300 ctx" in line).split("|")
+    roof = cpu_forward.roofline_ms(1000, 30 * 2 * 3 * 64 * 2, 300, 30.0)
+    assert row[6].strip().startswith(f"{roof:.2f} ms")
