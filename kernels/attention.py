@@ -119,12 +119,16 @@ def prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     `local`: the chunk's own (key, value) [n, KVH, D], usable when start_pos == 0.
     `mask`: chunk_mask(start_pos, n, ...) when start_pos > 0, if already built.
     `kernel`: a causal attention kernel over the gathered context (the CPU's C++ one)
-    instead of SDPA; it needs no mask."""
+    instead of SDPA; it needs no mask. If it has a `paged` form, that one reads the context
+    through the block table itself (no gathered copy)."""
     n, h, d = q.shape
     kvh = key_cache.shape[2]
     ctx = start_pos + n
     bs = key_cache.shape[1]
     nb = cdiv(ctx, bs)
+    paged = getattr(kernel, "paged", None)
+    if paged is not None and local is None and not isinstance(key_cache, QuantizedCache):
+        return paged(q, key_cache, value_cache, block_table[:nb], start_pos, scale)
     if local is not None and start_pos == 0:
         k, v = local[0].transpose(0, 1), local[1].transpose(0, 1)              # [KVH, n, D]
     else:

@@ -59,6 +59,22 @@ def prefill_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return _module.prefill_attention(q, k, v, scale)
 
 
+def prefill_attention_paged_cpu(q: torch.Tensor, key_cache: torch.Tensor,
+                                value_cache: torch.Tensor, block_table: torch.Tensor,
+                                start_pos: int, scale: float) -> torch.Tensor:
+    """The same attention for a chunk at positions [start_pos, start_pos + n), its context
+    read through `block_table` straight from the pool [blocks, BS, KVH, D]: no gathered
+    copy of the context before the kernel repacks it (a continuation chunk's whole context
+    was copied twice per layer)."""
+    return _module.prefill_attention_paged(q, key_cache, value_cache, block_table, start_pos,
+                                           scale)
+
+
+# kernels.attention.prefill_attention calls `kernel.paged` for a chunk whose context is in a
+# plain (unquantized) pool.
+prefill_attention_cpu.paged = prefill_attention_paged_cpu
+
+
 def paged_decode_cpu(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor,
                      max_context: int = 0, scale: float = 1.0,

@@ -226,7 +226,8 @@ class LlamaForCausalLM(nn.Module):
 
     def set_prefill_kernel(self, prefill_fn) -> None:
         """Route prefill-chunk attention through `prefill_fn(q [n, H, D], k, v [KVH, ctx,
-        D], scale)` (causal, query i at position ctx - n + i); None: torch SDPA."""
+        D], scale)` (causal, query i at position ctx - n + i; a `prefill_fn.paged` form
+        reads the context through the block table); None: torch SDPA."""
         for layer in self.layers:
             layer.self_attn.prefill_fn = prefill_fn
 
@@ -301,7 +302,8 @@ class LlamaForCausalLM(nn.Module):
         """The step's residual stream after the last layer, [T, hidden]: `logits` turns any
         rows of it into logits (prompt logprobs need more rows than the sampled ones)."""
         self.prepare()
-        meta = with_chunk_masks(meta, self.embed_tokens.weight.dtype)  # once, not per layer
+        if self.layers[0].self_attn.prefill_fn is None:   # a kernel needs no mask
+            meta = with_chunk_masks(meta, self.embed_tokens.weight.dtype)  # once, not per layer
         with self.layer_threads(input_ids, meta):
             stacks = self.decode_stacks
             if stacks is not None and stacks.usable(meta, kv):

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "prefill_attention.h"
+#include "vec_exp.h"
 
 template <typename T>
 static inline float to_f(T x) { return static_cast<float>(x); }
@@ -71,25 +72,6 @@ static inline __m512 load16(const T* p) {
   } else {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
-}
-
-// exp on 16 lanes: 2^n * exp(r), n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts),
-// exp(r) by Cephes expf's polynomial (< 2 ulp against std::exp), 2^n by vscalefps. Inputs
-// are s - max <= 0 here; below -87 the result is 0 to fp32's precision anyway.
-static inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(y, n);
 }
 
 // The sums of four 16-lane vectors, in the four lanes of the result (a shuffle tree: a
@@ -664,6 +646,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_q", &paged_decode_q, "paged-attention decode over a quantized pool (CPU)");
   m.def("store_kv", &store_kv, "write K/V rows into their cache slots, skipping slot < 0");
   m.def("prefill_attention", &prefill_attention, "causal prefill attention (CPU)");
+  m.def("prefill_attention_paged", &prefill_attention_paged,
+        "causal prefill attention reading K/V through a block table (CPU)");
   m.def("prefill_bf16_dot_built", &prefill_bf16_dot_built,
         "whether bf16 prefill attention runs the AVX512-BF16 kernel");
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for uses for n items");

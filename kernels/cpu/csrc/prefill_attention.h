@@ -1,14 +1,23 @@
 // Causal prefill attention for the CPU (included by paged_decode_cpu.cpp): two kernels
-// behind one entry point, prefill_attention().
+// behind two entry points, prefill_attention() (K and V as [KVH, ctx, D] views) and
+// prefill_attention_paged() (K and V read through a block table, straight from the pool).
 //
 // - prefill_fp32: fp32 arithmetic throughout, for fp32 models and for bf16 models on a CPU
-//   without AVX512-BF16;
+//   without AVX512-BF16 (or an odd head size);
 // - prefill_bf16_dot: bf16 models on a CPU with AVX512-BF16. Both products are vdpbf16ps
 //   (two bf16 products summed into each fp32 lane per instruction: twice the fp32 FMA's work
 //   per instruction), with the softmax in fp32 and its numerators rounded to bf16 before
 //   P . V, as torch's own flash-attention kernel does for bf16 (so the rounding is the one
 //   SDPA has in bf16 too). K and V are repacked once per call into the pair layout the
 //   instruction reads.
+//
+// A continuation chunk (a prompt's later chunk, or the suffix after a cached prefix) reads
+// its context through the paged entry: the rows are repacked from their blocks directly,
+// instead of being gathered into a contiguous copy first and repacked from that. Both
+// kernels keep their repacked K/V and score rows in per-thread buffers that outlive the
+// call: allocating and zeroing them per call (1.5 MB a layer at 2,000 keys) was ~12% of a
+// 64-token chunk's attention after 1,936 cached keys, and the other thread spun idle
+// meanwhile. The buffers only grow (to the largest context seen).
 #pragma once
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -17,16 +26,56 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
+    defined(__AVX512VL__)
 #include <immintrin.h>
+#include "vec_exp.h"
 #define TL_PREFILL_BF16_DOT 1
 #else
 #define TL_PREFILL_BF16_DOT 0
 #endif
 
-// Causal prefill attention over a contiguous context (fp32 or bf16; sums in fp32).
-// q: [n, H, D]; k, v: [KVH, ctx, D] (any strides); query i sits at position ctx - n + i and
-// sees keys 0 .. ctx - n + i. Returns [n, H, D] in q's dtype.
+// Where a key or value row lives (contiguous in d): in a [KVH, ctx, D] view,
+// base + h * s_head + t * s_tok; in the pool [blocks, BS, KVH, D],
+// base + table[t / BS] * s_blk + (t % BS) * s_tok + h * s_head.
+template <typename T>
+struct KVRows {
+  const T* base;
+  int64_t s_head, s_tok;
+  const int64_t* table = nullptr;
+  int64_t bs = 1, s_blk = 0;
+  const T* row(int64_t h, int64_t t) const {
+    if (table == nullptr) return base + h * s_head + t * s_tok;
+    return base + table[t / bs] * s_blk + (t % bs) * s_tok + h * s_head;
+  }
+};
+
+template <typename T>
+inline KVRows<T> view_rows(const torch::Tensor& x) {      // x: [KVH, ctx, D], stride(2) == 1
+  return {reinterpret_cast<const T*>(x.data_ptr()), x.stride(0), x.stride(1)};
+}
+
+template <typename T>
+inline KVRows<T> pool_rows(const torch::Tensor& cache, const torch::Tensor& table) {
+  return {reinterpret_cast<const T*>(cache.data_ptr()), cache.stride(2), cache.stride(1),
+          table.data_ptr<int64_t>(), cache.size(1), cache.stride(0)};
+}
+
+// A thread's scratch that survives calls (see the top of the file). `Slot` keeps a
+// kernel's buffers apart; the contents are whatever the last call left.
+template <typename T, int Slot>
+inline T* scratch(int64_t count) {
+  static thread_local std::vector<T> buf;
+  if (static_cast<int64_t>(buf.size()) < count) buf.resize(count);
+  return buf.data();
+}
+
+template <typename T>
+inline float elem_f32(T x) { return static_cast<float>(x); }
+
+// Causal prefill attention over a context of `ctx` keys (fp32 or bf16; sums in fp32).
+// q: [n, H, D] contiguous; query i sits at position ctx - n + i and sees keys
+// 0 .. ctx - n + i. Returns [n, H, D] in q's dtype.
 //
 // torch's fused CPU SDPA ran a 1,024-token causal prefill of the default model (9 heads,
 // D = 64) at about 85 GFLOP/s on 2 cores, 40% of the prefill's time. Here K is transposed
@@ -38,38 +87,44 @@
 // tensor, no materialised [n, ctx] score matrix.
 constexpr int64_t kPR = 8;    // query rows per tile
 constexpr int64_t kPL = 16;   // keys (score tile) / value lanes per vector
-constexpr float kMasked = -1e30f;   // finite: -ffast-math assumes no infinities
 
-inline void prefill_fp32(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                  float scale, torch::Tensor& out) {
+template <typename T>
+inline void prefill_fp32(const torch::Tensor& q, const KVRows<T>& K, const KVRows<T>& V,
+                         int64_t KVH, int64_t ctx, float scale, torch::Tensor& out) {
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t KVH = k.size(0), ctx = k.size(1), G = H / KVH, off = ctx - n;
+  const int64_t G = H / KVH, off = ctx - n;
   const int64_t cp = (ctx + kPL - 1) / kPL * kPL;        // keys padded to whole tiles
   const int64_t dp = (D + kPL - 1) / kPL * kPL;          // value lanes padded likewise
-  // fp32 copies: K transposed [KVH][D][cp] (padding keys are 0), V [KVH][ctx][dp].
-  std::vector<float> kt(KVH * D * cp, 0.f), vf(KVH * ctx * dp, 0.f);
-  auto k32 = k.to(torch::kFloat32), v32 = v.to(torch::kFloat32);
-  auto ka = k32.accessor<float, 3>(), va = v32.accessor<float, 3>();
-  at::parallel_for(0, KVH * ctx, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t h = i / ctx, t = i % ctx;
-      for (int64_t d = 0; d < D; ++d) {
-        kt[(h * D + d) * cp + t] = ka[h][t][d];
-        vf[(h * ctx + t) * dp + d] = va[h][t][d];
-      }
-    }
-  });
+  // fp32 copies: K transposed [KVH][D][cp] (padding keys are 0), V [KVH][ctx][dp]
+  // (padding lanes are 0).
+  float* kt = scratch<float, 0>(KVH * D * cp);
+  float* vf = scratch<float, 1>(KVH * ctx * dp);
   auto q32 = q.to(torch::kFloat32).contiguous();
   const float* qp = q32.data_ptr<float>();
   auto o32 = torch::empty({n, H, D}, q32.options());
   float* op = o32.data_ptr<float>();
   const int64_t tiles = (n + kPR - 1) / kPR, items = H * tiles;
-  // Later tiles see more keys: hand them out first, one at a time, so the threads finish
-  // together.
 #pragma omp parallel
   {
-    std::vector<float> sc(kPR * cp);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < KVH * ctx; ++i) {
+      const int64_t h = i / ctx, t = i % ctx;
+      const T* kr = K.row(h, t);
+      const T* vr = V.row(h, t);
+      float* vo = vf + (h * ctx + t) * dp;
+      for (int64_t d = 0; d < D; ++d) {
+        kt[(h * D + d) * cp + t] = elem_f32(kr[d]);
+        vo[d] = elem_f32(vr[d]);
+      }
+      for (int64_t d = D; d < dp; ++d) vo[d] = 0.f;
+      if (t == ctx - 1)                                    // this head's padding keys
+        for (int64_t d = 0; d < D; ++d)
+          for (int64_t u = ctx; u < cp; ++u) kt[(h * D + d) * cp + u] = 0.f;
+    }
+    float* sc = scratch<float, 2>(kPR * cp);
     float acc[kPR][kPL];
+    // Later tiles see more keys: hand them out first, one at a time, so the threads finish
+    // together.
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < items; ++it) {
       const int64_t tile = tiles - 1 - it / H, h = it % H, hk = h / G;
@@ -80,7 +135,7 @@ inline void prefill_fp32(const torch::Tensor& q, const torch::Tensor& k, const t
       for (int64_t r = 0; r < kPR; ++r)
         for (int64_t d = 0; d < D; ++d)
           qr[r][d] = r < rows ? qp[((i0 + r) * H + h) * D + d] * scale : 0.f;
-      const float* ktp = kt.data() + hk * D * cp;
+      const float* ktp = kt + hk * D * cp;
       for (int64_t t0 = 0; t0 < tk; t0 += 2 * kPL) {      // scores: q . k, 32 keys a pass
         const bool two = t0 + kPL < tk;
         float acc2[kPR][kPL];
@@ -110,28 +165,29 @@ inline void prefill_fp32(const torch::Tensor& q, const torch::Tensor& k, const t
           }
         }
         for (int64_t r = 0; r < kPR; ++r) {
-          const int64_t visible = off + i0 + r;            // keys > visible are masked
 #pragma omp simd
-          for (int64_t l = 0; l < kPL; ++l)
-            sc[r * cp + t0 + l] = t0 + l <= visible ? acc[r][l] : kMasked;
+          for (int64_t l = 0; l < kPL; ++l) sc[r * cp + t0 + l] = acc[r][l];
           if (two) {
 #pragma omp simd
-            for (int64_t l = 0; l < kPL; ++l)
-              sc[r * cp + t0 + kPL + l] = t0 + kPL + l <= visible ? acc2[r][l] : kMasked;
+            for (int64_t l = 0; l < kPL; ++l) sc[r * cp + t0 + kPL + l] = acc2[r][l];
           }
         }
       }
+      // Softmax numerators and sums over each row's visible keys; later keys get exactly 0
+      // (their scores are never read, so no exp of a huge negative number either).
       float inv[kPR];
-      for (int64_t r = 0; r < kPR; ++r) {                  // softmax numerators and sums
-        float* s = sc.data() + r * cp;
-        float m = kMasked;
-        for (int64_t t = 0; t < tk; ++t) m = std::max(m, s[t]);
+      for (int64_t r = 0; r < kPR; ++r) {
+        float* s = sc + r * cp;
+        const int64_t vis = std::min(off + i0 + r + 1, tk);
+        float m = s[0];
+        for (int64_t t = 1; t < vis; ++t) m = std::max(m, s[t]);
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < tk; ++t) { s[t] = std::exp(s[t] - m); sum += s[t]; }
+        for (int64_t t = 0; t < vis; ++t) { s[t] = std::exp(s[t] - m); sum += s[t]; }
+        for (int64_t t = vis; t < tk; ++t) s[t] = 0.f;
         inv[r] = 1.f / sum;
       }
-      const float* vp = vf.data() + hk * ctx * dp;
+      const float* vp = vf + hk * ctx * dp;
       const int64_t tv = std::min(tk, ctx);                // padding keys have p = 0
       // P . V: 4 rows x 64 value lanes a pass (16 accumulators), each value row read once a
       // pass; other head sizes take several or partial lane blocks.
@@ -172,15 +228,10 @@ inline void prefill_fp32(const torch::Tensor& q, const torch::Tensor& k, const t
 
 
 #if TL_PREFILL_BF16_DOT
-// Two bf16 values as the 32-bit pair vdpbf16ps multiplies lane-wise: `lo` in the low half.
-static inline uint32_t bf16_pair(uint16_t lo, uint16_t hi) {
-  return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
-}
-
 static inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
 
 // acc[r][c] += P pairs of row r (broadcast) . V pairs (NV vectors of 16 value lanes), over
-// key pairs [0, pairs): the P . V tile of kVR rows x NV * 16 lanes.
+// key pairs [0, pairs): the P . V tile of 4 rows x NV * 16 lanes.
 template <int NV>
 static inline void pv_tile_bf16(const uint32_t* vp, int64_t dp, const uint16_t* pb,
                                 int64_t cp, int64_t pairs, int64_t d0, __m512 (&acc)[4][4]) {
@@ -199,32 +250,57 @@ static inline void pv_tile_bf16(const uint32_t* vp, int64_t dp, const uint16_t* 
   }
 }
 
-// K and V into the pair layouts below. Rows contiguous in d (the usual case: a view of
-// the cache's [ctx, KVH, D] rows) go through raw pointers: a key row's 32-bit words are
-// its d pairs, and a pair of value rows is interleaved by two 16-bit permutes per 32
-// lanes. Repacked per call, so its cost is per layer whatever the chunk: through tensor
-// accessors it was a fixed ~0.1 ms a layer, most of a small continuation chunk's
-// attention.
-static inline void repack_bf16(const torch::Tensor& k, const torch::Tensor& v, uint32_t* kp,
-                               uint32_t* vp, int64_t dh, int64_t cp, int64_t cv, int64_t dp) {
-  const int64_t KVH = k.size(0), ctx = k.size(1), D = k.size(2);
-  if (k.stride(2) != 1 || v.stride(2) != 1 || D % 32 != 0) {
-    auto ka = k.accessor<at::BFloat16, 3>(), va = v.accessor<at::BFloat16, 3>();
-    at::parallel_for(0, KVH * ctx, 256, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t h = i / ctx, t = i % ctx;
-        for (int64_t j = 0; j < dh; ++j)
-          kp[(h * dh + j) * cp + t] =
-              bf16_pair(ka[h][t][2 * j].x, 2 * j + 1 < D ? ka[h][t][2 * j + 1].x : 0);
-        uint16_t* vrow = reinterpret_cast<uint16_t*>(vp + (h * cv + t / 2) * dp);
-        for (int64_t d = 0; d < D; ++d) vrow[2 * d + (t & 1)] = va[h][t][d].x;
-      }
-    });
-    return;
+// Key pair u (keys 2u, 2u + 1) of kv head h into the pair layouts of prefill_bf16_dot: a key
+// row's 32-bit words are its d pairs (D is even), and the two value rows are interleaved by
+// two 16-bit permutes per 32 lanes (a scalar loop for other head sizes).
+static inline void repack_pair_bf16(const KVRows<uint16_t>& K, const KVRows<uint16_t>& V,
+                                    int64_t h, int64_t u, int64_t ctx, int64_t D, int64_t dh,
+                                    int64_t cp, int64_t dp, uint32_t* kp, uint32_t* vrow,
+                                    const uint16_t* zeros, __m512i lo, __m512i hi) {
+  const bool both = 2 * u + 1 < ctx;
+  for (int64_t t = 2 * u; t < 2 * u + (both ? 2 : 1); ++t) {
+    const uint16_t* row = K.row(h, t);
+    for (int64_t j = 0; j < dh; ++j) {
+      uint32_t w;
+      std::memcpy(&w, row + 2 * j, sizeof(w));
+      kp[j * cp + t] = w;
+    }
   }
-  const uint16_t* kb = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
-  const uint16_t* vb = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
-  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
+  const uint16_t* a = V.row(h, 2 * u);
+  const uint16_t* b = both ? V.row(h, 2 * u + 1) : zeros;
+  uint16_t* out = reinterpret_cast<uint16_t*>(vrow);
+  int64_t d = 0;
+  for (; d + 32 <= D; d += 32) {
+    const __m512i ra = _mm512_loadu_si512(a + d), rb = _mm512_loadu_si512(b + d);
+    _mm512_storeu_si512(out + 2 * d, _mm512_permutex2var_epi16(ra, lo, rb));
+    _mm512_storeu_si512(out + 2 * d + 32, _mm512_permutex2var_epi16(ra, hi, rb));
+  }
+  for (; d < D; ++d) { out[2 * d] = a[d]; out[2 * d + 1] = b[d]; }
+  for (int64_t e = 2 * D; e < 2 * dp; ++e) out[e] = 0;   // padding lanes
+}
+
+// Layouts (uint32 = one bf16 pair): K as [KVH][D/2][cp] pairs along d (a 16-key load is
+// 16 lanes of one d pair); V as [KVH][ctx/2][dp] pairs along keys (a 16-lane load is 16
+// value lanes of one key pair); P per row as bf16 [cp], read two keys at a time. Padding
+// keys, lanes and the odd key are zeros. Needs an even head size (the query's d pairs are
+// its row's 32-bit words).
+//
+// The softmax takes the max and exp16 over each row's visible keys only and writes zeros
+// after them, and P . V writes the bf16 output rows (the rounding o32.to(bf16) did).
+inline void prefill_bf16_dot(const torch::Tensor& q, const KVRows<uint16_t>& K,
+                             const KVRows<uint16_t>& V, int64_t KVH, int64_t ctx,
+                             float scale, torch::Tensor& out) {
+  constexpr int64_t kSR = 8;    // query rows per score tile
+  constexpr int64_t kSK = 32;   // keys per score tile (two vectors)
+  const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t G = H / KVH, off = ctx - n;
+  const int64_t dh = D / 2, cp = (ctx + kSK - 1) / kSK * kSK;
+  const int64_t cv = (ctx + 1) / 2, dp = (D + 15) / 16 * 16;
+  uint32_t* kp = scratch<uint32_t, 3>(KVH * dh * cp);
+  uint32_t* vp = scratch<uint32_t, 4>(KVH * cv * dp);
+  const uint32_t* qw = reinterpret_cast<const uint32_t*>(q.data_ptr<at::BFloat16>());
+  out = torch::empty({n, H, D}, q.options());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   // lanes 0..31 of the interleave of rows a (even lanes) and b (odd lanes): a0 b0 a1 b1 ...
   alignas(64) uint16_t lo_idx[32], hi_idx[32];
   for (int i = 0; i < 32; ++i) {
@@ -232,68 +308,37 @@ static inline void repack_bf16(const torch::Tensor& k, const torch::Tensor& v, u
     hi_idx[i] = static_cast<uint16_t>((i % 2 ? 32 : 0) + 16 + i / 2);
   }
   const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx);
-  at::parallel_for(0, KVH * cv, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t h = i / cv, u = i % cv;
-      for (int64_t t = 2 * u; t < std::min(ctx, 2 * u + 2); ++t) {   // K: words to columns
-        const uint16_t* row = kb + h * ks0 + t * ks1;
-        for (int64_t j = 0; j < dh; ++j) {
-          uint32_t w;
-          std::memcpy(&w, row + 2 * j, sizeof(w));
-          kp[(h * dh + j) * cp + t] = w;
-        }
-      }
-      const uint16_t* a = vb + h * vs0 + 2 * u * vs1;                 // V: rows 2u, 2u + 1
-      uint16_t* out = reinterpret_cast<uint16_t*>(vp + (h * cv + u) * dp);
-      for (int64_t d = 0; d < D; d += 32) {
-        const __m512i ra = _mm512_loadu_si512(a + d);
-        const __m512i rb = 2 * u + 1 < ctx ? _mm512_loadu_si512(a + vs1 + d)
-                                           : _mm512_setzero_si512();
-        _mm512_storeu_si512(out + 2 * d, _mm512_permutex2var_epi16(ra, lo, rb));
-        _mm512_storeu_si512(out + 2 * d + 32, _mm512_permutex2var_epi16(ra, hi, rb));
-      }
-    }
-  });
-}
-
-// Layouts (uint32 = one bf16 pair): K as [KVH][D/2][cp] pairs along d (a 16-key load is
-// 16 lanes of one d pair); V as [KVH][ctx/2][dp] pairs along keys (a 16-lane load is 16
-// value lanes of one key pair); P per row as bf16 [cp], read two keys at a time. Padding
-// keys, lanes and the odd d or key are zeros.
-inline void prefill_bf16_dot(const torch::Tensor& q, const torch::Tensor& k,
-                             const torch::Tensor& v, float scale, torch::Tensor& out) {
-  constexpr int64_t kSR = 8;    // query rows per score tile
-  constexpr int64_t kSK = 32;   // keys per score tile (two vectors)
-  const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t KVH = k.size(0), ctx = k.size(1), G = H / KVH, off = ctx - n;
-  const int64_t dh = (D + 1) / 2, cp = (ctx + kSK - 1) / kSK * kSK;
-  const int64_t cv = (ctx + 1) / 2, dp = (D + 15) / 16 * 16;
-  std::vector<uint32_t> kp(KVH * dh * cp, 0u), vp(KVH * cv * dp, 0u);
-  repack_bf16(k, v, kp.data(), vp.data(), dh, cp, cv, dp);
-  auto qc = q.contiguous();
-  const uint16_t* qp = reinterpret_cast<const uint16_t*>(qc.data_ptr<at::BFloat16>());
-  auto o32 = torch::empty({n, H, D}, q.options().dtype(torch::kFloat32));
-  float* op = o32.data_ptr<float>();
+  alignas(64) const uint16_t zeros[256] = {};
   const int64_t tiles = (n + kSR - 1) / kSR, items = H * tiles;
+  const __m512 sv = _mm512_set1_ps(scale);
 #pragma omp parallel
   {
-    std::vector<float> sc(kSR * cp);
-    std::vector<uint16_t> pb(kSR * cp);
-    std::vector<uint32_t> qr(kSR * dh);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < KVH * cv; ++i) {
+      const int64_t h = i / cv, u = i % cv;
+      uint32_t* kph = kp + h * dh * cp;
+      repack_pair_bf16(K, V, h, u, ctx, D, dh, cp, dp, kph, vp + (h * cv + u) * dp, zeros,
+                       lo, hi);
+      if (u == cv - 1)                                     // this head's padding keys
+        for (int64_t j = 0; j < dh; ++j)
+          for (int64_t t = ctx; t < cp; ++t) kph[j * cp + t] = 0u;
+    }
+    float* sc = scratch<float, 5>(kSR * cp);
+    uint16_t* pb = scratch<uint16_t, 6>(kSR * cp);
+    alignas(64) uint32_t qr[kSR * 128];
+    // Later tiles see more keys: hand them out first, one at a time, so the threads finish
+    // together.
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < items; ++it) {
       const int64_t tile = tiles - 1 - it / H, h = it % H, hk = h / G;
       const int64_t i0 = tile * kSR, rows = std::min<int64_t>(kSR, n - i0);
-      const int64_t last = off + i0 + rows - 1;            // the tile's last visible key
-      const int64_t tk = (last + kSK) / kSK * kSK;         // keys scored, whole tiles
-      for (int64_t r = 0; r < kSR; ++r)
-        for (int64_t j = 0; j < dh; ++j) {
-          const uint16_t* qrow = qp + ((i0 + r) * H + h) * D;
-          qr[r * dh + j] = r < rows ? bf16_pair(qrow[2 * j], 2 * j + 1 < D ? qrow[2 * j + 1] : 0)
-                                    : 0u;
-        }
-      const uint32_t* kpp = kp.data() + hk * dh * cp;
-      const __m512 sv = _mm512_set1_ps(scale);
+      const int64_t first = off + i0;                      // the tile's first row's last key
+      const int64_t tk = (first + rows - 1 + kSK) / kSK * kSK;   // keys scored, whole tiles
+      for (int64_t r = 0; r < kSR; ++r) {
+        if (r < rows) std::memcpy(qr + r * dh, qw + ((i0 + r) * H + h) * dh, dh * 4);
+        else std::memset(qr + r * dh, 0, dh * 4);
+      }
+      const uint32_t* kpp = kp + hk * dh * cp;
       for (int64_t t0 = 0; t0 < tk; t0 += kSK) {           // scores: 8 rows x 32 keys a pass
         __m512 a0[kSR], a1[kSR];
         for (int64_t r = 0; r < kSR; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
@@ -308,32 +353,43 @@ inline void prefill_bf16_dot(const torch::Tensor& q, const torch::Tensor& k,
           }
         }
         for (int64_t r = 0; r < kSR; ++r) {
-          _mm512_storeu_ps(sc.data() + r * cp + t0, _mm512_mul_ps(a0[r], sv));
-          _mm512_storeu_ps(sc.data() + r * cp + t0 + 16, _mm512_mul_ps(a1[r], sv));
+          _mm512_storeu_ps(sc + r * cp + t0, _mm512_mul_ps(a0[r], sv));
+          _mm512_storeu_ps(sc + r * cp + t0 + 16, _mm512_mul_ps(a1[r], sv));
         }
       }
       float inv[kSR];
-      for (int64_t r = 0; r < kSR; ++r) {                  // softmax numerators and sums
-        float* s = sc.data() + r * cp;
-        for (int64_t t = off + i0 + r + 1; t < tk; ++t) s[t] = kMasked;   // later keys
-        float m = kMasked;
-        for (int64_t t = 0; t < tk; ++t) m = std::max(m, s[t]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < tk; ++t) { s[t] = std::exp(s[t] - m); sum += s[t]; }
-        inv[r] = 1.f / sum;
-        uint16_t* p = pb.data() + r * cp;
-        for (int64_t t = 0; t < tk; t += 16)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t),
-                              (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + t)));
+      for (int64_t r = 0; r < kSR; ++r) {     // softmax numerators over the visible keys
+        const float* s = sc + r * cp;
+        uint16_t* p = pb + r * cp;
+        const int64_t vis = std::min(first + r + 1, tk);
+        __m512 mx = _mm512_set1_ps(-3.0e38f);
+        for (int64_t t = 0; t < vis; t += 16) {
+          const int64_t left = vis - t;
+          const __mmask16 m = left >= 16 ? 0xFFFF : (1u << left) - 1;
+          mx = _mm512_mask_max_ps(mx, m, mx, _mm512_loadu_ps(s + t));
+        }
+        const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        __m512 sum = _mm512_setzero_ps();
+        int64_t t = 0;
+        for (; t < vis; t += 16) {
+          const int64_t left = vis - t;
+          const __mmask16 m = left >= 16 ? 0xFFFF : (1u << left) - 1;
+          const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t),
+                                                                      mv)));
+          sum = _mm512_add_ps(sum, e);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t), (__m256i)_mm512_cvtneps_pbh(e));
+        }
+        for (; t < tk; t += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t),
+                                                    _mm256_setzero_si256());
+        inv[r] = 1.f / _mm512_reduce_add_ps(sum);
       }
-      const uint32_t* vpp = vp.data() + hk * cv * dp;
+      const uint32_t* vpp = vp + hk * cv * dp;
       const int64_t pairs = std::min(tk / 2, cv);          // padding keys have p = 0
       for (int64_t r0 = 0; r0 < kSR && r0 < rows; r0 += 4)
         for (int64_t d0 = 0; d0 < dp; d0 += 64) {
           __m512 acc[4][4];
           const int64_t nv = std::min<int64_t>(4, (dp - d0) / 16);
-          const uint16_t* pr = pb.data() + r0 * cp;
+          const uint16_t* pr = pb + r0 * cp;
           switch (nv) {
             case 4: pv_tile_bf16<4>(vpp, dp, pr, cp, pairs, d0, acc); break;
             case 3: pv_tile_bf16<3>(vpp, dp, pr, cp, pairs, d0, acc); break;
@@ -341,41 +397,112 @@ inline void prefill_bf16_dot(const torch::Tensor& q, const torch::Tensor& k,
             default: pv_tile_bf16<1>(vpp, dp, pr, cp, pairs, d0, acc); break;
           }
           for (int64_t r = 0; r < 4 && r0 + r < rows; ++r) {
-            float lanes[64];
-            for (int64_t c = 0; c < nv; ++c)
-              _mm512_storeu_ps(lanes + 16 * c, _mm512_mul_ps(acc[r][c],
-                                                             _mm512_set1_ps(inv[r0 + r])));
-            float* orow = op + ((i0 + r0 + r) * H + h) * D;
-            for (int64_t l = 0; l < 16 * nv && d0 + l < D; ++l) orow[d0 + l] = lanes[l];
+            const __m512 iv = _mm512_set1_ps(inv[r0 + r]);
+            uint16_t* orow = op + ((i0 + r0 + r) * H + h) * D + d0;
+            for (int64_t c = 0; c < nv; ++c) {
+              const int64_t left = D - d0 - 16 * c;       // lanes of the row still to write
+              const __mmask16 m = left >= 16 ? 0xFFFF : (1u << left) - 1;
+              _mm256_mask_storeu_epi16(orow + 16 * c, m,
+                                       (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][c], iv)));
+            }
           }
         }
     }
   }
-  out = o32.to(q.scalar_type());
 }
 #endif
 
 // Whether bf16 prefill runs the vdpbf16ps kernel in this build (-march=native decides).
 inline bool prefill_bf16_dot_built() { return TL_PREFILL_BF16_DOT; }
 
-inline torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
+// The kernel for these rows: vdpbf16ps for bf16 where built (even head sizes), else fp32.
+inline torch::Tensor prefill_dispatch(const torch::Tensor& q, const KVRows<uint16_t>& kb,
+                                      const KVRows<uint16_t>& vb, const KVRows<float>& kf,
+                                      const KVRows<float>& vf,
+                                      int64_t KVH, int64_t ctx, double scale) {
+  torch::Tensor out;
+  if (q.size(0) == 0) return torch::empty_like(q);
+  if (q.scalar_type() == torch::kBFloat16) {
+#if TL_PREFILL_BF16_DOT
+    if (q.size(2) % 2 == 0) {
+      prefill_bf16_dot(q, kb, vb, KVH, ctx, static_cast<float>(scale), out);
+      return out;
+    }
+#endif
+    KVRows<c10::BFloat16> k16{reinterpret_cast<const c10::BFloat16*>(kb.base), kb.s_head,
+                              kb.s_tok, kb.table, kb.bs, kb.s_blk};
+    KVRows<c10::BFloat16> v16{reinterpret_cast<const c10::BFloat16*>(vb.base), vb.s_head,
+                              vb.s_tok, vb.table, vb.bs, vb.s_blk};
+    prefill_fp32(q, k16, v16, KVH, ctx, static_cast<float>(scale), out);
+    return out;
+  }
+  prefill_fp32(q, kf, vf, KVH, ctx, static_cast<float>(scale), out);
+  return out;
+}
+
+inline void check_prefill(const torch::Tensor& q, const torch::Tensor& k, const char* what) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16,
+              what, ": fp32 or bf16");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type(), what, ": K/V in the query's dtype");
+  TORCH_CHECK(q.size(2) <= 256, what, ": head_dim up to 256");
+}
+
+// q [n, H, D]; k, v [KVH, ctx, D] (any strides).
+inline torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                                       double scale) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "prefill_attention: 3-d tensors");
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(2) == q.size(2) && q.size(1) % k.size(0) == 0,
               "prefill_attention: q [n, H, D], k and v [KVH, ctx, D], H a multiple of KVH");
   TORCH_CHECK(k.size(1) >= q.size(0), "prefill_attention: the context holds the queries");
-  TORCH_CHECK(q.size(2) <= 256, "prefill_attention: head_dim up to 256");
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16,
-              "prefill_attention: fp32 or bf16");
-  torch::Tensor out;
-  if (q.size(0) == 0) return torch::empty_like(q);
-#if TL_PREFILL_BF16_DOT
-  if (q.scalar_type() == torch::kBFloat16 && k.scalar_type() == torch::kBFloat16 &&
-      v.scalar_type() == torch::kBFloat16) {
-    prefill_bf16_dot(q, k, v, static_cast<float>(scale), out);
-    return out;
-  }
-#endif
-  prefill_fp32(q, k, v, static_cast<float>(scale), out);
-  return out;
+  check_prefill(q, k, "prefill_attention");
+  TORCH_CHECK(v.scalar_type() == q.scalar_type(), "prefill_attention: K/V in the query's dtype");
+  q = q.contiguous();
+  if (k.stride(2) != 1) k = k.contiguous();                // rows must be contiguous in d
+  if (v.stride(2) != 1) v = v.contiguous();
+  const bool bf = q.scalar_type() == torch::kBFloat16;
+  KVRows<uint16_t> kb{}, vb{};
+  KVRows<float> kf{}, vf{};
+  if (bf) { kb = view_rows<uint16_t>(k); vb = view_rows<uint16_t>(v); }
+  else { kf = view_rows<float>(k); vf = view_rows<float>(v); }
+  return prefill_dispatch(q, kb, vb, kf, vf, k.size(0), k.size(1), scale);
 }
 
+// q [n, H, D] at positions start_pos .. start_pos + n - 1; key_cache, value_cache
+// [blocks, BS, KVH, D] (rows contiguous in d), already holding those positions' K/V;
+// block_table int64 [>= ceil((start_pos + n) / BS)].
+inline torch::Tensor prefill_attention_paged(torch::Tensor q, torch::Tensor key_cache,
+                                             torch::Tensor value_cache, torch::Tensor block_table,
+                                             int64_t start_pos, double scale) {
+  TORCH_CHECK(q.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4,
+              "prefill_attention_paged: q [n, H, D], caches [blocks, BS, KVH, D]");
+  TORCH_CHECK(key_cache.sizes() == value_cache.sizes() && key_cache.size(3) == q.size(2) &&
+                  q.size(1) % key_cache.size(2) == 0,
+              "prefill_attention_paged: caches [blocks, BS, KVH, D], H a multiple of KVH");
+  TORCH_CHECK(key_cache.stride(3) == 1 && value_cache.stride(3) == 1 &&
+                  key_cache.strides() == value_cache.strides(),
+              "prefill_attention_paged: cache rows contiguous in d");
+  check_prefill(q, key_cache, "prefill_attention_paged");
+  TORCH_CHECK(value_cache.scalar_type() == q.scalar_type(),
+              "prefill_attention_paged: K/V in the query's dtype");
+  const int64_t ctx = start_pos + q.size(0), bs = key_cache.size(1);
+  TORCH_CHECK(start_pos >= 0, "prefill_attention_paged: start_pos >= 0");
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt64 && block_table.dim() == 1 &&
+                  block_table.is_contiguous() && block_table.size(0) * bs >= ctx,
+              "prefill_attention_paged: an int64 block table covering the context");
+  const int64_t* tb = block_table.data_ptr<int64_t>();
+  for (int64_t i = 0; i < (ctx + bs - 1) / bs; ++i)
+    TORCH_CHECK(tb[i] >= 0 && tb[i] < key_cache.size(0),
+                "prefill_attention_paged: block ", tb[i], " is outside the cache");
+  q = q.contiguous();
+  const bool bf = q.scalar_type() == torch::kBFloat16;
+  KVRows<uint16_t> kb{}, vb{};
+  KVRows<float> kf{}, vf{};
+  if (bf) {
+    kb = pool_rows<uint16_t>(key_cache, block_table);
+    vb = pool_rows<uint16_t>(value_cache, block_table);
+  } else {
+    kf = pool_rows<float>(key_cache, block_table);
+    vf = pool_rows<float>(value_cache, block_table);
+  }
+  return prefill_dispatch(q, kb, vb, kf, vf, key_cache.size(2), ctx, scale);
+}

@@ -168,6 +168,8 @@ PREFILL_CASES = [  # (queries, context, heads, kv_heads, head_dim)
     (64, 300, 9, 3, 64),    # a continuation chunk: 236 earlier keys
     (5, 1000, 8, 1, 128),   # a few rows (a speculative verify) at a long context, MQA
     (20, 50, 4, 2, 80),     # a head size that is not a whole number of 16-lane vectors
+    (7, 30, 2, 1, 63),      # an odd head size: bf16 takes the fp32 kernel
+    (9, 40, 3, 3, 72),      # a last value vector of 8 lanes (masked output store)
     (300, 300, 32, 4, 128),
 ]
 
@@ -205,9 +207,9 @@ def test_prefill_kernel_matches_sdpa(n, ctx, heads, kv_heads, head_dim, dtype):
 
 @pytest.mark.parametrize("n,ctx", [(64, 300), (37, 37), (1, 2)])
 def test_bf16_prefill_repacks_rows_the_same_whatever_their_strides(n, ctx):
-    """Rows contiguous in head_dim (the model's views) take the pointer repack; any other
-    layout the accessor loop. Same pair layout, so bit-identical output, odd contexts (a
-    last key pair with one key) included."""
+    """Rows contiguous in head_dim (the model's views) are repacked in place; any other
+    layout is made contiguous first. Bit-identical output, odd contexts (a last key pair
+    with one key) included."""
     from tokenloom.kernels.cpu.attention import prefill_attention_cpu
 
     g = torch.Generator().manual_seed(ctx)
@@ -228,3 +230,55 @@ def test_bf16_prefill_runs_the_bf16_dot_kernel_where_the_cpu_has_it():
 
     module = load_cpu_decode_kernel()
     assert module.prefill_bf16_dot_built() == ("avx512_bf16" in detect().flags)
+
+
+@pytest.mark.parametrize("n,start,head_dim", [(64, 0, 64), (64, 192, 64), (37, 100, 64),
+                                              (1, 0, 64), (5, 27, 80), (9, 40, 63)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_prefill_reads_the_pool_as_the_gathered_context(n, start, head_dim, dtype):
+    """The paged entry reads K/V rows through the block table, blocks scattered over the
+    pool: bit-identical to the kernel over the gathered context, for chunks that start
+    mid-block and end mid-block."""
+    from tokenloom.kernels.attention import gather_context
+    from tokenloom.kernels.cpu.attention import prefill_attention_cpu, prefill_attention_paged_cpu
+
+    g = torch.Generator().manual_seed(n * 31 + start)
+    bs, kvh, heads, ctx = 16, 3, 9, start + n
+    kc = torch.randn(64, bs, kvh, head_dim, generator=g).to(dtype)
+    vc = torch.randn(64, bs, kvh, head_dim, generator=g).to(dtype)
+    table = torch.randperm(64, generator=g)[:cdiv(ctx, bs)]
+    q = torch.randn(n, heads, head_dim, generator=g).to(dtype)
+    k = gather_context(kc, table)[:ctx].transpose(0, 1)
+    v = gather_context(vc, table)[:ctx].transpose(0, 1)
+    gathered = prefill_attention_cpu(q, k, v, 0.125)
+    assert torch.equal(prefill_attention_paged_cpu(q, kc, vc, table, start, 0.125), gathered)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_gives_later_keys_exactly_zero_weight(dtype):
+    """Causality is exact, not approximate: the first m queries of a chunk come out
+    bit-identical whether or not the chunk's later keys (visible only to later queries,
+    here made huge) exist at all."""
+    from tokenloom.kernels.cpu.attention import prefill_attention_cpu
+
+    g = torch.Generator().manual_seed(5)
+    n, before, m = 40, 70, 13
+    q = torch.randn(n, 9, 64, generator=g).to(dtype)
+    k = torch.randn(3, before + n, 64, generator=g).to(dtype)
+    v = torch.randn(3, before + n, 64, generator=g).to(dtype)
+    k[:, before + m:] *= 1000
+    v[:, before + m:] *= 1000
+    full = prefill_attention_cpu(q, k, v, 0.125)
+    cut = prefill_attention_cpu(q[:m], k[:, :before + m], v[:, :before + m], 0.125)
+    assert torch.equal(full[:m], cut)
+
+
+def test_paged_prefill_rejects_a_block_outside_the_pool():
+    from tokenloom.kernels.cpu.attention import prefill_attention_paged_cpu
+
+    kc = torch.zeros(4, 16, 1, 64)
+    q = torch.zeros(3, 2, 64)
+    with pytest.raises(RuntimeError, match="block 9 is outside the cache"):
+        prefill_attention_paged_cpu(q, kc, kc, torch.tensor([0, 9]), 20, 0.125)
+    with pytest.raises(RuntimeError, match="block table covering the context"):
+        prefill_attention_paged_cpu(q, kc, kc, torch.tensor([0]), 20, 0.125)
