@@ -21,10 +21,10 @@ from tokenloom.kernels.cpu import linear as cpu_linear
 from tokenloom.startup_log import startup_log as log
 
 # The projection kernels (kernels/cpu/linear.py names) the stack can call, by its codes.
-Q4, Q8, SMALL, DENSE, ONEDNN, STRIPS, INT8PACK = 0, 1, 2, 3, 4, 5, 6
+Q4, Q8, SMALL, DENSE, ONEDNN, STRIPS, INT8PACK, TILE = 0, 1, 2, 3, 4, 5, 6, 7
 KINDS = {"block_gemm", "small_gemm", "small_gemm_int8", "small_gemm_strips",
          "small_gemm_strips_int8", "mkl", "copy_mkl", "onednn", "copy_onednn",
-         "int8pack_bf16"}
+         "int8pack_bf16", "tile_gemm"}
 ACTIVATIONS = (torch.float32, torch.bfloat16)
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
@@ -76,6 +76,8 @@ def _args(lin, name: str) -> tuple[int, list[torch.Tensor]] | None:
         return DENSE, [k.w] if k.bias is None else [k.w, k.bias]
     if name == "int8pack_bf16":
         return INT8PACK, [k.q, k.scale16, bias]
+    if name == "tile_gemm":
+        return TILE, [k.tiles, bias]
     if name in ("onednn", "copy_onednn"):
         return ONEDNN, [k.packed] if k.bias is None else [k.packed, k.bias]
     return None

@@ -127,8 +127,9 @@ def choose(linears: list[nn.Linear], rows: tuple[int, ...] = (1, 16, 128)) -> bo
 # depends on the ISA, the caches and the core count.
 
 ROW_LADDER = (1, 2, 4, 8, 16, 64, 256)
-# kernels torch.compile cannot call (an opaque packed weight)
-NOT_TRACEABLE = {"onednn", "copy_onednn"}
+# kernels torch.compile cannot call (oneDNN's opaque packed weight; tile_gemm registers no
+# shape function)
+NOT_TRACEABLE = {"onednn", "copy_onednn", "tile_gemm"}
 HEAD_ROW_LADDER = (1, 4, 16, 64)
 INT8 = "int8"
 # Weights in GGUF-style 32-weight blocks (kernels/cpu/blocks.py): Q4_1 and Q8_0.
@@ -142,6 +143,8 @@ _small_gemm = None
 _small_gemm_failed: str | None = None
 _block_gemm = None
 _block_gemm_failed: str | None = None
+_tile_gemm = None
+_tile_gemm_failed: str | None = None
 
 
 def block_gemm_module():
@@ -156,6 +159,28 @@ def block_gemm_module():
             _block_gemm_failed = f"{type(e).__name__}: {e}"
             log.info("C++ block matmul unavailable", reason=_block_gemm_failed)
     return _block_gemm
+
+
+def tile_gemm_module():
+    """The C++ register-tiled bf16 kernel (csrc/tile_gemm_cpu.cpp; built on first use), or
+    None: no compiler, or a CPU without AVX512-BF16 (the kernel needs vdpbf16ps)."""
+    global _tile_gemm, _tile_gemm_failed
+    if _tile_gemm is None and _tile_gemm_failed is None:
+        from tokenloom.kernels.cpu.features import detect
+        if "avx512_bf16" not in detect().flags:
+            _tile_gemm_failed = "no AVX512-BF16 on this CPU"
+            return None
+        try:
+            from tokenloom.kernels.cpu.cpp_build import build
+            module = build("tokenloom_tile_gemm_cpu", "tile_gemm_cpu.cpp")
+            if module.tile_gemm_built():
+                _tile_gemm = module
+            else:
+                _tile_gemm_failed = "built without AVX512-BF16"
+        except Exception as e:  # no compiler: the other kernels still work
+            _tile_gemm_failed = f"{type(e).__name__}: {e}"
+            log.info("C++ tiled bf16 matmul unavailable", reason=_tile_gemm_failed)
+    return _tile_gemm
 
 
 def small_gemm_module():
@@ -247,6 +272,12 @@ class KernelSet(nn.Module):
                     log.info("oneDNN linear unavailable", dtype=str(act_dtype), reason=str(e))
             names += [n for n in ("small_gemm", "small_gemm_strips")
                       if gemm is not None and want(n)]
+            # bf16 on vdpbf16ps, weight packed in panels of 16 outputs (tile_gemm_cpu.cpp)
+            if (act_dtype == torch.bfloat16 and self.w.shape[0] % 16 == 0 and want("tile_gemm")
+                    and tile_gemm_module() is not None):
+                self.register_buffer("tiles", place(tile_gemm_module().tile_gemm_pack(self.w)),
+                                     persistent=False)
+                names.append("tile_gemm")
         self.names = tuple(names)
 
     def _copies(self, dequantized, act_dtype: torch.dtype, want) -> list[str]:
@@ -281,6 +312,8 @@ class KernelSet(nn.Module):
             return F.linear(x, self.w, b)
         if name in ("onednn", "copy_onednn"):
             return onednn_linear(x, self.packed, b)
+        if name == "tile_gemm":
+            return torch.ops.tokenloom.tile_gemm(x, self.tiles, self.empty if b is None else b)
         if name == "small_gemm_strips":
             return torch.ops.tokenloom.small_gemm_strips(x, self.w, self.empty,
                                                          self.empty if b is None else b)
@@ -358,15 +391,18 @@ def _available(name: str) -> bool:
         return onednn_available()
     if name == "int8pack_bf16":
         return has_int8_weight_op()
+    if name == "tile_gemm":
+        return tile_gemm_module() is not None
     return name in ("mkl", "copy_mkl")
 
 
 # Bumped when the set of candidate kernels changes (a plan remembered before would never
-# consider the new ones): 2 = small_gemm walks rows, small_gemm_strips added. A change to a
-# C++ kernel's source needs no bump: its build digest is part of the key.
-PLAN_VERSION = "kernels-2"
+# consider the new ones): 2 = small_gemm walks rows, small_gemm_strips added; 3 = tile_gemm
+# added. A change to a C++ kernel's source needs no bump: its build digest is part of the key.
+PLAN_VERSION = "kernels-3"
 CPP_KERNELS = (("tokenloom_small_gemm_cpu", "small_gemm_cpu.cpp"),
-               ("tokenloom_block_gemm_cpu", "block_gemm_cpu.cpp"))
+               ("tokenloom_block_gemm_cpu", "block_gemm_cpu.cpp"),
+               ("tokenloom_tile_gemm_cpu", "tile_gemm_cpu.cpp"))
 
 
 def plan_cache_key(weights: list[tuple[torch.Tensor, torch.Tensor | None]], storage: str,

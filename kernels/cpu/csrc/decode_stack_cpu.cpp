@@ -34,7 +34,8 @@ using at::Tensor;
 // tensor arguments after x. kOneDNN: oneDNN's linear on a prepacked weight ([packed] or
 // [packed, bias]), called at the row counts kernels/cpu/linear.py's onednn_rows pads to.
 enum Kind : int64_t {
-  kQ4 = 0, kQ8 = 1, kSmall = 2, kDense = 3, kOneDNN = 4, kStrips = 5, kInt8Pack = 6
+  kQ4 = 0, kQ8 = 1, kSmall = 2, kDense = 3, kOneDNN = 4, kStrips = 5, kInt8Pack = 6,
+  kTile = 7
 };
 
 // kernels/cpu/linear.py's onednn_rows: exact up to 16 rows, above that rounded up to 1/8 of
@@ -55,6 +56,7 @@ struct Proj {
 // The operators' registered signatures (tensors by value, as their C++ functions take them).
 using Q4Op = Tensor(Tensor, Tensor, Tensor, Tensor, Tensor);
 using Q8Op = Tensor(Tensor, Tensor, Tensor, Tensor);
+using TileOp = Tensor(Tensor, Tensor, Tensor);
 using DecodeOp = Tensor(Tensor, Tensor, Tensor, Tensor, Tensor, double);
 
 c10::TypedOperatorHandle<Q8Op> op4(const char* name) {
@@ -142,7 +144,7 @@ class DecodeStack {
                     norms_.size() * 2 == kinds.size(),
                 "decode_stack: 4 projections and 2 norms per layer");
     for (size_t i = 0; i < kinds.size(); ++i) {
-      TORCH_CHECK(kinds[i] >= kQ4 && kinds[i] <= kInt8Pack, "decode_stack: unknown kind");
+      TORCH_CHECK(kinds[i] >= kQ4 && kinds[i] <= kTile, "decode_stack: unknown kind");
       projs_.push_back(Proj{kinds[i], std::move(args[i])});
       need(kinds[i]);
     }
@@ -241,6 +243,9 @@ class DecodeStack {
       small_ = op4("tokenloom::small_gemm");
     } else if (kind == kStrips && !strips_) {
       strips_ = op4("tokenloom::small_gemm_strips");
+    } else if (kind == kTile && !tile_) {
+      tile_ = c10::Dispatcher::singleton().findSchemaOrThrow("tokenloom::tile_gemm", "")
+                  .typed<TileOp>();
     } else if (kind == kOneDNN && !onednn_) {
       onednn_ = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
     }
@@ -272,6 +277,7 @@ class DecodeStack {
       case kSmall: return small_->call(x, a[0], a[1], a[2]);
       case kStrips: return strips_->call(x, a[0], a[1], a[2]);
       case kOneDNN: return onednn(x, a);
+      case kTile: return tile_->call(x, a[0], a[1]);   // [packed panels, bias or empty]
       case kInt8Pack: {   // torch's int8 matmul: [q, bf16 scales, bias or empty]
         Tensor y = at::_weight_int8pack_mm(x.to(at::kBFloat16).contiguous(), a[0], a[1])
                        .to(x.scalar_type());
@@ -288,6 +294,7 @@ class DecodeStack {
   double eps_, scale_;
   c10::optional<c10::TypedOperatorHandle<Q4Op>> q4_;
   c10::optional<c10::TypedOperatorHandle<Q8Op>> q8_, small_, strips_;
+  c10::optional<c10::TypedOperatorHandle<TileOp>> tile_;
   c10::optional<c10::OperatorHandle> onednn_;
   c10::TypedOperatorHandle<DecodeOp> decode_ = c10::Dispatcher::singleton()
       .findSchemaOrThrow("tokenloom::paged_decode_cpu", "").typed<DecodeOp>();

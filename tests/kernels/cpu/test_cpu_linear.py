@@ -162,3 +162,45 @@ def test_a_remembered_plan_is_measured_again_when_a_kernel_source_changes(monkey
     monkeypatch.setattr(cpp_build, "build_name",
                         lambda base, source=None: real(base, source) + "-edited")
     assert key != cpu_linear.plan_cache_key(weights, "float", torch.float32, (1, 4))
+
+
+def test_tile_gemm_is_built_where_the_cpu_has_avx512_bf16():
+    from tokenloom.kernels.cpu.features import detect
+
+    assert (cpu_linear.tile_gemm_module() is not None) == ("avx512_bf16" in detect().flags)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 17, 70])
+@pytest.mark.parametrize("k", [100, 99])
+@pytest.mark.parametrize("bias", [False, True])
+def test_tile_gemm_matches_the_reference(rows, k, bias):
+    """The tiled bf16 kernel: row counts on both sides of its 8-row tiles, output panels
+    in groups of 3 with a group of 1 and of 2 left over (80 and 96 columns), an odd K (the
+    last pair's second weight is 0), a bias."""
+    if cpu_linear.tile_gemm_module() is None:
+        pytest.skip("this CPU has no AVX512-BF16")
+    for n in (80, 96):
+        g = torch.Generator().manual_seed(rows * 1000 + k + n)
+        w = torch.randn(n, k, generator=g) * 0.1
+        b = torch.randn(n, generator=g) if bias else None
+        x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+        kernels = cpu_linear.KernelSet(w, b, "float", torch.bfloat16, only={"tile_gemm"})
+        assert kernels.names == ("tile_gemm",)
+        with torch.inference_mode():
+            y = kernels.run("tile_gemm", x)
+        ref = torch.nn.functional.linear(x.float(), w.to(torch.bfloat16).float(),
+                                         None if b is None else b.to(torch.bfloat16).float())
+        assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
+        # one bf16 rounding of an fp32 sum
+        torch.testing.assert_close(y.float(), ref, rtol=8e-3, atol=8e-3)
+
+
+def test_tile_gemm_is_offered_only_for_bf16_and_whole_panels():
+    if cpu_linear.tile_gemm_module() is None:
+        pytest.skip("this CPU has no AVX512-BF16")
+    assert "tile_gemm" in cpu_linear.KernelSet(torch.randn(32, 8), None, "float",
+                                               torch.bfloat16).names
+    assert "tile_gemm" not in cpu_linear.KernelSet(torch.randn(40, 8), None, "float",
+                                                   torch.bfloat16).names
+    assert "tile_gemm" not in cpu_linear.KernelSet(torch.randn(32, 8), None, "float",
+                                                   torch.float32).names
