@@ -6,17 +6,22 @@ module calls around them. The stack runs the same projection kernels and the sam
 attention through the dispatcher, and the small ops as row loops, without returning to
 Python between layers.
 
-It serves eager decode-only steps whose projections all run a kernel it knows at that row
-count (`KINDS`) on an fp32 or bf16 model with a plain KV pool in the model's dtype and the
-C++ decode attention (bf16 rounds where the module forward's torch ops round); any
-other step (a prefill chunk, an adapter row, a quantized KV cache, the runtime KV check, a
-KV rotation, a compiled program) takes the module forward, unchanged.
+It serves eager steps whose projections all run a kernel it knows at that row count
+(`KINDS`) on an fp32 or bf16 model with a plain KV pool in the model's dtype and the C++
+decode attention (bf16 rounds where the module forward's torch ops round). Prefill chunks
+ride along when the model's prefill attention is the C++ kernel: each chunk attends to its
+context through its block table (the paged kernel), after the step's K/V are stored. A
+mixed step (16 decodes + a 64-token chunk) spent ~6 ms of Python between its kernels in
+the module forward. Any other step (an adapter row, a quantized KV cache, the runtime KV
+check, a KV rotation, a compiled program, SDPA prefill attention) takes the module
+forward, unchanged.
 """
 
 from __future__ import annotations
 
 import torch
 
+from tokenloom.arith import cdiv
 from tokenloom.kernels.cpu import linear as cpu_linear
 from tokenloom.startup_log import startup_log as log
 
@@ -95,20 +100,22 @@ class DecodeStacks:
 
     def usable(self, meta, kv) -> bool:
         """Whether this step may run on a stack (see the module docstring)."""
-        if meta.prefills or meta.lora is not None or torch.compiler.is_compiling():
+        if meta.lora is not None or torch.compiler.is_compiling():
+            return False
+        attn = self.model.layers[0].self_attn
+        if meta.prefills and getattr(attn.prefill_fn, "paged", None) is None:
             return False
         pool = kv.pool
         if (pool is None or kv.scales is not None
                 or pool.dtype != self.model.embed_tokens.weight.dtype):
             return False
         from tokenloom.kernels.cpu.attention import paged_decode_cpu
-        attn = self.model.layers[0].self_attn
         return (attn.kv_check is None and attn.kv_rotation is None
                 and attn.decode_fn is paged_decode_cpu and attn.rope_store_fn is None
                 and attn.store_fn is None)
 
     def for_rows(self, rows: int):
-        """The stack for a step of `rows` decode rows, or None (a kernel it cannot call)."""
+        """The stack for a step of `rows` rows, or None (a kernel it cannot call)."""
         if rows not in self._by_rows:
             self._by_rows[rows] = self._build(rows)
         return self._by_rows[rows]
@@ -150,5 +157,9 @@ class DecodeStacks:
         h = model.embed_tokens(input_ids)
         cos, sin = model.rope.lookup(positions)
         self.steps += 1
+        bs = kv.pool.shape[3]
+        segs = torch.tensor([[s.query_start, s.query_len, s.start_pos] for s in meta.prefills],
+                            dtype=torch.int64).reshape(-1, 3)
+        tables = [s.block_table[:cdiv(s.context_len, bs)] for s in meta.prefills]
         return stack.run(h, cos, sin, kv.pool, meta.slot_mapping, meta.decode_block_tables,
-                         meta.decode_context_lens)
+                         meta.decode_context_lens, segs, tables)

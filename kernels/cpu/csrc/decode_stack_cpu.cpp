@@ -57,6 +57,7 @@ struct Proj {
 using Q4Op = Tensor(Tensor, Tensor, Tensor, Tensor, Tensor);
 using Q8Op = Tensor(Tensor, Tensor, Tensor, Tensor);
 using TileOp = Tensor(Tensor, Tensor, Tensor);
+using PrefillOp = Tensor(Tensor, Tensor, Tensor, Tensor, int64_t, double);
 using DecodeOp = Tensor(Tensor, Tensor, Tensor, Tensor, Tensor, double);
 
 c10::TypedOperatorHandle<Q8Op> op4(const char* name) {
@@ -154,20 +155,33 @@ class DecodeStack {
   int64_t num_layers() const { return static_cast<int64_t>(norms_.size() / 2); }
 
   // h: [B, E] embeddings (fp32 or bf16, not modified); cos, sin: [B, D]; pool: the KV
-  // pool [L, 2, blocks, block_size, KVH, D] (h's dtype, contiguous); slots [B], tables
-  // [B, nb], lens [B] (int64). Returns the residual stream after the last layer, [B, E].
+  // pool [L, 2, blocks, block_size, KVH, D] (h's dtype, contiguous); slots [B]; the
+  // decode rows (the first lens.size(0) rows): tables [nd, nb], lens [nd] (int64);
+  // prefill chunks after them: segs [S, 3] (query_start, query_len, start_pos) with a
+  // block table each (seg_tables). Returns the residual stream after the last layer, [B, E].
   Tensor run(const Tensor& h, const Tensor& cos, const Tensor& sin, const Tensor& pool,
-             const Tensor& slots, const Tensor& tables, const Tensor& lens) const {
+             const Tensor& slots, const Tensor& tables, const Tensor& lens,
+             const Tensor& segs, const std::vector<Tensor>& seg_tables) {
     TORCH_CHECK(h.dim() == 2, "decode_stack: h must be [rows, hidden]");
-    if (h.scalar_type() == at::kFloat) return run_t<float>(h, cos, sin, pool, slots, tables, lens);
+    TORCH_CHECK(segs.dim() == 2 && segs.size(1) == 3 && segs.scalar_type() == at::kLong &&
+                    segs.size(0) == static_cast<int64_t>(seg_tables.size()),
+                "decode_stack: segs [S, 3] int64 with a block table each");
+    if (segs.size(0) > 0 && !prefill_) {
+      prefill_ = c10::Dispatcher::singleton()
+                     .findSchemaOrThrow("tokenloom::prefill_attention_paged_cpu", "")
+                     .typed<PrefillOp>();
+    }
+    if (h.scalar_type() == at::kFloat)
+      return run_t<float>(h, cos, sin, pool, slots, tables, lens, segs, seg_tables);
     TORCH_CHECK(h.scalar_type() == at::kBFloat16, "decode_stack: fp32 or bf16 activations");
-    return run_t<bf16>(h, cos, sin, pool, slots, tables, lens);
+    return run_t<bf16>(h, cos, sin, pool, slots, tables, lens, segs, seg_tables);
   }
 
  private:
   template <typename T>
   Tensor run_t(const Tensor& h_in, const Tensor& cos, const Tensor& sin, const Tensor& pool,
-               const Tensor& slots, const Tensor& tables, const Tensor& lens) const {
+               const Tensor& slots, const Tensor& tables, const Tensor& lens,
+               const Tensor& segs_in, const std::vector<Tensor>& seg_tables) const {
     const auto dtype = h_in.scalar_type();
     TORCH_CHECK(pool.dim() == 6 && pool.is_contiguous() && pool.scalar_type() == dtype &&
                     pool.size(0) == num_layers() && pool.size(4) == KVH_ && pool.size(5) == D_,
@@ -184,6 +198,16 @@ class DecodeStack {
     const T* cp = cs.data_ptr<T>();
     const T* sp = sn.data_ptr<T>();
     const int64_t* slot = sl.data_ptr<int64_t>();
+    const int64_t nd = lens.size(0), S = segs_in.size(0);
+    Tensor segs = segs_in.contiguous();
+    const int64_t* seg = segs.data_ptr<int64_t>();
+    int64_t covered = nd;
+    for (int64_t i = 0; i < S; ++i) {
+      TORCH_CHECK(seg[3 * i] == covered && seg[3 * i + 1] > 0 && seg[3 * i + 2] >= 0,
+                  "decode_stack: prefill chunks follow the decode rows, in order");
+      covered += seg[3 * i + 1];
+    }
+    TORCH_CHECK(covered == B, "decode_stack: decode rows and chunks cover the step's rows");
     Tensor x = at::empty({B, E}, h.options());
     Tensor m;   // the previous layer's MLP output (none before the first)
     for (int64_t l = 0; l < num_layers(); ++l) {
@@ -219,7 +243,20 @@ class DecodeStack {
         for (int64_t hh = 0; hh < KVH_; ++hh) Ops<T>::rope(kd + hh * D_, c, s, D_);
         std::copy(row + Q + KV, row + Q + 2 * KV, vp + slot[b] * KV);
       }
-      Tensor o = decode_.call(q, kc, vc, tables, lens, scale_).view({B, Q});
+      Tensor o;
+      if (S == 0) {
+        o = decode_.call(q, kc, vc, tables, lens, scale_).view({B, Q});
+      } else {   // decode rows, then each chunk over its context (read from the pool)
+        o = at::empty({B, H_, D_}, h.options());
+        if (nd > 0)
+          o.narrow(0, 0, nd).copy_(decode_.call(q.narrow(0, 0, nd), kc, vc, tables, lens,
+                                                scale_));
+        for (int64_t i = 0; i < S; ++i)
+          o.narrow(0, seg[3 * i], seg[3 * i + 1])
+              .copy_(prefill_->call(q.narrow(0, seg[3 * i], seg[3 * i + 1]), kc, vc,
+                                    seg_tables[i], seg[3 * i + 2], scale_));
+        o = o.view({B, Q});
+      }
       Tensor a = project(p[1], o);
       Ops<T>::norm(a.data_ptr<T>(), h.data_ptr<T>(), norms_[2 * l + 1].data_ptr<T>(),
                    x.data_ptr<T>(), B, E, eps_);
@@ -295,6 +332,7 @@ class DecodeStack {
   c10::optional<c10::TypedOperatorHandle<Q4Op>> q4_;
   c10::optional<c10::TypedOperatorHandle<Q8Op>> q8_, small_, strips_;
   c10::optional<c10::TypedOperatorHandle<TileOp>> tile_;
+  c10::optional<c10::TypedOperatorHandle<PrefillOp>> prefill_;
   c10::optional<c10::OperatorHandle> onednn_;
   c10::TypedOperatorHandle<DecodeOp> decode_ = c10::Dispatcher::singleton()
       .findSchemaOrThrow("tokenloom::paged_decode_cpu", "").typed<DecodeOp>();
@@ -308,6 +346,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
                           std::vector<std::vector<Tensor>>, int64_t, int64_t, int64_t, double,
                           double>())
       .def("num_layers", &DecodeStack::num_layers)
-      .def("run", &DecodeStack::run, "the decoder layers of one decode step",
+      .def("run", &DecodeStack::run, "the decoder layers of one step",
            pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -634,11 +634,14 @@ TORCH_LIBRARY_FRAGMENT(tokenloom, m) {
         "Tensor context_lens, float scale) -> Tensor");
   m.def("store_kv_cpu(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
         "Tensor slots) -> ()");
+  m.def("prefill_attention_paged_cpu(Tensor q, Tensor key_cache, Tensor value_cache, "
+        "Tensor block_table, int start_pos, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenloom, CPU, m) {
   m.impl("paged_decode_cpu", &paged_decode);
   m.impl("store_kv_cpu", &store_kv);
+  m.impl("prefill_attention_paged_cpu", &prefill_attention_paged);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -150,9 +150,45 @@ def test_a_padded_row_writes_nowhere_and_prefills_take_the_module_forward():
     model.forward_hidden(inputs.input_ids, inputs.positions, kv, inputs.meta)
     assert model.decode_stacks.steps == 1
     assert torch.equal(kv.pool, before)
-    # A step with a prefill chunk in it is not the stack's.
+    # A step with a prefill chunk in it is not the stack's while prefill attention is SDPA
+    # (with the C++ prefill kernel it is: the mixed-step test below).
     _hidden(model, kv, [Seq("a", [20], 12, [4, 5]), Seq("b", [7, 8, 9], 0, [6])], 1)
     assert model.decode_stacks.steps == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_mixed_step_on_the_stack_equals_the_module_forward(dtype):
+    """Decode rows and prefill chunks in one step (a fresh prompt and a continuation chunk
+    after 9 cached tokens, across block edges): with the C++ prefill attention the stack
+    serves the step, and its residual stream and written K/V are the module forward's."""
+    from tokenloom.kernels.cpu.attention import prefill_attention_cpu
+
+    spec, model = _model("float", True, dtype)
+    model.set_prefill_kernel(prefill_attention_cpu)
+    kv = KVCache.allocate(spec.num_layers, 24, BLOCK, spec.num_kv_heads, spec.head_dim,
+                          dtype, "cpu")
+    gen = torch.Generator().manual_seed(11)
+    tok = lambda n: torch.randint(3, spec.vocab_size, (n,), generator=gen).tolist()  # noqa
+    stacks = model.decode_stacks
+    model.decode_stacks = None          # the earlier tokens through the module forward
+    _hidden(model, kv, [Seq("a", tok(12), 0, [4, 5])], 0)
+    _hidden(model, kv, [Seq("b", tok(20), 0, [9, 2, 7])], 0)
+    _hidden(model, kv, [Seq("c", tok(9), 0, [11, 3])], 0)
+    model.decode_stacks = stacks
+    step = [Seq("a", tok(1), 12, [4, 5]), Seq("b", tok(1), 20, [9, 2, 7]),
+            Seq("d", tok(11), 0, [13, 14]), Seq("c", tok(7), 9, [11, 3])]
+    before = kv.pool.clone()
+    fast = _hidden(model, kv, step, 2)
+    assert stacks.steps == 1
+    fast_pool = kv.pool.clone()
+    kv.pool.copy_(before)
+    model.decode_stacks = None
+    ref = _hidden(model, kv, step, 2)
+    model.decode_stacks = stacks
+    assert fast.shape == ref.shape == (20, spec.hidden_size)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2   # as for decode steps (above)
+    assert (fast.float() - ref.float()).abs().max().item() <= tol * ref.float().abs().max().item()
+    assert (fast_pool.float() - kv.pool.float()).abs().max().item() <= tol
 
 
 def test_a_kernel_the_stack_cannot_call_leaves_the_module_forward():
