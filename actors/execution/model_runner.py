@@ -435,6 +435,11 @@ class ModelRunner:
         return self._forward(batch, None)[0].clone()
 
 
+    def num_promoted_layers(self) -> int:
+        """Layers promoted to full precision so far (as kv_quant_stats counts them)."""
+        check = self.kv_check
+        return len(self.kv.promoted_layers()) if check is None else len(check.stats.promoted)
+
     def kv_quant_stats(self, kv_dtype: str, bytes_per_token: int,
                        rotation: str = "none") -> KVQuantStats:
         check = self.kv_check

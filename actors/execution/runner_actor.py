@@ -175,13 +175,18 @@ class RunnerActor(Actor):
             self._fail(launched.batch, e)
             return
         out.idle_seconds = launched.idle_seconds
-        self._post(self.scheduler_inbox.put_nowait, out)
+        # Snapshots before the step's output goes out, so a caller who has the output sees
+        # stats at least as new; at most every 0.25 s, except that a KV layer promoted in
+        # this step shows at once.
         now = time.perf_counter()
-        if now - self._snapshot_time > 0.25:
+        promoted = self.model_runner.num_promoted_layers()
+        if (now - self._snapshot_time > 0.25
+                or promoted != self.kv_quant_snapshot.num_promoted_layers):
             self._snapshot_time = now
             self.graph_snapshot = self.model_runner.graph_stats()
             self.kv_quant_snapshot = self.model_runner.kv_quant_stats(*self.kv_quant_labels)
             self.lora_snapshot = self.model_runner.lora_stats()
+        self._post(self.scheduler_inbox.put_nowait, out)
 
     def _fail(self, batch: ExecuteBatch, e: Exception) -> None:
         self.model_runner.forget_failed(batch)
