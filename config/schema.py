@@ -193,7 +193,9 @@ class SchedulerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only
     overlap: bool = True
     # Fewest prefill tokens per iteration under "slo", so long prompts always progress.
     # 0 = follow target_itl_ms down to one KV block (cache.block_size tokens); a value > 0
-    # is a hard floor, kept even when that many tokens overrun the target.
+    # is a floor in time, kept even when it overruns the target: an iteration may take as
+    # long as its decodes plus that many tokens at a prompt's start (deeper into a long
+    # prompt, the most tokens that fit that time, at least one KV block).
     min_prefill_chunk: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 64
     # KV plan: fraction of the pool admission keeps free...
     kv_watermark: Annotated[float, msgspec.Meta(ge=0.0, le=0.5)] = 0.01

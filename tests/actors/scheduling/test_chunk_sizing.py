@@ -1,6 +1,8 @@
 """The SLO chunker's floor: with `min_prefill_chunk` 0 the ITL target decides
-how small a chunk gets, down to one KV block; a value above 0 is a hard floor; before the
-cost model knows what prefill costs, prefill gets the floor."""
+how small a chunk gets, down to one KV block; a value above 0 is a floor in time (what that
+many tokens cost at a prompt's start, overriding the target; deeper into a long prompt the
+chunk is the most that fits that time); before the cost model knows what prefill costs,
+prefill gets the floor."""
 
 import pytest
 
@@ -77,7 +79,7 @@ def test_an_unreachable_target_still_gives_one_block_so_prompts_progress():
         assert sizer.steady_budget(decodes) == block_size
 
 
-def test_an_explicit_min_prefill_chunk_is_a_hard_floor():
+def test_an_explicit_min_prefill_chunk_overrides_the_target():
     cost, decodes = fitted(), decoding(4)
     cfg = SchedulerConfig(chunking="slo", target_itl_ms=40.0, min_prefill_chunk=64)
     sizer = ChunkSizer(cfg, 2048, cost)
@@ -95,3 +97,49 @@ def test_before_the_fit_prefill_gets_the_floor(min_prefill_chunk, floor):
     assert sizer.steady_budget(decodes) == floor
     # The floor never exceeds the iteration's room beside the decodes.
     assert ChunkSizer(cfg, 18, unfitted).prefill_budget(decodes, WAITING) == min(floor, 14)
+
+
+PER_MPAIR = 0.25   # seconds per million causal query-key pairs (a 64-token chunk after
+#                    1,936 cached tokens: ~31 ms of attention beside ~64 ms of tokens)
+
+
+def fitted_with_attention() -> StepCostModel:
+    m = StepCostModel()
+    for decodes in range(1, 17):
+        for chunk, start in ((0, 0), (16, 0), (128, 0), (64, 500), (64, 1500), (128, 1000)):
+            attn = (sum((attention_work(1, 50) for _ in range(decodes)), attention_work(0, 0))
+                    + attention_work(chunk, start))
+            tokens = decodes + chunk
+            m.observe(tokens, attn, C0 + PER_TOKEN * tokens + PER_MPAIR * attn.pairs,
+                      prefill_tokens=chunk, rows=decodes)
+    assert m.knows_prefill
+    return m
+
+
+def test_deep_in_a_long_prompt_the_floor_holds_its_time_not_its_token_count():
+    """min_prefill_chunk 64 with an unreachable 40 ms target: the first chunk of a prompt
+    gets the 64 tokens; a chunk after 1,936 cached tokens would cost more for the same
+    count (it attends to all of them), so it gets the most tokens that fit the first
+    chunk's step time: the step stays as long, not longer. At least a block always."""
+    cost, decodes = fitted_with_attention(), decoding(4)
+    cfg = SchedulerConfig(chunking="slo", target_itl_ms=40.0, min_prefill_chunk=64)
+    attn = sum(attention_work(1, r.num_computed_tokens) for r in decodes)
+
+    def step(prefill: int, start: int) -> float:
+        return cost.predict(4 + prefill, attn + attention_work(prefill, start), rows=4)
+
+    fresh = ChunkSizer(cfg, 2048, cost, block_size=16)
+    assert settled(fresh, decodes) == 64
+    deep = Request("deep", list(range(3, 2503)), SamplingParams())
+    deep.num_computed_tokens = 1936            # e.g. its earlier chunks, or a prefix hit
+    sizer = ChunkSizer(cfg, 2048, cost, block_size=16)
+    for _ in range(12):
+        budget = sizer.prefill_budget(decodes, [deep])
+    assert step(64, 1936) > 1.2 * step(64, 0)   # what the old token floor would have run
+    assert 16 <= budget < 64
+    assert step(budget, 1936) <= step(64, 0) < step(budget + 1, 1936)
+    assert sizer.steady_budget(decodes, start=1936) == budget
+    # However costly the context, a block of progress.
+    deeper = ChunkSizer(cfg, 2048, cost, block_size=16)
+    deep.num_computed_tokens = 200_000
+    assert deeper.prefill_budget(decodes, [deep]) == 16
