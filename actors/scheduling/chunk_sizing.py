@@ -10,12 +10,13 @@ decides, down to a block). A floor above 0 is a floor in time: an iteration may 
 as long as those decodes plus `min_prefill_chunk` tokens at the start of a prompt, even
 when that overruns the target. Deeper into a long prompt the same token count costs more
 (the chunk attends to its whole context), so there the chunk is the most that fits that
-time, at least one KV block: steps stay about as long at the end of a 2,000-token prompt as
-at its start, instead of growing with it (on 2 cores a 64-token chunk after 1,936 cached
-tokens beside 4 decodes made ~110 ms steps against ~55 at the start, and those steps set
-the short streams' ITL p99 under long-prompt interference). The budget at most doubles
-from one iteration to the next, so one bad fit (noise) cannot turn into one multi-second
-iteration before the model sees its mistake.
+time, at least one KV block (a chunk whose extra cost is within the target's headroom
+over a decode-only step keeps its whole floor): steps stay about as long at the end of a
+2,000-token prompt as at its start, instead of growing with it (on 2 cores a 64-token
+chunk after 1,936 cached tokens beside 4 decodes made ~110 ms steps against ~55 at the
+start, and those steps set the short streams' ITL p99 under long-prompt interference).
+The budget at most doubles from one iteration to the next, so one bad fit (noise) cannot
+turn into one multi-second iteration before the model sees its mistake.
 """
 
 from __future__ import annotations
@@ -58,20 +59,32 @@ class ChunkSizer:
         plain_attn = sum(attention_work(1, r.num_computed_tokens) for r in decodes)
         target = (cfg.target_itl_ms / 1000 if cfg.target_itl_ms > 0 else
                   cfg.auto_itl_factor * self.cost.predict(len(decodes), plain_attn))
-        target, lo = self._time_floor(target, len(decodes), plain_attn, lo, hi)
-        return self.cost.max_prefill_tokens(target, len(decodes), plain_attn, start, lo, hi)
+        return self._chunk(target, len(decodes), plain_attn, start, lo, hi)
 
-    def _time_floor(self, target: float, decode_tokens: int, decode_attn, lo: int,
-                    hi: int) -> tuple[float, int]:
-        """(target, least tokens) with the floor in time (module docstring): the target
-        raised to what `lo` tokens cost at a prompt's start beside these decodes, and one
-        KV block of progress at least. With min_prefill_chunk 0 the floor is one block of
-        tokens, as it was."""
+    def _chunk(self, target: float, decode_tokens: int, decode_attn, start: int, lo: int,
+               hi: int) -> int:
+        """The most prefill tokens continuing a prompt at `start` within `target`, with the
+        floor (module docstring): with min_prefill_chunk > 0, a floor in time (what `lo`
+        tokens cost at a prompt's start beside these decodes; one KV block of progress at
+        least), except that a chunk whose `lo` tokens cost no more than that plus the SLO's
+        own headroom over a decode-only step (auto_itl_factor - 1 of it) keeps all `lo`:
+        a 256-token prompt's later chunks then stay whole instead of leaving a tail of a few
+        tokens for one more mixed step, and only chunks deep in a long prompt shrink."""
+        cost = self.cost
         if not self.config.min_prefill_chunk:
-            return target, lo
-        floor_time = self.cost.predict(decode_tokens + lo, decode_attn + attention_work(lo, 0),
-                                       rows=decode_tokens)
-        return max(target, floor_time), min(self.block_size, lo)
+            return cost.max_prefill_tokens(target, decode_tokens, decode_attn, start, lo, hi)
+        floor_time = cost.predict(decode_tokens + lo, decode_attn + attention_work(lo, 0),
+                                  rows=decode_tokens)
+        budget = cost.max_prefill_tokens(max(target, floor_time), decode_tokens, decode_attn,
+                                         start, min(self.block_size, lo), hi)
+        if budget < lo:
+            headroom = (self.config.auto_itl_factor - 1) * cost.predict(decode_tokens,
+                                                                         decode_attn)
+            at_start = cost.predict(decode_tokens + lo, decode_attn + attention_work(lo, start),
+                                    rows=decode_tokens)
+            if at_start <= floor_time + headroom:
+                budget = lo
+        return budget
 
     def prefill_budget(self, running: Sequence[Request], waiting: Sequence[Request],
                        drafts: Mapping[str, int] | None = None) -> int | None:
@@ -106,9 +119,8 @@ class ChunkSizer:
             return None
         hi = max(1, self.max_tokens - len(decodes) - spec)
         lo = min(self.floor, hi)
-        target, least = self._time_floor(target, len(decodes) + spec, d_attn, lo, hi)
-        budget = self.cost.max_prefill_tokens(target, len(decodes) + spec, d_attn,
-                                              head.num_computed_tokens, least, hi)
+        budget = self._chunk(target, len(decodes) + spec, d_attn, head.num_computed_tokens,
+                             lo, hi)
         budget = min(budget, max(lo, 2 * self._last_slo_chunk))
         self._last_slo_chunk = budget
         self.last_budget = budget

@@ -143,3 +143,20 @@ def test_deep_in_a_long_prompt_the_floor_holds_its_time_not_its_token_count():
     deeper = ChunkSizer(cfg, 2048, cost, block_size=16)
     deep.num_computed_tokens = 200_000
     assert deeper.prefill_budget(decodes, [deep]) == 16
+
+
+def test_a_chunk_a_little_deeper_keeps_the_whole_floor():
+    """A 256-token prompt's later chunks (after 64-192 tokens) cost a little more than its
+    first; within the target's headroom over a decode-only step they keep all 64 tokens,
+    so the prompt still takes 4 chunks, not 5 with a tail of a few tokens."""
+    cost, decodes = fitted_with_attention(), decoding(4)
+    attn = sum(attention_work(1, r.num_computed_tokens) for r in decodes)
+    decode_only = cost.predict(4, attn)
+    cfg = SchedulerConfig(chunking="slo", auto_itl_factor=1.5, min_prefill_chunk=64)
+    for start in (64, 128, 192):
+        head = Request("p", list(range(3, 259)), SamplingParams())
+        head.num_computed_tokens = start
+        sizer = ChunkSizer(cfg, 2048, cost, block_size=16)
+        for _ in range(12):
+            budget = sizer.prefill_budget(decodes, [head])
+        assert budget >= 64, (start, budget, decode_only)
