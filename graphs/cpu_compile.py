@@ -67,6 +67,9 @@ def register_shape_functions() -> None:
     # q4/q8 block kernels
     register("q4_gemm", lambda x, qs, d, m, bias: x.new_empty((x.shape[0], qs.shape[0])))
     register("q8_gemm", lambda x, qs, d, bias: x.new_empty((x.shape[0], qs.shape[0])))
+    register("q4_gemm_packed",
+             lambda x, qs, d, m, bias: x.new_empty((x.shape[0], qs.shape[0])))
+    register("q8_gemm_packed", lambda x, qs, d, bias: x.new_empty((x.shape[0], qs.shape[0])))
 
 
 def paged_decode_op(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

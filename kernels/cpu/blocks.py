@@ -128,6 +128,34 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(g * inv) * (amax / 127)).reshape(x.shape)
 
 
+def pack_groups(qs: torch.Tensor) -> torch.Tensor:
+    """The layout of the packed block kernels (`q4_gemm_packed`, `q8_gemm_packed` in
+    csrc/block_gemm_cpu.cpp): each row's leading groups of 16 blocks with byte j of block i
+    moved to (j // 4) * 64 + i * 4 + j % 4 of its group, so that one 64-byte load holds 4
+    codes of each of 16 blocks; the blocks after the last whole group stay as they are.
+    The same bytes, so the same size."""
+    rows, width = qs.shape
+    per_block = 32 if qs.dtype == torch.int8 else 16     # Q8_0 codes, or Q4 nibble pairs
+    head = width // (16 * per_block) * 16 * per_block
+    if head == 0:
+        return qs.contiguous()
+    groups = (qs[:, :head].reshape(rows, head // (16 * per_block), 16, per_block // 4, 4)
+              .permute(0, 1, 3, 2, 4).reshape(rows, head))
+    return torch.cat([groups, qs[:, head:]], dim=1).contiguous()
+
+
+def unpack_groups(qs: torch.Tensor) -> torch.Tensor:
+    """pack_groups undone."""
+    rows, width = qs.shape
+    per_block = 32 if qs.dtype == torch.int8 else 16
+    head = width // (16 * per_block) * 16 * per_block
+    if head == 0:
+        return qs.contiguous()
+    groups = (qs[:, :head].reshape(rows, head // (16 * per_block), per_block // 4, 16, 4)
+              .permute(0, 1, 3, 2, 4).reshape(rows, head))
+    return torch.cat([groups, qs[:, head:]], dim=1).contiguous()
+
+
 def concat(parts: list[Blocks]) -> Blocks:
     """Row-wise concatenation (a fused QKV or gate/up projection), exact."""
     if all(isinstance(p, Q4Blocks) for p in parts):

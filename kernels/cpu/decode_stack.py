@@ -26,7 +26,7 @@ from tokenloom.kernels.cpu import linear as cpu_linear
 from tokenloom.startup_log import startup_log as log
 
 # The projection kernels (kernels/cpu/linear.py names) the stack can call, by its codes.
-Q4, Q8, SMALL, DENSE, ONEDNN, STRIPS, INT8PACK, TILE = 0, 1, 2, 3, 4, 5, 6, 7
+Q4, Q8, SMALL, DENSE, ONEDNN, STRIPS, INT8PACK, TILE, Q4_PACKED, Q8_PACKED = range(10)
 KINDS = {"block_gemm", "small_gemm", "small_gemm_int8", "small_gemm_strips",
          "small_gemm_strips_int8", "mkl", "copy_mkl", "onednn", "copy_onednn",
          "int8pack_bf16", "tile_gemm"}
@@ -67,8 +67,8 @@ def _args(lin, name: str) -> tuple[int, list[torch.Tensor]] | None:
     bias = k.empty if k.bias is None else k.bias
     if name == "block_gemm":
         if k.storage == cpu_linear.Q4:
-            return Q4, [k.qs, k.d, k.m, bias]
-        return Q8, [k.qs, k.d, bias]
+            return Q4_PACKED if k.grouped else Q4, [k.qs, k.d, k.m, bias]
+        return Q8_PACKED if k.grouped else Q8, [k.qs, k.d, bias]
     if name == "small_gemm":
         return SMALL, [k.w, k.empty, bias]
     if name == "small_gemm_int8":

@@ -232,12 +232,17 @@ class KernelSet(nn.Module):
         self.register_buffer("empty", torch.empty(0), persistent=False)
         gemm = small_gemm_module()
         self.storage = storage
+        self.grouped = False
         # The forms a decode step streams go to huge-page memory (allocator.py says why).
         place = weight_arena().place
         if storage in BLOCK_STORAGES:
             if blocks is None:
                 blocks = (blk.quantize_q4 if storage == Q4 else blk.quantize_q8)(weight)
-            self.register_buffer("qs", place(blocks.qs), persistent=False)
+            # An AVX-512 VNNI build reads the codes in groups of 16 blocks (blocks.pack_groups;
+            # the same bytes): `block_gemm` then runs the packed operators.
+            self.grouped = block_gemm_module() is not None and block_gemm_module().packed_built()
+            qs = blk.pack_groups(blocks.qs) if self.grouped else blocks.qs
+            self.register_buffer("qs", place(qs), persistent=False)
             self.register_buffer("d", place(blocks.d), persistent=False)
             self.register_buffer("m", place(blocks.m) if storage == Q4 else None,
                                  persistent=False)
@@ -280,6 +285,11 @@ class KernelSet(nn.Module):
                 names.append("tile_gemm")
         self.names = tuple(names)
 
+    def blocks(self) -> "blk.Blocks":
+        """The q4 / q8 blocks as GGUF lays them out (the stored codes may be packed)."""
+        qs = blk.unpack_groups(self.qs) if self.grouped else self.qs
+        return blk.Q4Blocks(qs, self.d, self.m) if self.storage == Q4 else blk.Q8Blocks(qs, self.d)
+
     def _copies(self, dequantized, act_dtype: torch.dtype, want) -> list[str]:
         """A dequantized copy of a quantized weight, kept once (plain, and packed for oneDNN)
         for the prefill-sized calls where a dense matmul on it measures faster than the
@@ -305,9 +315,12 @@ class KernelSet(nn.Module):
         b = self.bias
         if name == "block_gemm":
             bias = self.empty if b is None else b
+            ops = torch.ops.tokenloom
             if self.storage == Q4:
-                return torch.ops.tokenloom.q4_gemm(x, self.qs, self.d, self.m, bias)
-            return torch.ops.tokenloom.q8_gemm(x, self.qs, self.d, bias)
+                op = ops.q4_gemm_packed if self.grouped else ops.q4_gemm
+                return op(x, self.qs, self.d, self.m, bias)
+            op = ops.q8_gemm_packed if self.grouped else ops.q8_gemm
+            return op(x, self.qs, self.d, bias)
         if name in ("mkl", "copy_mkl"):
             return F.linear(x, self.w, b)
         if name in ("onednn", "copy_onednn"):

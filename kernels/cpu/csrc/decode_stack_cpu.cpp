@@ -35,7 +35,7 @@ using at::Tensor;
 // [packed, bias]), called at the row counts kernels/cpu/linear.py's onednn_rows pads to.
 enum Kind : int64_t {
   kQ4 = 0, kQ8 = 1, kSmall = 2, kDense = 3, kOneDNN = 4, kStrips = 5, kInt8Pack = 6,
-  kTile = 7
+  kTile = 7, kQ4Packed = 8, kQ8Packed = 9
 };
 
 // kernels/cpu/linear.py's onednn_rows: exact up to 16 rows, above that rounded up to 1/8 of
@@ -145,7 +145,7 @@ class DecodeStack {
                     norms_.size() * 2 == kinds.size(),
                 "decode_stack: 4 projections and 2 norms per layer");
     for (size_t i = 0; i < kinds.size(); ++i) {
-      TORCH_CHECK(kinds[i] >= kQ4 && kinds[i] <= kTile, "decode_stack: unknown kind");
+      TORCH_CHECK(kinds[i] >= kQ4 && kinds[i] <= kQ8Packed, "decode_stack: unknown kind");
       projs_.push_back(Proj{kinds[i], std::move(args[i])});
       need(kinds[i]);
     }
@@ -276,6 +276,11 @@ class DecodeStack {
                 .typed<Q4Op>();
     } else if (kind == kQ8 && !q8_) {
       q8_ = op4("tokenloom::q8_gemm");
+    } else if (kind == kQ4Packed && !q4p_) {
+      q4p_ = c10::Dispatcher::singleton().findSchemaOrThrow("tokenloom::q4_gemm_packed", "")
+                 .typed<Q4Op>();
+    } else if (kind == kQ8Packed && !q8p_) {
+      q8p_ = op4("tokenloom::q8_gemm_packed");
     } else if (kind == kSmall && !small_) {
       small_ = op4("tokenloom::small_gemm");
     } else if (kind == kStrips && !strips_) {
@@ -311,6 +316,8 @@ class DecodeStack {
     switch (p.kind) {
       case kQ4: return q4_->call(x, a[0], a[1], a[2], a[3]);
       case kQ8: return q8_->call(x, a[0], a[1], a[2]);
+      case kQ4Packed: return q4p_->call(x, a[0], a[1], a[2], a[3]);
+      case kQ8Packed: return q8p_->call(x, a[0], a[1], a[2]);
       case kSmall: return small_->call(x, a[0], a[1], a[2]);
       case kStrips: return strips_->call(x, a[0], a[1], a[2]);
       case kOneDNN: return onednn(x, a);
@@ -329,8 +336,8 @@ class DecodeStack {
   std::vector<Proj> projs_;
   int64_t H_, KVH_, D_;
   double eps_, scale_;
-  c10::optional<c10::TypedOperatorHandle<Q4Op>> q4_;
-  c10::optional<c10::TypedOperatorHandle<Q8Op>> q8_, small_, strips_;
+  c10::optional<c10::TypedOperatorHandle<Q4Op>> q4_, q4p_;
+  c10::optional<c10::TypedOperatorHandle<Q8Op>> q8_, q8p_, small_, strips_;
   c10::optional<c10::TypedOperatorHandle<TileOp>> tile_;
   c10::optional<c10::TypedOperatorHandle<PrefillOp>> prefill_;
   c10::optional<c10::OperatorHandle> onednn_;

@@ -52,23 +52,47 @@ def test_widths_that_are_not_whole_blocks_are_refused():
     assert not blk.blockable((4, 40)) and blk.blockable((4, 64))
 
 
+def _packed_built() -> bool:
+    module = cpu_linear.block_gemm_module()
+    return module is not None and module.packed_built()
+
+
+@pytest.fixture
+def path(request):
+    """Which of the compiled paths serves the call: "widest" (AVX-512 VNNI where built),
+    "next" (the AVX2 or plain-loop one: the widest turned off), or "packed" (the VNNI
+    kernel over pack_groups' layout)."""
+    module = cpu_linear.block_gemm_module()
+    if request.param == "packed" and not _packed_built():
+        pytest.skip("built without AVX-512 VNNI")
+    module.use_widest_path(request.param != "next")
+    yield request.param
+    module.use_widest_path(True)
+
+
 @needs_kernel
 @pytest.mark.parametrize("fmt", ["q4", "q8"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 16, 67])
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
-def test_kernel_equals_the_dequantized_matmul(fmt, rows, act):
+@pytest.mark.parametrize("path", ["widest", "next", "packed"], indirect=True)
+def test_kernel_equals_the_dequantized_matmul(fmt, rows, act, path):
     torch.manual_seed(rows)
-    n, k = 70, 576                       # a row count that is not a multiple of the split
+    # 70 rows: not a multiple of any tile or split. 1,568 columns = 49 blocks: three packed
+    # groups of 16, then a lone block; 576 = one group and a pair.
+    n, k = 70, 1568 if rows % 2 else 576
     w = torch.randn(n, k) * 0.05
     b = blk.quantize_q4(w) if fmt == "q4" else blk.quantize_q8(w)
     bias = torch.randn(n)
     x = torch.randn(rows, k).to(act)
     # The kernels quantize activations to int8 blocks (as llama.cpp does for Q4_1 / Q8_0).
     ref = blk.quantize_activations(x.float()) @ blk.dequantize(b).T + bias
+    ops = torch.ops.tokenloom
+    qs = blk.pack_groups(b.qs) if path == "packed" else b.qs
     if fmt == "q4":
-        y = torch.ops.tokenloom.q4_gemm(x, b.qs, b.d, b.m, bias.to(act))
+        y = (ops.q4_gemm_packed if path == "packed" else ops.q4_gemm)(x, qs, b.d, b.m,
+                                                                     bias.to(act))
     else:
-        y = torch.ops.tokenloom.q8_gemm(x, b.qs, b.d, bias.to(act))
+        y = (ops.q8_gemm_packed if path == "packed" else ops.q8_gemm)(x, qs, b.d, bias.to(act))
     assert y.dtype == act and y.shape == (rows, n)
     # (A tie in the activations' rounding may go the other way: one code step of one x.)
     tol = 1e-3 if act == torch.float32 else 2e-2
@@ -76,6 +100,22 @@ def test_kernel_equals_the_dequantized_matmul(fmt, rows, act):
         (y.float() - ref).abs().max()
     exact = x.float() @ blk.dequantize(b).T + bias     # and close to the unquantized product
     assert (y.float() - exact).abs().max() <= 0.02 * exact.abs().max()
+
+
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+def test_packed_layout_moves_four_codes_of_sixteen_blocks_into_each_64_bytes(fmt):
+    torch.manual_seed(0)
+    b = (blk.quantize_q4 if fmt == "q4" else blk.quantize_q8)(torch.randn(3, 32 * 35))
+    packed = blk.pack_groups(b.qs)
+    per_block = 16 if fmt == "q4" else 32
+    assert packed.shape == b.qs.shape and packed.dtype == b.qs.dtype
+    for block, j in [(0, 0), (5, 7), (15, per_block - 1), (17, 2), (31, 9)]:
+        group, i = divmod(block, 16)
+        at = group * 16 * per_block + (j // 4) * 64 + i * 4 + j % 4
+        assert torch.equal(packed[:, at], b.qs[:, block * per_block + j])
+    tail = 32 * per_block                    # blocks 32-34 stay as they are
+    assert torch.equal(packed[:, tail:], b.qs[:, tail:])
+    assert torch.equal(blk.unpack_groups(packed), b.qs)
 
 
 @needs_kernel
@@ -117,13 +157,12 @@ def test_block_model_computes_with_exactly_its_blocks(tiny_dir, mode):
                          "mlp.down_proj"):
                 ks = qlayer.get_submodule(name).kernels
                 assert ks.storage == mode
-                b = (blk.Q4Blocks(ks.qs, ks.d, ks.m) if mode == "q4"
-                     else blk.Q8Blocks(ks.qs, ks.d))
-                ref.get_submodule(f"layers.{i}.{name}").weight.copy_(blk.dequantize(b))
+                weight = blk.dequantize(ks.blocks())
+                ref.get_submodule(f"layers.{i}.{name}").weight.copy_(weight)
         hk = quant.lm_head.kernels
         assert hk.storage == "q8"            # the head stays 8-bit in both modes
         ref.lm_head = torch.nn.Linear(*reversed(hk.qs.shape), bias=False)
-        ref.lm_head.weight.copy_(blk.dequantize(blk.Q8Blocks(hk.qs, hk.d)))
+        ref.lm_head.weight.copy_(blk.dequantize(hk.blocks()))
     with torch.inference_mode():
         a = quality_gate.teacher_forced_logits(ref, ids).float()    # prefill-sized calls
         b = quality_gate.teacher_forced_logits(quant, ids).float()
@@ -138,14 +177,14 @@ def test_every_block_candidate_matches_the_dequantized_weight(storage, act):
     """The kernels the planner may pick for q4/q8 (the block kernel and the kept dequantized
     copies, plain and oneDNN-packed) all compute x . dequantize(W)^T + b."""
     torch.manual_seed(3)
-    w, b = torch.randn(45, 96) * 0.1, torch.randn(45) * 0.1
+    w, b = torch.randn(45, 576) * 0.1, torch.randn(45) * 0.1   # a packed group and a pair
     kernels = cpu_linear.KernelSet(w, b, storage, act)
     assert {"copy_mkl"} <= set(kernels.names)
-    deq = blk.dequantize(blk.Q4Blocks(kernels.qs, kernels.d, kernels.m) if storage == "q4"
-                         else blk.Q8Blocks(kernels.qs, kernels.d))
+    assert kernels.grouped == _packed_built()
+    deq = blk.dequantize(kernels.blocks())
     tol = 1e-4 if act == torch.float32 else 3e-2
     for rows in (1, 6, 40):
-        x = torch.randn(rows, 96).to(act)
+        x = torch.randn(rows, 576).to(act)
         ref = torch.nn.functional.linear(x.float(), deq.to(act).float(), b.to(act).float())
         qref = torch.nn.functional.linear(blk.quantize_activations(x.float()),
                                           deq.to(act).float(), b.to(act).float())
