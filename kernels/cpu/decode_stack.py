@@ -29,7 +29,7 @@ from tokenloom.startup_log import startup_log as log
 Q4, Q8, SMALL, DENSE, ONEDNN, STRIPS, INT8PACK, TILE, Q4_PACKED, Q8_PACKED = range(10)
 KINDS = {"block_gemm", "small_gemm", "small_gemm_int8", "small_gemm_strips",
          "small_gemm_strips_int8", "mkl", "copy_mkl", "onednn", "copy_onednn",
-         "int8pack_bf16", "tile_gemm"}
+         "int8pack_bf16", "tile_gemm", "copy_tile_bf16"}
 ACTIVATIONS = (torch.float32, torch.bfloat16)
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
@@ -81,7 +81,7 @@ def _args(lin, name: str) -> tuple[int, list[torch.Tensor]] | None:
         return DENSE, [k.w] if k.bias is None else [k.w, k.bias]
     if name == "int8pack_bf16":
         return INT8PACK, [k.q, k.scale16, bias]
-    if name == "tile_gemm":
+    if name in ("tile_gemm", "copy_tile_bf16"):
         return TILE, [k.tiles, bias]
     if name in ("onednn", "copy_onednn"):
         return ONEDNN, [k.packed] if k.bias is None else [k.packed, k.bias]

@@ -129,7 +129,7 @@ def choose(linears: list[nn.Linear], rows: tuple[int, ...] = (1, 16, 128)) -> bo
 ROW_LADDER = (1, 2, 4, 8, 16, 64, 256)
 # kernels torch.compile cannot call (oneDNN's opaque packed weight; tile_gemm registers no
 # shape function)
-NOT_TRACEABLE = {"onednn", "copy_onednn", "tile_gemm"}
+NOT_TRACEABLE = {"onednn", "copy_onednn", "tile_gemm", "copy_tile_bf16"}
 HEAD_ROW_LADDER = (1, 4, 16, 64)
 INT8 = "int8"
 # Weights in GGUF-style 32-weight blocks (kernels/cpu/blocks.py): Q4_1 and Q8_0.
@@ -137,7 +137,7 @@ Q4, Q8 = "q4", "q8"
 BLOCK_STORAGES = (Q4, Q8)
 # Kernels that multiply by a dequantized copy of quantized weights (int8, q4, q8), kept once
 # (never made per call): prefill-sized candidates, measured against the quantized kernels.
-COPY_KERNELS = {"copy_mkl", "copy_onednn"}
+COPY_KERNELS = {"copy_mkl", "copy_onednn", "copy_tile_bf16"}
 
 _small_gemm = None
 _small_gemm_failed: str | None = None
@@ -249,6 +249,17 @@ class KernelSet(nn.Module):
             if block_gemm_module() is not None and want("block_gemm"):
                 names.append("block_gemm")
             names += self._copies(lambda: blk.dequantize(blocks), act_dtype, want)
+            # The dequantized copy in bf16 on tile_gemm, for prefill-sized calls of an fp32
+            # model: x and W rounded to bf16 (relative error 2^-9 each), products exact,
+            # sums in fp32, the result not rounded; the block kernel rounds x to int8 blocks
+            # (1/254 of each block's largest), so this adds no more error than the kernel it
+            # stands in for. Never offered to a float model: fp32 there is exact.
+            if (act_dtype == torch.float32 and want("copy_tile_bf16")
+                    and blocks.d.shape[0] % 16 == 0 and tile_gemm_module() is not None):
+                w16 = blk.dequantize(blocks).to(torch.bfloat16)
+                self.register_buffer("tiles", place(tile_gemm_module().tile_gemm_pack(w16)),
+                                     persistent=False)
+                names.append("copy_tile_bf16")
         elif storage == INT8:
             q, scale = quantize_int8(weight)
             self.register_buffer("q", place(q), persistent=False)
@@ -325,7 +336,7 @@ class KernelSet(nn.Module):
             return F.linear(x, self.w, b)
         if name in ("onednn", "copy_onednn"):
             return onednn_linear(x, self.packed, b)
-        if name == "tile_gemm":
+        if name in ("tile_gemm", "copy_tile_bf16"):   # fp32 x: rounded to bf16, fp32 out
             return torch.ops.tokenloom.tile_gemm(x, self.tiles, self.empty if b is None else b)
         if name == "small_gemm_strips":
             return torch.ops.tokenloom.small_gemm_strips(x, self.w, self.empty,
@@ -404,15 +415,16 @@ def _available(name: str) -> bool:
         return onednn_available()
     if name == "int8pack_bf16":
         return has_int8_weight_op()
-    if name == "tile_gemm":
+    if name in ("tile_gemm", "copy_tile_bf16"):
         return tile_gemm_module() is not None
     return name in ("mkl", "copy_mkl")
 
 
 # Bumped when the set of candidate kernels changes (a plan remembered before would never
 # consider the new ones): 2 = small_gemm walks rows, small_gemm_strips added; 3 = tile_gemm
-# added. A change to a C++ kernel's source needs no bump: its build digest is part of the key.
-PLAN_VERSION = "kernels-3"
+# added; 4 = copy_tile_bf16 added (q4/q8 with fp32 activations). A change to a C++ kernel's
+# source needs no bump: its build digest is part of the key.
+PLAN_VERSION = "kernels-4"
 CPP_KERNELS = (("tokenloom_small_gemm_cpu", "small_gemm_cpu.cpp"),
                ("tokenloom_block_gemm_cpu", "block_gemm_cpu.cpp"),
                ("tokenloom_tile_gemm_cpu", "tile_gemm_cpu.cpp"))

@@ -1,5 +1,8 @@
 // bf16 projections for mixed and prefill-sized steps on a CPU with AVX512-BF16:
 // y[M, N] = x[M, K] . W[N, K]^T (+ bias), bf16 in and out, fp32 sums, on vdpbf16ps.
+// fp32 x is accepted too (rounded to bf16, to nearest even, as it is packed; the result is
+// then fp32, its sums not rounded): the q4/q8 models' dequantized bf16 copy
+// (kernels/cpu/linear.py, "copy_tile_bf16") runs on it.
 //
 // oneDNN's bf16 matmul on prepacked weights ran the default model's 30 layers of
 // projections at ~300 GFLOP/s for an 80-row step (16 decodes + a 64-token chunk: the step
@@ -23,6 +26,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
     defined(__AVX512VL__)
@@ -82,25 +86,45 @@ static inline void micro(const uint32_t* a, const uint32_t* w, int64_t K2,
   }
 }
 
-// Rows [m0, m0 + rows) x panels [p0, p0 + nv) of y from the sums (+ bias), rounded to bf16.
+// Rows [m0, m0 + rows) x panels [p0, p0 + nv) of y from the sums (+ bias): rounded to bf16
+// (Y = uint16_t), or as they are (Y = float).
+template <typename Y>
 static inline void store_tile(const __m512 (&acc)[kMR][kNV], int nv, int64_t rows, int64_t p0,
-                              int64_t N, const float* bias, uint16_t* y, int64_t m0) {
+                              int64_t N, const float* bias, Y* y, int64_t m0) {
   for (int c = 0; c < nv; ++c) {
     const int64_t n0 = (p0 + c) * kPW;
     const __m512 b = bias != nullptr ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
-    for (int64_t r = 0; r < rows; ++r)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (m0 + r) * N + n0),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][c], b)));
+    for (int64_t r = 0; r < rows; ++r) {
+      if constexpr (std::is_same_v<Y, float>)
+        _mm512_storeu_ps(y + (m0 + r) * N + n0, _mm512_add_ps(acc[r][c], b));
+      else
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (m0 + r) * N + n0),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][c], b)));
+    }
   }
+}
+
+// Row `row` of x as the bf16 pairs of its tile's words: bf16 as it is, fp32 rounded.
+static inline uint32_t pair_word(const uint16_t* xb, const float* xf, int64_t row, int64_t K,
+                                 int64_t j) {
+  if (xb != nullptr) {
+    const uint16_t lo = xb[row * K + 2 * j], hi = 2 * j + 1 < K ? xb[row * K + 2 * j + 1] : 0;
+    return lo | (static_cast<uint32_t>(hi) << 16);
+  }
+  const uint16_t lo = c10::BFloat16(xf[row * K + 2 * j]).x;
+  const uint16_t hi = 2 * j + 1 < K ? c10::BFloat16(xf[row * K + 2 * j + 1]).x : 0;
+  return lo | (static_cast<uint32_t>(hi) << 16);
 }
 #endif
 
-// x [M, K] bf16; packed from tile_gemm_pack of an [n, K] weight; bias [n] (bf16 or fp32) or
-// empty -> [M, n] bf16.
+// x [M, K] bf16 or fp32; packed from tile_gemm_pack of an [n, K] weight; bias [n] (bf16 or
+// fp32) or empty -> [M, n] in x's dtype.
 torch::Tensor tile_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor bias) {
 #if TL_TILE_GEMM
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16,
-              "tile_gemm: x [M, K] bf16");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kBFloat16 ||
+                                x.scalar_type() == torch::kFloat32),
+              "tile_gemm: x [M, K] bf16 or fp32");
+  const bool f32 = x.scalar_type() == torch::kFloat32;
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kInt32 &&
                   packed.size(2) == kPW && packed.is_contiguous() &&
                   packed.size(1) == (x.size(1) + 1) / 2,
@@ -114,9 +138,12 @@ torch::Tensor tile_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor bia
   torch::Tensor bias32;
   if (bias.numel() > 0) bias32 = bias.to(torch::kFloat32).contiguous();
   const float* bp = bias.numel() > 0 ? bias32.data_ptr<float>() : nullptr;
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  const uint16_t* xp =
+      f32 ? nullptr : reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  const float* xfp = f32 ? xc.data_ptr<float>() : nullptr;
   const uint32_t* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>());
-  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  uint16_t* yp = f32 ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  float* yfp = f32 ? y.data_ptr<float>() : nullptr;
   const int64_t tiles = (M + kMR - 1) / kMR, groups = (P + kNV - 1) / kNV;
   static thread_local std::vector<uint32_t> abuf;   // the packed x tiles, kept between calls
   if (static_cast<int64_t>(abuf.size()) < tiles * K2 * kMR) abuf.resize(tiles * K2 * kMR);
@@ -131,13 +158,7 @@ torch::Tensor tile_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor bia
         for (int64_t j = 0; j < K2; ++j) dst[j * kMR] = 0u;
         continue;
       }
-      const uint16_t* src = xp + row * K;
-      for (int64_t j = 0; j < K / 2; ++j) {
-        uint32_t wd;
-        std::memcpy(&wd, src + 2 * j, sizeof(wd));
-        dst[j * kMR] = wd;
-      }
-      if (K % 2) dst[(K2 - 1) * kMR] = src[K - 1];
+      for (int64_t j = 0; j < K2; ++j) dst[j * kMR] = pair_word(xp, xfp, row, K, j);
     }
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < groups; ++g) {
@@ -150,7 +171,9 @@ torch::Tensor tile_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor bia
         if (nv == 3) micro<3>(a, w, K2, acc);
         else if (nv == 2) micro<2>(a, w, K2, acc);
         else micro<1>(a, w, K2, acc);
-        store_tile(acc, nv, std::min<int64_t>(kMR, M - t * kMR), p0, n, bp, yp, t * kMR);
+        const int64_t rows = std::min<int64_t>(kMR, M - t * kMR);
+        if (f32) store_tile(acc, nv, rows, p0, n, bp, yfp, t * kMR);
+        else store_tile(acc, nv, rows, p0, n, bp, yp, t * kMR);
       }
     }
   }

@@ -143,9 +143,9 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("mode", ["q4", "q8"])
 def test_block_model_computes_with_exactly_its_blocks(tiny_dir, mode):
-    """A q4 (q8) model's logits are close to those of an fp32 model whose weights are its
-    blocks dequantized (the block kernel rounds activations to int8 blocks, the copies do
-    not), and its greedy tokens are the same."""
+    """A q4 (q8) model's logits are those of an fp32 model whose weights are its blocks
+    dequantized when it runs the exact dequantized copy, and close to them with the kernels
+    it planned (which round activations), with the same greedy tokens."""
     ids = [(5 * i + 3) % (VOCAB - 3) + 3 for i in range(40)]
     quant, _ = load_model(tiny_dir, torch.float32, torch.device("cpu"), 256)
     quant.specialize_cpu(mode)
@@ -166,8 +166,17 @@ def test_block_model_computes_with_exactly_its_blocks(tiny_dir, mode):
     with torch.inference_mode():
         a = quality_gate.teacher_forced_logits(ref, ids).float()    # prefill-sized calls
         b = quality_gate.teacher_forced_logits(quant, ids).float()
-        assert (a - b).abs().max() <= 0.02 * a.abs().max(), (a - b).abs().max()
+        # The planned kernels round activations (int8 blocks, or bf16 in copy_tile_bf16):
+        # on this random model the block kernel everywhere is off by ~7% of the largest
+        # logit, bf16 by ~3%.
+        assert (a - b).abs().max() <= 0.1 * a.abs().max(), (a - b).abs().max()
         greedy = [quality_gate.greedy_continuation(m, ids[:8], 12) for m in (ref, quant)]
+        # With the exact dequantized copy everywhere, the logits are the reference's.
+        for lin in quant.modules():
+            if isinstance(lin, cpu_linear.CpuLinear):
+                lin._bands = ((1 << 30, "copy_mkl"),)
+        exact = quality_gate.teacher_forced_logits(quant, ids).float()
+        torch.testing.assert_close(exact, a, rtol=1e-4, atol=1e-4 * a.abs().max().item())
     assert greedy[0] == greedy[1]                                   # one-row calls
 
 
@@ -177,10 +186,13 @@ def test_every_block_candidate_matches_the_dequantized_weight(storage, act):
     """The kernels the planner may pick for q4/q8 (the block kernel and the kept dequantized
     copies, plain and oneDNN-packed) all compute x . dequantize(W)^T + b."""
     torch.manual_seed(3)
-    w, b = torch.randn(45, 576) * 0.1, torch.randn(45) * 0.1   # a packed group and a pair
+    w, b = torch.randn(48, 576) * 0.1, torch.randn(48) * 0.1   # a packed group and a pair
     kernels = cpu_linear.KernelSet(w, b, storage, act)
     assert {"copy_mkl"} <= set(kernels.names)
     assert kernels.grouped == _packed_built()
+    # the bf16 copy is offered to fp32 models only, where tile_gemm is built
+    assert ("copy_tile_bf16" in kernels.names) == (act == torch.float32 and
+                                                    cpu_linear.tile_gemm_module() is not None)
     deq = blk.dequantize(kernels.blocks())
     tol = 1e-4 if act == torch.float32 else 3e-2
     for rows in (1, 6, 40):
@@ -188,9 +200,12 @@ def test_every_block_candidate_matches_the_dequantized_weight(storage, act):
         ref = torch.nn.functional.linear(x.float(), deq.to(act).float(), b.to(act).float())
         qref = torch.nn.functional.linear(blk.quantize_activations(x.float()),
                                           deq.to(act).float(), b.to(act).float())
+        # copy_tile_bf16 (fp32 models): x and the dequantized W rounded to bf16, fp32 sums
+        bref = torch.nn.functional.linear(x.float().bfloat16().float(),
+                                          deq.bfloat16().float(), b.to(act).float())
         with torch.inference_mode():
             for name in kernels.names:
-                expected = qref if name == "block_gemm" else ref
+                expected = {"block_gemm": qref, "copy_tile_bf16": bref}.get(name, ref)
                 torch.testing.assert_close(kernels.run(name, x).float(), expected, rtol=tol,
                                            atol=tol, msg=name)
 

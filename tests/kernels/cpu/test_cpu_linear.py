@@ -195,6 +195,21 @@ def test_tile_gemm_matches_the_reference(rows, k, bias):
         torch.testing.assert_close(y.float(), ref, rtol=8e-3, atol=8e-3)
 
 
+@pytest.mark.parametrize("rows", [1, 9, 70])
+@pytest.mark.parametrize("k", [99, 576])
+def test_tile_gemm_takes_fp32_x_rounding_it_to_bf16_and_returns_unrounded_sums(rows, k):
+    if cpu_linear.tile_gemm_module() is None:
+        pytest.skip("this CPU has no AVX512-BF16")
+    g = torch.Generator().manual_seed(rows + k)
+    w, b = torch.randn(96, k, generator=g) * 0.1, torch.randn(96, generator=g)
+    x = torch.randn(rows, k, generator=g)
+    packed = cpu_linear.tile_gemm_module().tile_gemm_pack(w.to(torch.bfloat16))
+    y = torch.ops.tokenloom.tile_gemm(x, packed, b)
+    ref = torch.nn.functional.linear(x.bfloat16().float(), w.bfloat16().float(), b)
+    assert y.dtype == torch.float32 and y.shape == (rows, 96)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)   # fp32 sums, not rounded
+
+
 def test_tile_gemm_is_offered_only_for_bf16_and_whole_panels():
     if cpu_linear.tile_gemm_module() is None:
         pytest.skip("this CPU has no AVX512-BF16")
