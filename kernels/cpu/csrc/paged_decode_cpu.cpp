@@ -17,7 +17,9 @@
 // 9.74 ms, one x 300 0.48 -> 0.41 ms, one x 1,100 1.93 -> 1.75 ms. Otherwise (the scalar
 // path, decode_kernel): a span of up to 256 keys of one sequence with all its heads, so every
 // key/value row ([kv_heads, head_dim], contiguous in its block) is loaded once, in order.
-// (The quantized cache's kernel below still takes a whole sequence per item.)
+// A quantized cache (1-byte codes, a scale per token and kv head) takes the vector path
+// too, its codes decoded as they are loaded (Code, load16), when K and V share a format;
+// otherwise decode_kernel_q below, a whole sequence per item.
 //
 // Built with -fopenmp (kernels/cpu/attention.py): without it at::parallel_for compiles to a plain
 // loop and every sequence runs on the calling thread. (Splitting a sequence's kv heads
@@ -68,7 +70,43 @@ constexpr int64_t kSpan = 256;
 #include <atomic>
 #define TL_DECODE_AVX512 1
 
-// 16 cache elements as fp32: bf16 is the top half of an fp32, fp16 converts in hardware.
+// An element of a quantized cache (kernels/kv_quant.py) in format F (0 int8, 1 fp8 e4m3,
+// 2 fp8 e5m2): one byte, decoded by load16 as it is loaded, so the vector path's passes
+// run over a quantized cache unchanged (the scales are folded in by decode_item_avx512).
+template <int F>
+struct Code {
+  static constexpr int kFmt = F;
+  uint8_t bits;
+};
+template <typename T>
+struct is_code : std::false_type {};
+template <int F>
+struct is_code<Code<F>> : std::true_type {};
+
+// 16 codes -> 16 floats: decode_fp8's integer selects on 16 lanes (int8: a widening).
+template <int FMT>
+static inline __m512 decode16(const uint8_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (FMT == 0) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
+  } else {
+    constexpr int MANT = FMT == 1 ? 3 : 2, BIAS = FMT == 1 ? 7 : 15;
+    constexpr float step = 1.0f / static_cast<float>(1 << (BIAS - 1 + MANT));
+    const __m512i b = _mm512_cvtepu8_epi32(raw);
+    const __m512i em = _mm512_and_si512(b, _mm512_set1_epi32(0x7f));
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+    const __m512i normal = _mm512_or_si512(
+        _mm512_add_epi32(_mm512_slli_epi32(em, 23 - MANT), _mm512_set1_epi32((127 - BIAS) << 23)),
+        sign);
+    const __m512i sub = _mm512_or_si512(
+        _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtepi32_ps(em), _mm512_set1_ps(step))), sign);
+    const __mmask16 is_normal = _mm512_cmpge_epu32_mask(em, _mm512_set1_epi32(1 << MANT));
+    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(is_normal, sub, normal));
+  }
+}
+
+// 16 cache elements as fp32: bf16 is the top half of an fp32, fp16 converts in hardware,
+// a quantized code is decoded.
 template <typename T>
 static inline __m512 load16(const T* p) {
   if constexpr (std::is_same_v<T, float>) {
@@ -76,6 +114,8 @@ static inline __m512 load16(const T* p) {
   } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  } else if constexpr (is_code<T>::value) {
+    return decode16<T::kFmt>(reinterpret_cast<const uint8_t*>(p));
   } else {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
@@ -175,26 +215,69 @@ static inline void score_slice(const T* rowp, const float* qf, const uint16_t* q
   }
 }
 
+// Softmax partials, four heads at a time: a quad's scores are 4n floats whose lane i % 4
+// is head i % 4, so per-lane max and sums over 16-lane chunks reduce to per-head ones. The
+// scores become exp(s - max) in place; pmax / psum get each of the G heads' max and sum.
+static inline void softmax_quads(float* scores, int64_t n, int64_t G, int64_t quads,
+                                 float* pmax, float* psum) {
+  const int64_t len = 4 * n;
+  for (int64_t qd = 0; qd < quads; ++qd) {
+    float* sc = scores + qd * len;
+    __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::max());
+    for (int64_t i = 0; i < len; i += 16) {
+      const __mmask16 k = len - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len - i)) - 1);
+      mv = _mm512_mask_max_ps(mv, k, mv, _mm512_maskz_loadu_ps(k, sc + i));
+    }
+    mv = _mm512_max_ps(mv, _mm512_shuffle_f32x4(mv, mv, 0x4E));
+    mv = _mm512_max_ps(mv, _mm512_shuffle_f32x4(mv, mv, 0xB1));   // per head, every quad of lanes
+    __m512 sv = _mm512_setzero_ps();
+    for (int64_t i = 0; i < len; i += 16) {
+      const __mmask16 k = len - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len - i)) - 1);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc + i), mv));
+      _mm512_mask_storeu_ps(sc + i, k, e);
+      sv = _mm512_add_ps(sv, _mm512_maskz_mov_ps(k, e));
+    }
+    sv = _mm512_add_ps(sv, _mm512_shuffle_f32x4(sv, sv, 0x4E));
+    sv = _mm512_add_ps(sv, _mm512_shuffle_f32x4(sv, sv, 0xB1));
+    float m4[16], s4[16];
+    _mm512_storeu_ps(m4, mv);
+    _mm512_storeu_ps(s4, sv);
+    for (int64_t h = qd * 4; h < std::min(G, qd * 4 + 4); ++h) {
+      pmax[h] = m4[h % 4];
+      psum[h] = s4[h % 4];
+    }
+  }
+}
+
 // One work item of the vector path: keys t0..t1 of sequence b against all its query heads
 // (KVH kv heads of G query heads each). The key pass walks whole rows, every kv head's
 // slice of a key one after another, so the item reads its span of each block front to
 // back; the softmax partials and the value pass then go one kv head at a time. qf / qb
 // hold the query [kv head][quads * 4 heads, zero-padded][D]; scores [kv head][quad][t][4];
 // the partials (max, sum of exp, weighted values) are per query head, as decode_kernel's.
+// A quantized cache (T a Code) has a scale per (slot, kv head) on each side, ks / vs
+// ([slots, KVH], else null): a key's scale multiplies its scores, a value's its softmax
+// weights after their sum is taken, as decode_kernel_q folds them.
 template <typename T, int NV>
 static void decode_item_avx512(const float* qf, const uint16_t* qb, const T* kc, const T* vc,
                                const int64_t* table, int64_t ctx, int64_t t0, int64_t t1,
                                int64_t KVH, int64_t G,
                                int64_t BS, int64_t blk_stride, int64_t row_stride, float scale,
                                float* scores_all, float* acc_all, float* pmax_all,
-                               float* psum_all) {
+                               float* psum_all, const float* ks = nullptr,
+                               const float* vs = nullptr) {
   constexpr int64_t D = NV * 16;
   const int64_t n = t1 - t0, quads = (G + 3) / 4, R = KVH * D;
   const __m128 sc4 = _mm_set1_ps(scale);
   for (int64_t t = t0; t < t1;) {
-    const int64_t tb = t % BS, te = std::min(t1, t - tb + BS);
-    const T* base = kc + table[t / BS] * blk_stride;
-    const T* next = t - tb + BS < ctx ? kc + table[t / BS + 1] * blk_stride : nullptr;
+    const int64_t tb = t % BS, te = std::min(t1, t - tb + BS), blk = table[t / BS];
+    const int64_t next_blk = t - tb + BS < ctx ? table[t / BS + 1] : -1;
+    const T* base = kc + blk * blk_stride;
+    const T* next = next_blk >= 0 ? kc + next_blk * blk_stride : nullptr;
+    if (ks != nullptr) {   // this block's scales (rows of KVH floats), and the next one's
+      prefetch_row(vs + blk * BS * KVH, BS * KVH);
+      if (next_blk >= 0) prefetch_row(ks + next_blk * BS * KVH, BS * KVH);
+    }
     for (int64_t i = tb; t < te; ++t, ++i) {
       const T* row = base + i * row_stride;
       if (next != nullptr) prefetch_row(next + i * row_stride, R);
@@ -202,9 +285,12 @@ static void decode_item_avx512(const float* qf, const uint16_t* qb, const T* kc,
       // L2 while its keys are computed on (with the L2 hint, cold cache: 1.35x in bf16,
       // 1.4-1.5x in fp32; the hint alone 1.15x / 1.3-1.4x).
       prefetch_row(vc + (row - kc), R);
+      const float* kscale = ks != nullptr ? ks + (blk * BS + i) * KVH : nullptr;
       for (int64_t g = 0; g < KVH; ++g)
         score_slice<T, NV>(row + g * D, qf + g * quads * 4 * D, qb + g * quads * 4 * D, G,
-                           quads, n, t - t0, sc4, scores_all + g * quads * n * 4);
+                           quads, n, t - t0,
+                           kscale != nullptr ? _mm_mul_ps(sc4, _mm_set1_ps(kscale[g])) : sc4,
+                           scores_all + g * quads * n * 4);
     }
   }
   for (int64_t g = 0; g < KVH; ++g) {
@@ -213,33 +299,14 @@ static void decode_item_avx512(const float* qf, const uint16_t* qb, const T* kc,
     float* acc = acc_all + g * G * D;
     float* pmax = pmax_all + g * G;
     float* psum = psum_all + g * G;
-    // Softmax partials, four heads at a time: a quad's scores are 4n floats whose lane i % 4
-    // is head i % 4, so per-lane max and sums over 16-lane chunks reduce to per-head ones.
-    const int64_t len = 4 * n;
-    for (int64_t qd = 0; qd < quads; ++qd) {
-      float* sc = scores + qd * len;
-      __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::max());
-      for (int64_t i = 0; i < len; i += 16) {
-        const __mmask16 k = len - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len - i)) - 1);
-        mv = _mm512_mask_max_ps(mv, k, mv, _mm512_maskz_loadu_ps(k, sc + i));
-      }
-      mv = _mm512_max_ps(mv, _mm512_shuffle_f32x4(mv, mv, 0x4E));
-      mv = _mm512_max_ps(mv, _mm512_shuffle_f32x4(mv, mv, 0xB1));   // per head, every quad of lanes
-      __m512 sv = _mm512_setzero_ps();
-      for (int64_t i = 0; i < len; i += 16) {
-        const __mmask16 k = len - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len - i)) - 1);
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc + i), mv));
-        _mm512_mask_storeu_ps(sc + i, k, e);
-        sv = _mm512_add_ps(sv, _mm512_maskz_mov_ps(k, e));
-      }
-      sv = _mm512_add_ps(sv, _mm512_shuffle_f32x4(sv, sv, 0x4E));
-      sv = _mm512_add_ps(sv, _mm512_shuffle_f32x4(sv, sv, 0xB1));
-      float m4[16], s4[16];
-      _mm512_storeu_ps(m4, mv);
-      _mm512_storeu_ps(s4, sv);
-      for (int64_t h = qd * 4; h < std::min(G, qd * 4 + 4); ++h) {
-        pmax[h] = m4[h % 4];
-        psum[h] = s4[h % 4];
+    softmax_quads(scores, n, G, quads, pmax, psum);
+    if (vs != nullptr) {   // each key's weights times its value row's scale
+      for (int64_t t = t0; t < t1; ++t) {
+        const __m128 v = _mm_set1_ps(vs[(table[t / BS] * BS + t % BS) * KVH + g]);
+        for (int64_t qd = 0; qd < quads; ++qd) {
+          float* w = scores + (qd * n + t - t0) * 4;
+          _mm_storeu_ps(w, _mm_mul_ps(_mm_loadu_ps(w), v));
+        }
       }
     }
     // Weighted values, four heads at a time; with D <= 64 their 4 x NV sums stay in registers.
@@ -288,11 +355,12 @@ constexpr int64_t kVecSpan = 64;
 // rows front to back (a key row is [kv heads, D], contiguous), which the memory system
 // streams; a kv head's slice of each row (128 or 256 bytes of every 384 or 768) read
 // 1.1-1.3x slower from a cold cache (session 19, with the L2 prefetch above).
-template <typename T>
-static void decode_kernel_avx512(const T* q, const T* kc, const T* vc, const int64_t* tables,
-                                 const int64_t* lens, T* out, int64_t B, int64_t H, int64_t KVH,
-                                 int64_t D, int64_t BS, int64_t max_blocks, int64_t blk_stride,
-                                 int64_t row_stride, float scale) {
+// `item(qf, qb, table, ctx, t0, t1, scores, acc, pmax, psum)` computes one item's
+// partials.
+template <typename T, typename Item>
+static void decode_spans_avx512(const T* q, const int64_t* tables, const int64_t* lens, T* out,
+                                int64_t B, int64_t H, int64_t KVH, int64_t D,
+                                int64_t max_blocks, const Item& item_fn) {
   const int64_t G = H / KVH;
   std::vector<int64_t> spans(B), first(B + 1, 0);   // items of sequence b: first[b]..
   for (int64_t b = 0; b < B; ++b) {
@@ -326,14 +394,8 @@ static void decode_kernel_avx512(const T* q, const T* kc, const T* vc, const int
         if constexpr (std::is_same_v<T, c10::BFloat16>)   // the vdpbf16ps path's query
           std::memcpy(qb.data() + g * QH * D, qg, G * D * sizeof(uint16_t));
       }
-      const int64_t* table = tables + b * max_blocks;
-      switch (D / 16) {
-#define TL_ITEM(NV) case NV: decode_item_avx512<T, NV>(qf.data(), qb.data(), kc, vc, table, ctx, t0, t1, KVH, G, BS, blk_stride, row_stride, scale, scores.data(), pa, pm, ps); break;
-        TL_ITEM(1) TL_ITEM(2) TL_ITEM(3) TL_ITEM(4) TL_ITEM(5) TL_ITEM(6) TL_ITEM(7) TL_ITEM(8)
-        TL_ITEM(9) TL_ITEM(10) TL_ITEM(11) TL_ITEM(12) TL_ITEM(13) TL_ITEM(14) TL_ITEM(15)
-        TL_ITEM(16)
-#undef TL_ITEM
-      }
+      item_fn(qf.data(), qb.data(), tables + b * max_blocks, ctx, t0, t1, scores.data(), pa, pm,
+              ps);
     }
   });
   at::parallel_for(0, B, 16, [&](int64_t begin, int64_t end) {
@@ -358,6 +420,32 @@ static void decode_kernel_avx512(const T* q, const T* kc, const T* vc, const int
       }
     }
   });
+}
+
+// C: the cache's element (T, or a Code of a quantized cache with its scales ks / vs).
+template <typename T, typename C = T>
+static void decode_kernel_avx512(const T* q, const C* kc, const C* vc, const int64_t* tables,
+                                 const int64_t* lens, T* out, int64_t B, int64_t H, int64_t KVH,
+                                 int64_t D, int64_t BS, int64_t max_blocks, int64_t blk_stride,
+                                 int64_t row_stride, float scale, const float* ks = nullptr,
+                                 const float* vs = nullptr) {
+  const int64_t G = H / KVH;
+  decode_spans_avx512<T>(
+      q, tables, lens, out, B, H, KVH, D, max_blocks,
+      [&](const float* qf, const uint16_t* qb, const int64_t* table, int64_t ctx, int64_t t0,
+          int64_t t1, float* scores, float* pa, float* pm, float* ps) {
+        switch (D / 16) {
+#define TL_ITEM(NV)                                                                        \
+  case NV:                                                                                 \
+    decode_item_avx512<C, NV>(qf, qb, kc, vc, table, ctx, t0, t1, KVH, G, BS, blk_stride, \
+                              row_stride, scale, scores, pa, pm, ps, ks, vs);              \
+    break;
+          TL_ITEM(1) TL_ITEM(2) TL_ITEM(3) TL_ITEM(4) TL_ITEM(5) TL_ITEM(6) TL_ITEM(7)
+          TL_ITEM(8) TL_ITEM(9) TL_ITEM(10) TL_ITEM(11) TL_ITEM(12) TL_ITEM(13) TL_ITEM(14)
+          TL_ITEM(15) TL_ITEM(16)
+#undef TL_ITEM
+        }
+      });
 }
 #endif
 
@@ -621,6 +709,29 @@ torch::Tensor paged_decode_q(torch::Tensor q, torch::Tensor key_cache, torch::Te
   TORCH_CHECK(H % KVH == 0, "heads must be a multiple of kv_heads");
   auto out = torch::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_q", [&] {
+#ifdef TL_DECODE_AVX512
+    // The vector path when both sides share a format (the codes are a template type);
+    // mixed formats (cache.k_dtype != cache.v_dtype) take the scalar loops.
+    if constexpr (!std::is_same_v<scalar_t, double>) {
+      if (D % 16 == 0 && D <= 256 && kfmt == vfmt) {
+        auto run = [&](auto tag) {
+          using C = decltype(tag);
+          const int64_t row_stride = KVH * D;
+          decode_kernel_avx512<scalar_t, C>(
+              q.data_ptr<scalar_t>(), reinterpret_cast<const C*>(key_cache.data_ptr<uint8_t>()),
+              reinterpret_cast<const C*>(value_cache.data_ptr<uint8_t>()),
+              block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
+              out.data_ptr<scalar_t>(), B, H, KVH, D, BS, block_tables.size(1),
+              BS * row_stride, row_stride, static_cast<float>(scale),
+              key_scale.data_ptr<float>(), value_scale.data_ptr<float>());
+        };
+        if (kfmt == 0) run(Code<0>{});
+        else if (kfmt == 1) run(Code<1>{});
+        else run(Code<2>{});
+        return;
+      }
+    }
+#endif
     decode_kernel_q<scalar_t>(q.data_ptr<scalar_t>(), key_cache.data_ptr<uint8_t>(),
                               value_cache.data_ptr<uint8_t>(), key_scale.data_ptr<float>(),
                               value_scale.data_ptr<float>(), static_cast<int>(kfmt),
