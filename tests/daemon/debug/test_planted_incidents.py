@@ -122,7 +122,11 @@ def test_null_same_capture_twice(baseline, tmp_path):
     d = diagnose(replay(baseline, v1, tmp_path / "r1.jsonl"),
                  replay(baseline, v1, tmp_path / "r2.jsonl"))
     assert d.top is None, explain(d)
-    assert d.sentence.startswith("No significant change"), d.sentence
+    # Host noise can move latency between two replays of one capture (a full-suite run on
+    # a shared 2-core machine saw p95 TPOT 1.2 -> 7.3 ms): what must hold is that no
+    # engine mechanism is blamed, so the verdict is "no change" or "not the engine".
+    assert (d.sentence.startswith("No significant change")
+            or "no mechanism in the traces explains it" in d.sentence), d.sentence
 
 
 def test_noisy_tenant_floods_long_prompts(baseline, tmp_path):
