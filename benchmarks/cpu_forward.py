@@ -21,9 +21,9 @@ time, the same token-id prompts, greedy, EOS ignored):
 - tokenloom eager and with compiled decode programs (graphs.cpu_compile) side by side;
 - the roofline next to each decode figure: bytes streamed per token (every projection
   weight once, the tied LM head once, the KV read at that context) over the
-  multi-threaded read bandwidth, measured before every round of every mode (the median of
-  those samples; the report gives their range); and the int8 quality gate (agreement, KL)
-  beside its speed.
+  multi-threaded read bandwidth, measured before every round of every mode (at the median
+  of those samples, and each round at its own sample, for tokenloom and for llama.cpp: its
+  GGUF's bytes and an f16 KV); and the int8 quality gate (agreement, KL) beside its speed.
 
 Prints one table of ratios (tokenloom / llama.cpp speed: > 1 is faster) and writes
 benchmarks/results/cpu_forward.json. `--rounds N` runs tokenloom and llama.cpp alternately N
@@ -268,6 +268,25 @@ def roofline_ms(weight_bytes: int, kv_bytes_per_token: int, ctx: int, gbs: float
     return (weight_bytes + kv_bytes_per_token * ctx) / gbs / 1e6
 
 
+def round_fractions(side: dict, weight_bytes: float, kv_bytes_per_token: int, ctx: int
+                    ) -> list[float]:
+    """Each round's decode step as a fraction of its roofline at the bandwidth sampled just
+    before that round (this machine's bandwidth flips between two states within minutes,
+    so the run's median prices a round met in the other state wrongly)."""
+    k = f"decode_{ctx}_ms"
+    return [roofline_ms(weight_bytes, kv_bytes_per_token, ctx, r["read_bandwidth_gbs"]) / r[k]
+            for r in side.get("rounds", [side])
+            if r.get("read_bandwidth_gbs") and r.get(k)]
+
+
+def _fraction_range(fr: list[float]) -> str:
+    if not fr:
+        return ""
+    if len(fr) == 1:
+        return f"; own round {fr[0]:.0%}"
+    return f"; own rounds {min(fr):.0%}-{max(fr):.0%}"
+
+
 def report(out: dict) -> list[str]:
     gbs = out["read_bandwidth_gbs"]
     kv_elems = 30 * 2 * 3 * 64   # SmolLM2-135M: layers x (K, V) x kv heads x head dim
@@ -277,12 +296,14 @@ def report(out: dict) -> list[str]:
     lines = [f"read bandwidth {gbs:.1f} GB/s ({measured}{out['threads']} threads); "
              "ratio = tokenloom "
              "speed / llama.cpp speed (> 1: tokenloom faster); roofline = bytes per token / "
-             "bandwidth" + (f"; medians over {out['rounds']} alternating rounds"
-                            if out.get("rounds", 1) > 1 else ""),
+             "bandwidth (at the run's median, then each round at the bandwidth sampled just "
+             "before it; llama.cpp: its GGUF + an f16 KV)"
+             + (f"; medians over {out['rounds']} alternating rounds"
+                if out.get("rounds", 1) > 1 else ""),
              "",
              "| mode (vs llama.cpp) | figure | tokenloom | llama.cpp | ratio "
-             "| tokenloom roofline |",
-             "|---|---|---:|---:|---:|---:|"]
+             "| tokenloom roofline | llama.cpp roofline |",
+             "|---|---|---:|---:|---:|---:|---:|"]
     for (mode, r), variant in [(item, v) for item in out["modes"].items()
                                for v in ("tokenloom", "tokenloom_compiled")]:
         ours, peer = r.get(variant), r.get("llama")
@@ -293,24 +314,31 @@ def report(out: dict) -> list[str]:
         for ctx in (300, 1100):
             k = f"decode_{ctx}_ms"
             roof = roofline_ms(ours["weight_bytes"], kvb, ctx, gbs)
+            mine = _fraction_range(round_fractions(ours, ours["weight_bytes"], kvb, ctx))
+            theirs = ""
+            if peer.get("gguf_bytes"):
+                peer_roof = roofline_ms(peer["gguf_bytes"], kv_elems * 2, ctx, gbs)
+                theirs = (f"at {peer_roof / peer[k]:.0%}" + _fraction_range(
+                    round_fractions(peer, peer["gguf_bytes"], kv_elems * 2, ctx)))
             lines.append(f"| {label} | batch-1 decode, ~{ctx} ctx (ms/token) | {ours[k]:.2f} | "
                          f"{peer[k]:.2f} | {peer[k] / ours[k]:.2f}x | {roof:.2f} ms "
-                         f"({ours['weight_bytes'] / 1e6:.0f} MB + KV; at {roof / ours[k]:.0%}) |")
+                         f"({ours['weight_bytes'] / 1e6:.0f} MB + KV; at {roof / ours[k]:.0%}"
+                         f"{mine}) | {theirs} |")
         lines.append(f"| {label} | prefill 1,024 tokens (tok/s) | "
                      f"{ours['prefill_1024_tok_s']:.0f} | {peer['prefill_1024_tok_s']:.0f} | "
-                     f"{ours['prefill_1024_tok_s'] / peer['prefill_1024_tok_s']:.2f}x | |")
+                     f"{ours['prefill_1024_tok_s'] / peer['prefill_1024_tok_s']:.2f}x | | |")
         lines.append(f"| {label} | batch-16 step / batch-1 step | "
                      f"{ours['batch16_step_ms']:.1f} / {ours['batch1_step_ms']:.1f} ms = "
                      f"{ours['batch16_step_ms'] / ours['batch1_step_ms']:.2f}x | "
                      f"{peer['batch16_step_ms']:.1f} / {peer['batch1_step_ms']:.1f} ms = "
                      f"{peer['batch16_step_ms'] / peer['batch1_step_ms']:.2f}x | "
-                     f"{peer['batch16_step_ms'] / ours['batch16_step_ms']:.2f}x (b16) | |")
+                     f"{peer['batch16_step_ms'] / ours['batch16_step_ms']:.2f}x (b16) | | |")
         start = (f"warm {ours['startup_warm_s']:.1f} s" if "startup_warm_s" in ours else "")
         if "startup_cold_s" in ours:
             start = f"cold {ours['startup_cold_s']:.1f} s, " + start
-        lines.append(f"| {label} | start-up | {start} | {peer['startup_s']:.1f} s | | |")
+        lines.append(f"| {label} | start-up | {start} | {peer['startup_s']:.1f} s | | | |")
         if "gate" in r and variant == "tokenloom":
-            lines.append(f"| {label} | quality gate vs fp32 | {r['gate']} | | | |")
+            lines.append(f"| {label} | quality gate vs fp32 | {r['gate']} | | | | |")
     compiled = [(m, r) for m, r in out["modes"].items() if "tokenloom" in r
                 and "tokenloom_compiled" in r]
     if compiled:
@@ -364,6 +392,7 @@ def main() -> None:
                 key = "tokenloom_compiled" if compiled else "tokenloom"
                 print(f"[{mode}] round {rnd + 1}/{args.rounds}: {key} ...", flush=True)
                 res = tokenloom_mode(mode, args, rng, compiled)
+                res["read_bandwidth_gbs"] = samples[-1]   # this round's own sample
                 if rnd == 0:
                     if not args.no_cold and (compiled or mode == args.modes[-1]):
                         res["startup_cold_s"] = startup_subprocess(mode, True, compiled)
@@ -371,7 +400,9 @@ def main() -> None:
                 runs.setdefault(key, []).append(res)
             print(f"[{mode}] round {rnd + 1}/{args.rounds}: llama.cpp {MODES[mode][1]} ...",
                   flush=True)
-            runs.setdefault("llama", []).append(llama_mode(mode, args, rng, logdir))
+            peer = llama_mode(mode, args, rng, logdir)
+            peer["read_bandwidth_gbs"] = samples[-1]
+            runs.setdefault("llama", []).append(peer)
         for key, got in runs.items():
             r[key] = merge_rounds(got)
         if MODES[mode][0].get("weight_dtype") in ("int8", "q4", "q8"):
