@@ -58,6 +58,7 @@ from tokenloom.kernels.kv_quant import (
     hadamard,
     kv_dtype_name,
     kv_format,
+    kv_storage_dtype,
     quantized_bytes_per_block,
     resolve_rotation,
 )
@@ -80,7 +81,8 @@ def kv_block_bytes(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype) -> tu
     elem = torch.tensor([], dtype=dtype).element_size()
     bs = cfg.cache.block_size
     if not cfg.cache.kv_quantized:
-        per_token = spec.kv_bytes_per_token(elem)
+        stored = torch.tensor([], dtype=kv_storage_dtype(cfg.cache, dtype)).element_size()
+        per_token = spec.kv_bytes_per_token(stored)
         return per_token * bs, per_token
     block = quantized_bytes_per_block(spec.num_layers, bs, spec.num_kv_heads, spec.head_dim)
     promotable = min(cfg.cache.kv_promote_layers, spec.num_layers)
@@ -88,6 +90,20 @@ def kv_block_bytes(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype) -> tu
     if cfg.cache.kv_check_fraction > 0:
         reserve = promotable * 2 * bs * spec.num_kv_heads * spec.head_dim * elem
     return block + reserve, cdiv(block, bs)
+
+
+def check_kv_storage(cache, dtype: torch.dtype, device: torch.device) -> None:
+    """A 2-byte cache.kv_dtype (bf16, fp16) differs from the model dtype only under a
+    float32 model on the CPU, where the kernels widen it as they read it; elsewhere it must
+    be the model's own dtype (the same as "auto")."""
+    if cache.kv_dtype not in ("bf16", "fp16"):
+        return
+    stored = kv_storage_dtype(cache, dtype)
+    if stored != dtype and (dtype != torch.float32 or device.type != "cpu"):
+        raise ConfigError(
+            f"cache.kv_dtype {cache.kv_dtype!r} under a {str(dtype).removeprefix('torch.')} "
+            f"model on {device.type}: a 2-byte cache that differs from the model dtype needs "
+            "model.dtype float32 on the CPU (or use 'auto', int8 or fp8)", key="cache.kv_dtype")
 
 
 def size_kv_pool(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype,
@@ -202,8 +218,10 @@ class Engine(EngineFront):
         self.info = info = msgspec.structs.replace(info, eos_token_ids=eos)
         cc = config.cache
         kv = KVCache.allocate(info.spec.num_layers, info.num_blocks, info.block_size,
-                              info.spec.num_kv_heads, info.spec.head_dim, dtype, device,
-                              kv_format(cc.side_dtype("k")), kv_format(cc.side_dtype("v")))
+                              info.spec.num_kv_heads, info.spec.head_dim,
+                              kv_storage_dtype(cc, dtype) if not cc.kv_quantized else dtype,
+                              device, kv_format(cc.side_dtype("k")),
+                              kv_format(cc.side_dtype("v")))
         self.kv = kv
         # Structured output: one compiler (and cache of compiled grammars) for the tokenizer
         # actor, which compiles and validates constraints off the loop, and the runner.
@@ -344,6 +362,7 @@ class Engine(EngineFront):
         model_dir = resolve_model_dir(config.model.model, resolve_cache_dir(config))
         spec = load_spec(model_dir)
         max_len = config.model.max_model_len or spec.max_position_embeddings
+        check_kv_storage(config.cache, dtype, device)
         model, spec = load_model(model_dir, dtype, device, max_positions=max_len)
         model.plan_cache_dir = resolve_cache_dir(config)   # the CPU kernel choice, remembered
         backend = select_decode_backend(model, config.model.attention_backend, device,
@@ -385,8 +404,12 @@ class Engine(EngineFront):
                          f"({str(dtype).removeprefix('torch.')}, {device}) "
                          f"loaded in {seconds:.1f}s",
                          model_dir=str(model_dir), seconds=round(seconds, 1))
-        elem = (f"{torch.tensor([], dtype=dtype).element_size()} bytes"
-                if info.kv_dtype == "auto" else f"1 byte ({info.kv_dtype}) + scales")
+        if config.cache.kv_quantized:
+            elem = f"1 byte ({info.kv_dtype}) + scales"
+        else:
+            stored = kv_storage_dtype(config.cache, dtype)
+            elem = (f"{torch.tensor([], dtype=stored).element_size()} bytes"
+                    + ("" if stored == dtype else f" ({info.kv_dtype})"))
         startup_log.info(
             f"KV cache: {num_blocks} blocks x {info.block_size} tokens = {capacity} tokens, "
             f"{per_token} bytes/token ({spec.num_layers} layers x 2 x {spec.num_kv_heads} kv heads "

@@ -63,6 +63,11 @@ MODES = {  # name: (LLM options, llama.cpp GGUF type, KV bytes per element)
     "int8": (dict(dtype="bfloat16", weight_dtype="int8"), "Q8_0", 2),
     "q4": (dict(dtype="float32", weight_dtype="q4"), "Q4_1", 4),
     "q8": (dict(dtype="float32", weight_dtype="q8"), "Q8_0", 4),
+    # fp32 activations over an fp16 KV (cache.kv_dtype fp16): llama-server's own default
+    # cache type; q4-kv16 is `make serve`'s mode.
+    "fp32-kv16": (dict(dtype="float32", kv_dtype="fp16"), "F32", 2),
+    "q4-kv16": (dict(dtype="float32", weight_dtype="q4", kv_dtype="fp16"), "Q4_1", 2),
+    "q8-kv16": (dict(dtype="float32", weight_dtype="q8", kv_dtype="fp16"), "Q8_0", 2),
 }
 OUT = 64
 

@@ -15,8 +15,13 @@ the cores). Then, in interleaved rounds on this thread:
 each including the LM head's row. The non-projection share is 1 - projections / step.
 Medians over rounds; the spread (max/min over rounds) is printed beside each figure.
 
+`--kv-dtypes auto fp16` loads each mode once per KV cache dtype (cache.kv_dtype) and
+interleaves their rounds, printing each one's stack step over the first's (a ratio from
+the same rounds, as this machine's bandwidth drifts between them).
+
     python benchmarks/decode_step.py                      # fp32 and q4, 7 rounds
     python benchmarks/decode_step.py --modes q4 --rounds 3
+    python benchmarks/decode_step.py --modes q4 q8 --kv-dtypes auto fp16
 """
 
 from __future__ import annotations
@@ -79,7 +84,34 @@ def _ms(fn, n: int) -> float:
     return (time.perf_counter() - t) / n * 1000
 
 
-def measure(model, steps: dict, rounds: int, n: int) -> dict:
+def measure(variants: dict, rounds: int, n: int) -> dict:
+    """{label: (model, steps)} -> {label: {ctx: row}}, the variants' rounds interleaved."""
+    timers = {label: _timers(model, steps, n) for label, (model, steps) in variants.items()}
+    out: dict = {label: {} for label in variants}
+    with torch.inference_mode():
+        for ctx in CONTEXTS:
+            runs = {label: {"module": [], "stack": [], "projections": []} for label in variants}
+            for _ in range(rounds):
+                for label, timer in timers.items():
+                    timer(ctx, runs[label])
+            for label in variants:
+                out[label][ctx] = _row(runs[label])
+    return out
+
+
+def _row(runs: dict[str, list[float]]) -> dict:
+    row = {k: statistics.median(v) for k, v in runs.items() if v}
+    row["spread"] = {k: round(max(v) / min(v), 2) for k, v in runs.items() if v}
+    for k in ("module", "stack"):
+        if k in row:
+            row[f"{k}_non_projection_share"] = 1 - row["projections"] / row[k]
+    if "stack" in row:
+        row["stack_speedup"] = row["module"] / row["stack"]
+    return row
+
+
+def _timers(model, steps: dict, n: int):
+    """One round of a variant at one context: module, stack and projections timed."""
     stacks = model.decode_stacks
     head_row = torch.tensor([0])
     layers = model.layers
@@ -98,34 +130,27 @@ def measure(model, steps: dict, rounds: int, n: int) -> dict:
             p(x)
         model.lm_head(hx)
 
-    out: dict = {}
-    with torch.inference_mode():
-        for ctx, args in steps.items():
-            runs: dict[str, list[float]] = {"module": [], "stack": [], "projections": []}
-            for _ in range(rounds):
-                model.decode_stacks = None
-                runs["module"].append(_ms(lambda: step(args), n))
-                model.decode_stacks = stacks
-                if stacks is not None:
-                    before = stacks.steps
-                    runs["stack"].append(_ms(lambda: step(args), n))
-                    assert stacks.steps > before, "the stack did not serve the step"
-                runs["projections"].append(_ms(projections_only, n))
-            row = {k: statistics.median(v) for k, v in runs.items() if v}
-            row["spread"] = {k: round(max(v) / min(v), 2) for k, v in runs.items() if v}
-            for k in ("module", "stack"):
-                if k in row:
-                    row[f"{k}_non_projection_share"] = 1 - row["projections"] / row[k]
-            if "stack" in row:
-                row["stack_speedup"] = row["module"] / row["stack"]
-            out[ctx] = row
-    return out
+    def timer(ctx: int, runs: dict[str, list[float]]) -> None:
+        args = steps[ctx]
+        model.decode_stacks = None
+        runs["module"].append(_ms(lambda: step(args), n))
+        model.decode_stacks = stacks
+        if stacks is not None:
+            before = stacks.steps
+            runs["stack"].append(_ms(lambda: step(args), n))
+            assert stacks.steps > before, "the stack did not serve the step"
+        runs["projections"].append(_ms(projections_only, n))
+
+    return timer
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--modes", nargs="+", default=["fp32", "q4"], choices=list(MODES))
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--kv-dtypes", nargs="+", default=["auto"],
+                    choices=["auto", "bf16", "fp16", "int8", "fp8_e4m3", "fp8_e5m2"],
+                    help="cache.kv_dtype values, interleaved (the first is the baseline)")
     ap.add_argument("--steps", type=int, default=20, help="steps timed per round")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "decode_step.json"))
     args = ap.parse_args()
@@ -133,14 +158,27 @@ def main() -> None:
     print(f"{'mode':6s} {'ctx':>5s} {'module ms':>10s} {'stack ms':>9s} {'speedup':>8s} "
           f"{'proj ms':>8s} {'non-proj (module)':>18s} {'non-proj (stack)':>17s}  spread")
     for mode in args.modes:
-        model, steps = capture_steps(MODES[mode])
-        results[mode] = measure(model, steps, args.rounds, args.steps)
-        for ctx, r in results[mode].items():
-            print(f"{mode:6s} {ctx:5d} {r['module']:10.2f} {r.get('stack', float('nan')):9.2f} "
-                  f"{r.get('stack_speedup', float('nan')):7.2f}x {r['projections']:8.2f} "
-                  f"{r['module_non_projection_share']:17.0%} "
-                  f"{r.get('stack_non_projection_share', float('nan')):16.0%}  {r['spread']}")
-        del model, steps
+        variants = {}
+        for kv in args.kv_dtypes:
+            label = mode if kv == "auto" else f"{mode}+kv_{kv}"
+            variants[label] = capture_steps({**MODES[mode], "kv_dtype": kv})
+        measured = measure(variants, args.rounds, args.steps)
+        first = next(iter(measured))
+        base = measured[first]
+        for label, rows in measured.items():
+            results[label] = rows
+            for ctx, r in rows.items():
+                vs = ""
+                if label != first and "stack" in r and "stack" in base[ctx]:
+                    r["stack_vs_first_kv_dtype"] = base[ctx]["stack"] / r["stack"]
+                    vs = f"  stack {r['stack_vs_first_kv_dtype']:.2f}x the first kv dtype"
+                print(f"{label:6s} {ctx:5d} {r['module']:10.2f} "
+                      f"{r.get('stack', float('nan')):9.2f} "
+                      f"{r.get('stack_speedup', float('nan')):7.2f}x {r['projections']:8.2f} "
+                      f"{r['module_non_projection_share']:17.0%} "
+                      f"{r.get('stack_non_projection_share', float('nan')):16.0%}  {r['spread']}"
+                      f"{vs}")
+        del variants
     write_json(args.out, results)
     print(f"wrote {args.out}")
 

@@ -101,6 +101,10 @@ class ModelConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tru
                               f"index, e.g. cuda:1), got {self.device!r}", key="model.device")
 
 
+# cache.kv_dtype values that store K/V as plain 2-byte floats (no scales).
+HALF_KV_DTYPES = ("bf16", "fp16")
+
+
 class CacheConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The paged KV cache: block geometry and the memory it may take."""
 
@@ -117,11 +121,13 @@ class CacheConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     enable_prefix_caching: bool = True
     # Host-memory pool for swap preemption (scheduler.preemption_mode swap/auto only).
     swap_space_bytes: Annotated[int, msgspec.Meta(ge=0)] = 256 * MiB
-    # How K and V are stored: "auto" = the model dtype; "int8", "fp8_e4m3", "fp8_e5m2" =
-    # one byte per value with a scale per block and KV head, computed as blocks are written
-    # (docs/kv-quantization.md). k_dtype / v_dtype override it per side ("" = kv_dtype);
-    # K and V are either both quantized or both in the model dtype.
-    kv_dtype: Literal["auto", "int8", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    # How K and V are stored: "auto" = the model dtype; "bf16", "fp16" = two bytes per value
+    # under a float32 model on the CPU (half the KV bytes a decode step reads; llama.cpp's
+    # default cache is fp16), else only the model's own dtype; "int8", "fp8_e4m3",
+    # "fp8_e5m2" = one byte per value with a scale per token and KV head, computed as rows
+    # are written (docs/kv-quantization.md). k_dtype / v_dtype override a 1-byte kv_dtype per
+    # side ("" = kv_dtype); K and V are either both quantized or both not.
+    kv_dtype: Literal["auto", "bf16", "fp16", "int8", "fp8_e4m3", "fp8_e5m2"] = "auto"
     k_dtype: Literal["", "auto", "int8", "fp8_e4m3", "fp8_e5m2"] = ""
     v_dtype: Literal["", "auto", "int8", "fp8_e4m3", "fp8_e5m2"] = ""
     # Rotate q, k and v by a Walsh-Hadamard matrix before a quantized cache (spreads an
@@ -143,8 +149,15 @@ class CacheConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tru
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.kv_dtype in HALF_KV_DTYPES:
+            for name in ("k_dtype", "v_dtype"):
+                if getattr(self, name):
+                    raise ConfigError(
+                        f"cache.{name} overrides a 1-byte cache.kv_dtype only; with kv_dtype "
+                        f"{self.kv_dtype!r} leave it unset (got {getattr(self, name)!r})",
+                        key=f"cache.{name}")
         quantized = [name for name in ("k_dtype", "v_dtype")
-                     if self.side_dtype(name[0]) != "auto"]
+                     if self.side_dtype(name[0]) not in ("auto", *HALF_KV_DTYPES)]
         if len(quantized) == 1:
             raise ConfigError(
                 f"cache.k_dtype and cache.v_dtype must both be quantized or both 'auto', got "
@@ -161,7 +174,8 @@ class CacheConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tru
 
     @property
     def kv_quantized(self) -> bool:
-        return self.side_dtype("k") != "auto"
+        """K/V in a 1-byte format with scales (int8, fp8)."""
+        return self.side_dtype("k") not in ("auto", *HALF_KV_DTYPES)
 
 
 class SchedulerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -43,14 +43,20 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     for seg in meta.prefills:
         rows = slice(seg.query_start, seg.query_start + seg.query_len)
         local = None
-        # A quantized cache is read back even by a fresh prefill: attending to the chunk's
-        # own full-precision K/V instead would make a prompt's result depend on how it was
-        # chunked (later chunks can only read the quantized prefix).
-        if seg.start_pos == 0 and key is not None and not isinstance(key_cache, QuantizedCache):
+        # A quantized or narrower cache is read back even by a fresh prefill: attending to
+        # the chunk's own full-precision K/V instead would make a prompt's result depend on
+        # how it was chunked (later chunks can only read the stored prefix).
+        if seg.start_pos == 0 and key is not None and exact_cache(key_cache, q.dtype):
             local = (key[rows], value[rows])
         out[rows] = prefill_attention(q[rows], key_cache, value_cache, seg.block_table,
                                       seg.start_pos, scale, local, seg.mask, prefill_fn)
     return out
+
+
+def exact_cache(cache, dtype: torch.dtype) -> bool:
+    """Whether `cache` holds K/V exactly as computed in `dtype`: not a 1-byte format and not
+    a bf16 / fp16 pool under fp32 activations (cache.kv_dtype)."""
+    return not isinstance(cache, QuantizedCache) and cache.dtype == dtype
 
 
 def with_chunk_masks(meta: AttentionMetadata, dtype: torch.dtype) -> AttentionMetadata:
@@ -72,14 +78,18 @@ def chunk_mask(start_pos: int, n: int, dtype: torch.dtype, device: torch.device)
                       device=device).triu_(start_pos + 1)
 
 
-def gather_context(cache, block_table: torch.Tensor) -> torch.Tensor:
+def gather_context(cache, block_table: torch.Tensor,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
     """[num_blocks, bs, KVH, D] + block ids [..., nb] -> [..., nb * bs, KVH, D] (one copy;
-    a quantized cache is dequantized to the model dtype on the way)."""
+    a quantized cache is dequantized to the model dtype on the way, a bf16 / fp16 pool is
+    widened to `dtype` when given)."""
     nb = block_table.shape[-1]
     bs, kvh, d = cache.shape[1:]
     if isinstance(cache, QuantizedCache):
         return cache.dequantize_blocks(block_table).view(*block_table.shape[:-1], nb * bs, kvh, d)
     flat = cache.index_select(0, block_table.reshape(-1))
+    if dtype is not None and flat.dtype != dtype:
+        flat = flat.to(dtype)
     return flat.view(*block_table.shape[:-1], nb * bs, kvh, d)
 
 
@@ -95,8 +105,8 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     bs = key_cache.shape[1]
     nb = cdiv(max_context, bs)
     tables = block_tables[:, :nb]
-    k = gather_context(key_cache, tables).transpose(1, 2)    # [B, KVH, L, D]
-    v = gather_context(value_cache, tables).transpose(1, 2)
+    k = gather_context(key_cache, tables, q.dtype).transpose(1, 2)    # [B, KVH, L, D]
+    v = gather_context(value_cache, tables, q.dtype).transpose(1, 2)
     qg = q.reshape(b, kvh, h // kvh, d)                       # [B, KVH, G, D]
     if mask is None:
         mask = decode_mask(context_lens, nb * bs)
@@ -128,12 +138,13 @@ def prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     nb = cdiv(ctx, bs)
     paged = getattr(kernel, "paged", None)
     if paged is not None and local is None and not isinstance(key_cache, QuantizedCache):
+        # (a bf16 / fp16 pool under fp32 activations too: the kernel widens its rows)
         return paged(q, key_cache, value_cache, block_table[:nb], start_pos, scale)
     if local is not None and start_pos == 0:
         k, v = local[0].transpose(0, 1), local[1].transpose(0, 1)              # [KVH, n, D]
     else:
-        k = gather_context(key_cache, block_table[:nb])[:ctx].transpose(0, 1)  # [KVH, ctx, D]
-        v = gather_context(value_cache, block_table[:nb])[:ctx].transpose(0, 1)
+        k = gather_context(key_cache, block_table[:nb], q.dtype)[:ctx].transpose(0, 1)
+        v = gather_context(value_cache, block_table[:nb], q.dtype)[:ctx].transpose(0, 1)
     if kernel is not None:
         return kernel(q, k, v, scale)
     qh = q.transpose(0, 1).unsqueeze(0)                        # [1, H, n, D]

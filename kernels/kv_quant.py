@@ -30,7 +30,10 @@ import dataclasses
 
 import torch
 
-KV_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
+KV_DTYPES = ("auto", "bf16", "fp16", "int8", "fp8_e4m3", "fp8_e5m2")
+# cache.kv_dtype's 2-byte storage dtypes (plain floats, no scales: KVCache holds them as a
+# pool of that dtype, not as QuantizedCaches).
+HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +62,17 @@ FORMATS = {
 
 
 def kv_format(name: str) -> KVFormat | None:
-    """The format of a `cache.k_dtype`/`v_dtype` value; None for "auto" (model dtype)."""
-    return None if name == "auto" else FORMATS[name]
+    """The 1-byte format of a `cache.k_dtype`/`v_dtype` value; None for "auto" (the model
+    dtype) and the 2-byte ones (kv_storage_dtype)."""
+    return None if name == "auto" or name in HALF_DTYPES else FORMATS[name]
+
+
+def kv_storage_dtype(cache_cfg, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the KV pool's values: bf16 / fp16 when cache.kv_dtype asks for it, uint8
+    for a 1-byte format, else the model's."""
+    if cache_cfg.kv_dtype in HALF_DTYPES:
+        return HALF_DTYPES[cache_cfg.kv_dtype]
+    return torch.uint8 if cache_cfg.kv_quantized else model_dtype
 
 
 def kv_dtype_name(cache_cfg) -> str:

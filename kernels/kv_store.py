@@ -95,6 +95,16 @@ class KVCache:
         return num_layers * 2 * block_size * num_kv_heads * head_dim * dtype_bytes
 
 
+def to_pool(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """K/V values rounded into a 2-byte pool's dtype; into fp16 clamped to its largest
+    finite value first (an outlier stays large instead of becoming inf, which would make
+    its row's attention NaN), as the C++ store does (csrc/row_ops.h)."""
+    if dtype == torch.float16:
+        limit = torch.finfo(torch.float16).max
+        x = x.clamp(-limit, limit)
+    return x.to(dtype)
+
+
 def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
              value_cache: torch.Tensor, slot_mapping: torch.Tensor, has_skip: bool = False) -> None:
     """Write key/value [T, kv_heads, head_dim] into their slots; slots < 0 are skipped."""
@@ -103,6 +113,8 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
         value_cache.store(value, slot_mapping, has_skip)
         return
     kv_heads, head_dim = key.shape[1], key.shape[2]
+    if key.dtype != key_cache.dtype:   # fp32 rows into a bf16 / fp16 pool (cache.kv_dtype)
+        key, value = to_pool(key, key_cache.dtype), to_pool(value, value_cache.dtype)
     kc = key_cache.view(-1, kv_heads, head_dim)
     vc = value_cache.view(-1, kv_heads, head_dim)
     if has_skip:

@@ -8,7 +8,8 @@ Python between layers.
 
 It serves eager steps whose projections all run a kernel it knows at that row count
 (`KINDS`) on an fp32 or bf16 model with a plain KV pool in the model's dtype and the C++
-decode attention (bf16 rounds where the module forward's torch ops round). Prefill chunks
+decode attention (bf16 rounds where the module forward's torch ops round), or on an fp32
+model whose pool is bf16 or fp16 (cache.kv_dtype; K/V rounded as they are stored). Prefill chunks
 ride along when the model's prefill attention is the C++ kernel: each chunk attends to its
 context through its block table (the paged kernel), after the step's K/V are stored. A
 mixed step (16 decodes + a 64-token chunk) spent ~6 ms of Python between its kernels in
@@ -31,6 +32,8 @@ KINDS = {"block_gemm", "small_gemm", "small_gemm_int8", "small_gemm_strips",
          "small_gemm_strips_int8", "mkl", "copy_mkl", "onednn", "copy_onednn",
          "int8pack_bf16", "tile_gemm", "copy_tile_bf16"}
 ACTIVATIONS = (torch.float32, torch.bfloat16)
+# Pools the stack reads under fp32 activations besides fp32 (cache.kv_dtype bf16 / fp16).
+HALF_POOLS = (torch.bfloat16, torch.float16)
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 _module = None
@@ -105,9 +108,9 @@ class DecodeStacks:
         attn = self.model.layers[0].self_attn
         if meta.prefills and getattr(attn.prefill_fn, "paged", None) is None:
             return False
-        pool = kv.pool
-        if (pool is None or kv.scales is not None
-                or pool.dtype != self.model.embed_tokens.weight.dtype):
+        pool, act = kv.pool, self.model.embed_tokens.weight.dtype
+        if pool is None or kv.scales is not None or not (
+                pool.dtype == act or (act == torch.float32 and pool.dtype in HALF_POOLS)):
             return False
         from tokenloom.kernels.cpu.attention import paged_decode_cpu
         return (attn.kv_check is None and attn.kv_rotation is None

@@ -1,7 +1,8 @@
-"""The start-up quality gate of a quantized KV cache (`cache.kv_dtype`).
+"""The start-up quality gate of a quantized KV cache (`cache.kv_dtype`): a 1-byte format, or
+a bf16 / fp16 cache under a float32 model.
 
 The same model runs the same text twice, once with K/V in the model dtype and once in the
-quantized format, and the gate compares the two, teacher-forced (every position predicts
+cache's format, and the gate compares the two, teacher-forced (every position predicts
 the next token from the true prefix):
 - greedy agreement: the fraction of positions whose argmax token is the same;
 - KL(model-dtype cache || quantized cache) of the next-token distributions, in nats, its
@@ -30,7 +31,7 @@ import torch
 from tokenloom.arith import cdiv
 from tokenloom.config.schema import ConfigError
 from tokenloom.kernels.forward_context import AttentionMetadata, PrefillSegment
-from tokenloom.kernels.kv_quant import KVFormat, kv_dtype_name, kv_format
+from tokenloom.kernels.kv_quant import KVFormat, kv_dtype_name, kv_format, kv_storage_dtype
 from tokenloom.kernels.kv_store import KVCache
 from tokenloom.kernels.models.weights import GATE_TOKENS, _read_memo, _write_memo, held_out_ids
 from tokenloom.startup_log import startup_log
@@ -89,15 +90,15 @@ class KVGateResult:
 
 
 def chunked_logits(model, ids: list[int], k_fmt: KVFormat | None, v_fmt: KVFormat | None,
-                   chunk: int = CHUNK) -> torch.Tensor:
+                   chunk: int = CHUNK, storage: torch.dtype | None = None) -> torch.Tensor:
     """[len(ids), vocab] fp32 logits, teacher-forced, `chunk` tokens per forward, with
-    K/V stored in the given formats (None: the model dtype)."""
+    K/V stored in the given 1-byte formats, or else as `storage` (None: the model dtype)."""
     spec = model.spec
     device = model.embed_tokens.weight.device
     n = len(ids)
     blocks = cdiv(n, BLOCK)
     kv = KVCache.allocate(spec.num_layers, blocks, BLOCK, spec.num_kv_heads, spec.head_dim,
-                          model.rope.cos.dtype, device, k_fmt, v_fmt)
+                          storage or model.rope.cos.dtype, device, k_fmt, v_fmt)
     table = torch.arange(blocks, device=device)
     x = torch.tensor(ids, device=device)
     out = []
@@ -120,17 +121,20 @@ def _perplexity(logits: torch.Tensor, ids: list[int]) -> float:
     return math.exp(nll.item())
 
 
-def measure(model, gate_ids: list[int], ppl_ids: list[int], k_fmt: KVFormat,
-            v_fmt: KVFormat, mode: str) -> KVGateResult:
+def measure(model, gate_ids: list[int], ppl_ids: list[int], k_fmt: KVFormat | None,
+            v_fmt: KVFormat | None, mode: str,
+            storage: torch.dtype | None = None) -> KVGateResult:
     if len(gate_ids) < 2 or len(ppl_ids) < 2:
         raise ValueError("the KV quality gate needs at least 2 tokens of each text")
     with torch.inference_mode():
         ref = torch.log_softmax(chunked_logits(model, gate_ids, None, None), -1)
-        got = torch.log_softmax(chunked_logits(model, gate_ids, k_fmt, v_fmt), -1)
+        got = torch.log_softmax(chunked_logits(model, gate_ids, k_fmt, v_fmt,
+                                               storage=storage), -1)
         agreement = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
         kl = (ref.exp() * (ref - got)).sum(-1).clamp_min(0)
         ppl_ref = _perplexity(chunked_logits(model, ppl_ids, None, None), ppl_ids)
-        ppl_q = _perplexity(chunked_logits(model, ppl_ids, k_fmt, v_fmt), ppl_ids)
+        ppl_q = _perplexity(chunked_logits(model, ppl_ids, k_fmt, v_fmt, storage=storage),
+                            ppl_ids)
     return KVGateResult(mode=mode, positions=len(gate_ids), agreement=agreement,
                         mean_kl=kl.mean().item(), p99_kl=torch.quantile(kl, 0.99).item(),
                         ppl_reference=ppl_ref, ppl_quantized=ppl_q)
@@ -145,7 +149,8 @@ def apply_kv_gate(model, cache_cfg, tokenizer, digest: str, dtype: torch.dtype,
     """Gate `cache.kv_dtype` at start-up (None when K/V stay in the model dtype): refuse to
     start on a failure unless `cache.force_kv_dtype`. The verdict is remembered in
     cache_dir/quality_gate.json, keyed by what could change it."""
-    if not cache_cfg.kv_quantized:
+    storage = kv_storage_dtype(cache_cfg, dtype)
+    if not cache_cfg.kv_quantized and storage == dtype:
         return None
     mode = kv_dtype_name(cache_cfg) + ("" if rotation == "none" else f"+{rotation}")
     k_fmt, v_fmt = kv_format(cache_cfg.side_dtype("k")), kv_format(cache_cfg.side_dtype("v"))
@@ -162,7 +167,8 @@ def apply_kv_gate(model, cache_cfg, tokenizer, digest: str, dtype: torch.dtype,
         ppl_ids = list(tokenizer(PERPLEXITY_TEXT)["input_ids"])[:min(GATE_TOKENS, limit)]
         if len(ppl_ids) < 16 or len(set(ppl_ids)) < 4:
             ppl_ids = gate_ids[::-1]   # a test tokenizer that cannot read English
-        result = measure(model, gate_ids, ppl_ids, k_fmt, v_fmt, mode)
+        result = measure(model, gate_ids, ppl_ids, k_fmt, v_fmt, mode,
+                         None if cache_cfg.kv_quantized else storage)
         if memo_path is not None:
             memo[key] = dataclasses.asdict(result)
             _write_memo(memo_path, memo)

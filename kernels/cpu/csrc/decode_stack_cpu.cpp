@@ -22,6 +22,7 @@
 #include <pybind11/stl.h>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "row_ops.h"
@@ -171,22 +172,32 @@ class DecodeStack {
                      .findSchemaOrThrow("tokenloom::prefill_attention_paged_cpu", "")
                      .typed<PrefillOp>();
     }
-    if (h.scalar_type() == at::kFloat)
-      return run_t<float>(h, cos, sin, pool, slots, tables, lens, segs, seg_tables);
+    // The pool holds the activations' dtype, or bf16 / fp16 under fp32 activations
+    // (cache.kv_dtype bf16 / fp16): K and V are rounded as they are stored.
+    const auto pt = pool.scalar_type();
+    if (h.scalar_type() == at::kFloat) {
+      if (pt == at::kBFloat16)
+        return run_t<float, bf16>(h, cos, sin, pool, slots, tables, lens, segs, seg_tables);
+      if (pt == at::kHalf)
+        return run_t<float, c10::Half>(h, cos, sin, pool, slots, tables, lens, segs,
+                                       seg_tables);
+      return run_t<float, float>(h, cos, sin, pool, slots, tables, lens, segs, seg_tables);
+    }
     TORCH_CHECK(h.scalar_type() == at::kBFloat16, "decode_stack: fp32 or bf16 activations");
-    return run_t<bf16>(h, cos, sin, pool, slots, tables, lens, segs, seg_tables);
+    return run_t<bf16, bf16>(h, cos, sin, pool, slots, tables, lens, segs, seg_tables);
   }
 
  private:
-  template <typename T>
+  template <typename T, typename C>
   Tensor run_t(const Tensor& h_in, const Tensor& cos, const Tensor& sin, const Tensor& pool,
                const Tensor& slots, const Tensor& tables, const Tensor& lens,
                const Tensor& segs_in, const std::vector<Tensor>& seg_tables) const {
     const auto dtype = h_in.scalar_type();
-    TORCH_CHECK(pool.dim() == 6 && pool.is_contiguous() && pool.scalar_type() == dtype &&
+    TORCH_CHECK(pool.dim() == 6 && pool.is_contiguous() &&
+                    pool.scalar_type() == c10::CppTypeToScalarType<C>::value &&
                     pool.size(0) == num_layers() && pool.size(4) == KVH_ && pool.size(5) == D_,
                 "decode_stack: the pool must be [layers, 2, blocks, block_size, KVH, D] in "
-                "the activations' dtype");
+                "the activations' dtype (or bf16 / fp16 under fp32 activations)");
     for (auto& n : norms_) TORCH_CHECK(n.scalar_type() == dtype, "decode_stack: norm dtype");
     const int64_t B = h_in.size(0), E = h_in.size(1), Q = H_ * D_, KV = KVH_ * D_;
     const int64_t BS = pool.size(3), slots_per_layer = pool.size(2) * BS;
@@ -209,6 +220,7 @@ class DecodeStack {
     }
     TORCH_CHECK(covered == B, "decode_stack: decode rows and chunks cover the step's rows");
     Tensor x = at::empty({B, E}, h.options());
+    std::vector<T> krow(KV);   // a key row rotated in the activations' dtype, then stored
     Tensor m;   // the previous layer's MLP output (none before the first)
     for (int64_t l = 0; l < num_layers(); ++l) {
       const Proj* p = &projs_[4 * l];
@@ -225,8 +237,8 @@ class DecodeStack {
       Tensor q = at::empty({B, H_, D_}, h.options());
       Tensor layer = pool.select(0, l);
       Tensor kc = layer.select(0, 0), vc = layer.select(0, 1);
-      T* kp = kc.data_ptr<T>();
-      T* vp = vc.data_ptr<T>();
+      C* kp = kc.data_ptr<C>();
+      C* vp = vc.data_ptr<C>();
       const T* qkvp = qkv.data_ptr<T>();
       T* qp = q.data_ptr<T>();
       for (int64_t b = 0; b < B; ++b) {
@@ -238,10 +250,18 @@ class DecodeStack {
         for (int64_t hh = 0; hh < H_; ++hh) Ops<T>::rope(qb + hh * D_, c, s, D_);
         if (slot[b] < 0) continue;
         TORCH_CHECK(slot[b] < slots_per_layer, "decode_stack: slot out of range");
-        T* kd = kp + slot[b] * KV;
-        std::copy(row + Q, row + Q + KV, kd);
-        for (int64_t hh = 0; hh < KVH_; ++hh) Ops<T>::rope(kd + hh * D_, c, s, D_);
-        std::copy(row + Q + KV, row + Q + 2 * KV, vp + slot[b] * KV);
+        C* kd = kp + slot[b] * KV;
+        if constexpr (std::is_same_v<T, C>) {   // rotated in place in the pool
+          std::copy(row + Q, row + Q + KV, kd);
+          for (int64_t hh = 0; hh < KVH_; ++hh) Ops<T>::rope(kd + hh * D_, c, s, D_);
+        } else {   // rotated in T, then rounded to the pool's dtype (as store_kv rounds)
+          std::copy(row + Q, row + Q + KV, krow.begin());
+          for (int64_t hh = 0; hh < KVH_; ++hh) Ops<T>::rope(krow.data() + hh * D_, c, s, D_);
+          for (int64_t i = 0; i < KV; ++i) kd[i] = tl_rows::to_pool<C>(krow[i]);
+        }
+        const T* vsrc = row + Q + KV;
+        C* vd = vp + slot[b] * KV;
+        for (int64_t i = 0; i < KV; ++i) vd[i] = tl_rows::to_pool<C>(vsrc[i]);
       }
       Tensor o;
       if (S == 0) {

@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "prefill_attention.h"
+#include "row_ops.h"
 #include "vec_exp.h"
 
 template <typename T>
@@ -170,13 +171,14 @@ static inline void pv_quad(const float* pq, const T* vc, const int64_t* table, i
 // while every query head of the group uses it; heads go in fours (the query is zero-padded
 // to a multiple of 4 heads), their four dot products summed by one shuffle tree and stored
 // together. Scaled after the dot product (the same products as scaling q first, up to fp32
-// rounding).
-template <typename T, int NV>
+// rounding). QB: the query is bf16 (qb holds it), so bf16 keys may take vdpbf16ps; an fp32
+// query over a bf16 pool (cache.kv_dtype bf16) keeps its fp32 values and widens the keys.
+template <typename T, int NV, bool QB>
 static inline void score_slice(const T* rowp, const float* qf, const uint16_t* qb, int64_t G,
                                int64_t quads, int64_t n, int64_t i, __m128 sc4, float* scores) {
   constexpr int64_t D = NV * 16;
 #ifdef TL_DECODE_BF16_DOT
-  if constexpr (std::is_same_v<T, c10::BFloat16> && NV % 2 == 0) {
+  if constexpr (QB && std::is_same_v<T, c10::BFloat16> && NV % 2 == 0) {
     // bf16 keys times the bf16 query on vdpbf16ps: no widening, half the multiply
     // instructions; the products are exact (bf16 x bf16 fits an fp32), two are summed
     // per lane before the fp32 sums, so scores differ from the widening path's only in
@@ -258,7 +260,7 @@ static inline void softmax_quads(float* scores, int64_t n, int64_t G, int64_t qu
 // A quantized cache (T a Code) has a scale per (slot, kv head) on each side, ks / vs
 // ([slots, KVH], else null): a key's scale multiplies its scores, a value's its softmax
 // weights after their sum is taken, as decode_kernel_q folds them.
-template <typename T, int NV>
+template <typename T, int NV, bool QB>
 static void decode_item_avx512(const float* qf, const uint16_t* qb, const T* kc, const T* vc,
                                const int64_t* table, int64_t ctx, int64_t t0, int64_t t1,
                                int64_t KVH, int64_t G,
@@ -287,7 +289,7 @@ static void decode_item_avx512(const float* qf, const uint16_t* qb, const T* kc,
       prefetch_row(vc + (row - kc), R);
       const float* kscale = ks != nullptr ? ks + (blk * BS + i) * KVH : nullptr;
       for (int64_t g = 0; g < KVH; ++g)
-        score_slice<T, NV>(row + g * D, qf + g * quads * 4 * D, qb + g * quads * 4 * D, G,
+        score_slice<T, NV, QB>(row + g * D, qf + g * quads * 4 * D, qb + g * quads * 4 * D, G,
                            quads, n, t - t0,
                            kscale != nullptr ? _mm_mul_ps(sc4, _mm_set1_ps(kscale[g])) : sc4,
                            scores_all + g * quads * n * 4);
@@ -422,7 +424,8 @@ static void decode_spans_avx512(const T* q, const int64_t* tables, const int64_t
   });
 }
 
-// C: the cache's element (T, or a Code of a quantized cache with its scales ks / vs).
+// C: the cache's element (T; a Code of a quantized cache with its scales ks / vs; or bf16
+// or fp16 under an fp32 query, cache.kv_dtype bf16 / fp16).
 template <typename T, typename C = T>
 static void decode_kernel_avx512(const T* q, const C* kc, const C* vc, const int64_t* tables,
                                  const int64_t* lens, T* out, int64_t B, int64_t H, int64_t KVH,
@@ -430,6 +433,7 @@ static void decode_kernel_avx512(const T* q, const C* kc, const C* vc, const int
                                  int64_t row_stride, float scale, const float* ks = nullptr,
                                  const float* vs = nullptr) {
   const int64_t G = H / KVH;
+  constexpr bool QB = std::is_same_v<T, c10::BFloat16>;   // the query in bf16 (qb filled)
   decode_spans_avx512<T>(
       q, tables, lens, out, B, H, KVH, D, max_blocks,
       [&](const float* qf, const uint16_t* qb, const int64_t* table, int64_t ctx, int64_t t0,
@@ -437,8 +441,8 @@ static void decode_kernel_avx512(const T* q, const C* kc, const C* vc, const int
         switch (D / 16) {
 #define TL_ITEM(NV)                                                                        \
   case NV:                                                                                 \
-    decode_item_avx512<C, NV>(qf, qb, kc, vc, table, ctx, t0, t1, KVH, G, BS, blk_stride, \
-                              row_stride, scale, scores, pa, pm, ps, ks, vs);              \
+    decode_item_avx512<C, NV, QB>(qf, qb, kc, vc, table, ctx, t0, t1, KVH, G, BS, blk_stride, \
+                                  row_stride, scale, scores, pa, pm, ps, ks, vs);          \
     break;
           TL_ITEM(1) TL_ITEM(2) TL_ITEM(3) TL_ITEM(4) TL_ITEM(5) TL_ITEM(6) TL_ITEM(7)
           TL_ITEM(8) TL_ITEM(9) TL_ITEM(10) TL_ITEM(11) TL_ITEM(12) TL_ITEM(13) TL_ITEM(14)
@@ -449,8 +453,8 @@ static void decode_kernel_avx512(const T* q, const C* kc, const C* vc, const int
 }
 #endif
 
-template <typename T>
-static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* tables,
+template <typename T, typename C = T>
+static void decode_kernel(const T* q, const C* kc, const C* vc, const int64_t* tables,
                           const int64_t* lens, T* out, int64_t B, int64_t H, int64_t KVH,
                           int64_t D, int64_t BS, int64_t max_blocks, int64_t blk_stride,
                           int64_t row_stride, float scale) {
@@ -475,10 +479,10 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* t
       scores.assign(H * n, 0.f);
       // Pass 1: scores[h, t] = q_h . k_t(kv head of h)
       for (int64_t t = t0; t < t1; ++t) {
-        const T* k = kc + table[t / BS] * blk_stride + (t % BS) * row_stride;
+        const C* k = kc + table[t / BS] * blk_stride + (t % BS) * row_stride;
         if (t + BS < ctx) prefetch_row(kc + table[t / BS + 1] * blk_stride + (t % BS) * row_stride, row_stride);
         const float* kf;
-        if constexpr (std::is_same_v<T, float>) {
+        if constexpr (std::is_same_v<C, float>) {
           kf = k;
         } else {
           for (int64_t i = 0; i < row_stride; ++i) row[i] = to_f(k[i]);
@@ -506,10 +510,10 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* t
       float* acc = &part_acc[item * H * D];
       std::fill(acc, acc + H * D, 0.f);
       for (int64_t t = t0; t < t1; ++t) {
-        const T* v = vc + table[t / BS] * blk_stride + (t % BS) * row_stride;
+        const C* v = vc + table[t / BS] * blk_stride + (t % BS) * row_stride;
         if (t + BS < ctx) prefetch_row(vc + table[t / BS + 1] * blk_stride + (t % BS) * row_stride, row_stride);
         const float* vf;
-        if constexpr (std::is_same_v<T, float>) {
+        if constexpr (std::is_same_v<C, float>) {
           vf = v;
         } else {
           for (int64_t i = 0; i < row_stride; ++i) row[i] = to_f(v[i]);
@@ -564,25 +568,43 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor key_cache, torch::Tens
   auto out = torch::empty_like(q);
   const int64_t max_blocks = block_tables.size(1);
   const int64_t blk_stride = BS * KVH * D, row_stride = KVH * D;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+  // The query's dtype and the pool's: the same, or an fp32 query over a bf16 or fp16 pool
+  // (cache.kv_dtype bf16 / fp16 under an fp32 model: rows widened as they are loaded).
+  auto run = [&](auto q_tag, auto c_tag) {
+    using T = decltype(q_tag);
+    using C = decltype(c_tag);
+    const T* qp = q.data_ptr<T>();
+    const C* kp = reinterpret_cast<const C*>(key_cache.data_ptr());
+    const C* vp = reinterpret_cast<const C*>(value_cache.data_ptr());
+    T* op = out.data_ptr<T>();
 #ifdef TL_DECODE_AVX512
-    if constexpr (!std::is_same_v<scalar_t, double>) {
-      if (D % 16 == 0 && D <= 256) {
-        decode_kernel_avx512<scalar_t>(q.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(),
-                                       value_cache.data_ptr<scalar_t>(),
-                                       block_tables.data_ptr<int64_t>(),
-                                       context_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
-                                       B, H, KVH, D, BS, max_blocks, blk_stride, row_stride,
-                                       static_cast<float>(scale));
-        return;
-      }
+    if (D % 16 == 0 && D <= 256) {
+      decode_kernel_avx512<T, C>(qp, kp, vp, block_tables.data_ptr<int64_t>(),
+                                 context_lens.data_ptr<int64_t>(), op, B, H, KVH, D, BS,
+                                 max_blocks, blk_stride, row_stride, static_cast<float>(scale));
+      return;
     }
 #endif
-    decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(),
-                            value_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int64_t>(),
-                            context_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), B, H, KVH,
-                            D, BS, max_blocks, blk_stride, row_stride, static_cast<float>(scale));
-  });
+    decode_kernel<T, C>(qp, kp, vp, block_tables.data_ptr<int64_t>(),
+                        context_lens.data_ptr<int64_t>(), op, B, H, KVH, D, BS, max_blocks,
+                        blk_stride, row_stride, static_cast<float>(scale));
+  };
+  const auto qt = q.scalar_type(), ct = key_cache.scalar_type();
+  TORCH_CHECK(value_cache.scalar_type() == ct, "key and value caches must share a dtype");
+  if (qt == at::kFloat && ct == at::kFloat) run(float{}, float{});
+  else if (qt == at::kBFloat16 && ct == at::kBFloat16) run(c10::BFloat16{}, c10::BFloat16{});
+  else if (qt == at::kHalf && ct == at::kHalf) run(c10::Half{}, c10::Half{});
+  else if (qt == at::kFloat && ct == at::kBFloat16) run(float{}, c10::BFloat16{});
+  else if (qt == at::kFloat && ct == at::kHalf) run(float{}, c10::Half{});
+  else if (qt == at::kDouble && ct == at::kDouble) {   // the scalar loops only
+    decode_kernel<double>(q.data_ptr<double>(), key_cache.data_ptr<double>(),
+                          value_cache.data_ptr<double>(), block_tables.data_ptr<int64_t>(),
+                          context_lens.data_ptr<int64_t>(), out.data_ptr<double>(), B, H, KVH,
+                          D, BS, max_blocks, blk_stride, row_stride, static_cast<float>(scale));
+  } else {
+    TORCH_CHECK(false, "paged_decode: a ", qt, " query over a ", ct, " cache (the same dtype, "
+                "or an fp32 query over a bf16 or fp16 cache)");
+  }
   return out;
 }
 
@@ -753,29 +775,59 @@ int64_t parallel_threads(int64_t n) {
 }
 
 // Write key/value [T, KVH, D] into their cache slots; slot < 0 (a padded row of a static
-// decode program) is skipped in place, without filtering on the host.
+// decode program) is skipped in place, without filtering on the host. fp32 rows into a
+// bf16 or fp16 pool (cache.kv_dtype bf16 / fp16) are rounded as they are copied
+// (tl_rows::to_pool).
+template <typename S, typename C>
+static void store_rows(const torch::Tensor& key, const torch::Tensor& value, C* kc, C* vc,
+                       const int64_t* slot, int64_t T, int64_t row, int64_t capacity) {
+  const S* k = key.data_ptr<S>();
+  const S* v = value.data_ptr<S>();
+  const int64_t ks = key.stride(0), vs = value.stride(0);
+  for (int64_t t = 0; t < T; ++t) {
+    if (slot[t] < 0) continue;
+    TORCH_CHECK(slot[t] < capacity, "slot ", slot[t], " is outside the cache");
+    C* kd = kc + slot[t] * row;
+    C* vd = vc + slot[t] * row;
+    for (int64_t i = 0; i < row; ++i) kd[i] = tl_rows::to_pool<C>(k[t * ks + i]);
+    for (int64_t i = 0; i < row; ++i) vd[i] = tl_rows::to_pool<C>(v[t * vs + i]);
+  }
+}
+
 void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
               torch::Tensor value_cache, torch::Tensor slots) {
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(slots.scalar_type() == torch::kInt64, "slots must be int64");
-  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == key_cache.scalar_type(),
-              "key/value and cache dtypes differ");
+  const auto st = key.scalar_type(), ct = key_cache.scalar_type();
+  TORCH_CHECK(value.scalar_type() == st && value_cache.scalar_type() == ct,
+              "key and value (and their caches) must share a dtype");
   const int64_t T = key.size(0), row = key.size(1) * key.size(2);
   TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(2) == 1 &&
               value.stride(1) == value.size(2), "each token's K/V rows must be contiguous");
   slots = slots.contiguous();
   const int64_t* slot = slots.data_ptr<int64_t>();
   const int64_t capacity = key_cache.numel() / row;
-  const int64_t elem = key.element_size();
-  char* kc = static_cast<char*>(key_cache.data_ptr());
-  char* vc = static_cast<char*>(value_cache.data_ptr());
-  const char* k = static_cast<const char*>(key.data_ptr());
-  const char* v = static_cast<const char*>(value.data_ptr());
-  for (int64_t t = 0; t < T; ++t) {
-    if (slot[t] < 0) continue;
-    TORCH_CHECK(slot[t] < capacity, "slot ", slot[t], " is outside the cache");
-    std::memcpy(kc + slot[t] * row * elem, k + t * key.stride(0) * elem, row * elem);
-    std::memcpy(vc + slot[t] * row * elem, v + t * value.stride(0) * elem, row * elem);
+  if (st == ct) {   // bytes: any dtype
+    const int64_t elem = key.element_size();
+    char* kc = static_cast<char*>(key_cache.data_ptr());
+    char* vc = static_cast<char*>(value_cache.data_ptr());
+    const char* k = static_cast<const char*>(key.data_ptr());
+    const char* v = static_cast<const char*>(value.data_ptr());
+    for (int64_t t = 0; t < T; ++t) {
+      if (slot[t] < 0) continue;
+      TORCH_CHECK(slot[t] < capacity, "slot ", slot[t], " is outside the cache");
+      std::memcpy(kc + slot[t] * row * elem, k + t * key.stride(0) * elem, row * elem);
+      std::memcpy(vc + slot[t] * row * elem, v + t * value.stride(0) * elem, row * elem);
+    }
+  } else if (st == at::kFloat && ct == at::kBFloat16) {
+    store_rows<float>(key, value, key_cache.data_ptr<c10::BFloat16>(),
+                      value_cache.data_ptr<c10::BFloat16>(), slot, T, row, capacity);
+  } else if (st == at::kFloat && ct == at::kHalf) {
+    store_rows<float>(key, value, key_cache.data_ptr<c10::Half>(),
+                      value_cache.data_ptr<c10::Half>(), slot, T, row, capacity);
+  } else {
+    TORCH_CHECK(false, "store_kv: ", st, " rows into a ", ct, " cache (the same dtype, or fp32 "
+                "rows into a bf16 or fp16 cache)");
   }
 }
 

@@ -440,11 +440,37 @@ inline torch::Tensor prefill_dispatch(const torch::Tensor& q, const KVRows<uint1
   return out;
 }
 
-inline void check_prefill(const torch::Tensor& q, const torch::Tensor& k, const char* what) {
+inline void check_prefill(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                          const char* what) {
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16,
               what, ": fp32 or bf16");
-  TORCH_CHECK(k.scalar_type() == q.scalar_type(), what, ": K/V in the query's dtype");
+  TORCH_CHECK(v.scalar_type() == k.scalar_type(), what, ": K and V in one dtype");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() ||
+                  (q.scalar_type() == torch::kFloat32 &&
+                   (k.scalar_type() == torch::kBFloat16 || k.scalar_type() == torch::kHalf)),
+              what, ": K/V in the query's dtype, or bf16 / fp16 under an fp32 query");
   TORCH_CHECK(q.size(2) <= 256, what, ": head_dim up to 256");
+}
+
+// An fp32 query over bf16 or fp16 K/V (cache.kv_dtype bf16 / fp16 under an fp32 model): the
+// fp32 kernel, its rows widened as it repacks them.
+inline torch::Tensor prefill_widened(const torch::Tensor& q, const KVRows<uint16_t>& k,
+                                     const KVRows<uint16_t>& v, at::ScalarType kv_dtype,
+                                     int64_t KVH, int64_t ctx, double scale) {
+  torch::Tensor out;
+  if (q.size(0) == 0) return torch::empty_like(q);
+  auto as = [](const KVRows<uint16_t>& r, auto tag) {
+    using E = decltype(tag);
+    return KVRows<E>{reinterpret_cast<const E*>(r.base), r.s_head, r.s_tok, r.table, r.bs,
+                   r.s_blk};
+  };
+  if (kv_dtype == torch::kBFloat16)
+    prefill_fp32(q, as(k, c10::BFloat16{}), as(v, c10::BFloat16{}), KVH, ctx,
+                 static_cast<float>(scale), out);
+  else
+    prefill_fp32(q, as(k, c10::Half{}), as(v, c10::Half{}), KVH, ctx, static_cast<float>(scale),
+                 out);
+  return out;
 }
 
 // q [n, H, D]; k, v [KVH, ctx, D] (any strides).
@@ -454,11 +480,13 @@ inline torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(2) == q.size(2) && q.size(1) % k.size(0) == 0,
               "prefill_attention: q [n, H, D], k and v [KVH, ctx, D], H a multiple of KVH");
   TORCH_CHECK(k.size(1) >= q.size(0), "prefill_attention: the context holds the queries");
-  check_prefill(q, k, "prefill_attention");
-  TORCH_CHECK(v.scalar_type() == q.scalar_type(), "prefill_attention: K/V in the query's dtype");
+  check_prefill(q, k, v, "prefill_attention");
   q = q.contiguous();
   if (k.stride(2) != 1) k = k.contiguous();                // rows must be contiguous in d
   if (v.stride(2) != 1) v = v.contiguous();
+  if (k.scalar_type() != q.scalar_type())
+    return prefill_widened(q, view_rows<uint16_t>(k), view_rows<uint16_t>(v),
+                                   k.scalar_type(), k.size(0), k.size(1), scale);
   const bool bf = q.scalar_type() == torch::kBFloat16;
   KVRows<uint16_t> kb{}, vb{};
   KVRows<float> kf{}, vf{};
@@ -481,9 +509,7 @@ inline torch::Tensor prefill_attention_paged(torch::Tensor q, torch::Tensor key_
   TORCH_CHECK(key_cache.stride(3) == 1 && value_cache.stride(3) == 1 &&
                   key_cache.strides() == value_cache.strides(),
               "prefill_attention_paged: cache rows contiguous in d");
-  check_prefill(q, key_cache, "prefill_attention_paged");
-  TORCH_CHECK(value_cache.scalar_type() == q.scalar_type(),
-              "prefill_attention_paged: K/V in the query's dtype");
+  check_prefill(q, key_cache, value_cache, "prefill_attention_paged");
   const int64_t ctx = start_pos + q.size(0), bs = key_cache.size(1);
   TORCH_CHECK(start_pos >= 0, "prefill_attention_paged: start_pos >= 0");
   TORCH_CHECK(block_table.scalar_type() == torch::kInt64 && block_table.dim() == 1 &&
@@ -494,6 +520,10 @@ inline torch::Tensor prefill_attention_paged(torch::Tensor q, torch::Tensor key_
     TORCH_CHECK(tb[i] >= 0 && tb[i] < key_cache.size(0),
                 "prefill_attention_paged: block ", tb[i], " is outside the cache");
   q = q.contiguous();
+  if (key_cache.scalar_type() != q.scalar_type())
+    return prefill_widened(q, pool_rows<uint16_t>(key_cache, block_table),
+                                   pool_rows<uint16_t>(value_cache, block_table),
+                                   key_cache.scalar_type(), key_cache.size(2), ctx, scale);
   const bool bf = q.scalar_type() == torch::kBFloat16;
   KVRows<uint16_t> kb{}, vb{};
   KVRows<float> kf{}, vf{};

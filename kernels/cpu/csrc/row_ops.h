@@ -1,12 +1,27 @@
 // Row loops shared by the C++ layer ops (layer_ops_cpu.cpp) and the decode stack
 // (decode_stack_cpu.cpp): residual add + RMSNorm, and SiLU(gate) * up, each one pass over a
-// row, fp32. Rows are spread over threads; a decode step's few rows run inline.
+// row, fp32. Rows are spread over threads; a decode step's few rows run inline. And the
+// rounding of a K/V value into the pool's dtype (also paged_decode_cpu.cpp's store).
 #pragma once
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 namespace tl_rows {
+
+// A K or V value stored in a pool of element C (cache.kv_dtype): rounded to nearest; into
+// fp16, clamped to its largest finite value first, so an outlier stays a large number
+// instead of becoming inf (and every attention weight of its row NaN).
+template <typename C, typename S>
+inline C to_pool(S x) {
+  if constexpr (std::is_same_v<C, c10::Half>)
+    return static_cast<C>(std::clamp(static_cast<float>(x), -65504.f, 65504.f));
+  else
+    return static_cast<C>(x);
+}
 
 // y = rmsnorm(residual + x) * w with residual updated in place, or rmsnorm(x) * w when
 // residual is null.

@@ -318,3 +318,91 @@ def test_paged_prefill_rejects_a_block_outside_the_pool():
         prefill_attention_paged_cpu(q, kc, kc, torch.tensor([0, 9]), 20, 0.125)
     with pytest.raises(RuntimeError, match="block table covering the context"):
         prefill_attention_paged_cpu(q, kc, kc, torch.tensor([0]), 20, 0.125)
+
+
+# -- a bf16 / fp16 pool under an fp32 model (cache.kv_dtype bf16 / fp16) ---------------------
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", CASES)
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float16])
+def test_an_fp32_query_over_a_two_byte_pool_reads_it_widened(heads, kv_heads, head_dim,
+                                                             block_size, pool_dtype):
+    """Exactly the fp32 kernel over the same values widened to fp32 (bf16 keys must not take
+    the bf16-query dot product: the query stays fp32), vector path and scalar loops."""
+    g = torch.Generator().manual_seed(heads * 7 + head_dim)
+    lens = torch.tensor([1, block_size + 1, 300, 777])
+    max_blocks = cdiv(int(lens.max()), block_size)
+    kc = torch.randn(120, block_size, kv_heads, head_dim, generator=g).to(pool_dtype)
+    vc = torch.randn(120, block_size, kv_heads, head_dim, generator=g).to(pool_dtype)
+    tables = torch.stack([torch.randperm(120, generator=g)[:max_blocks] for _ in lens])
+    q = torch.randn(len(lens), heads, head_dim, generator=g)
+    scale = head_dim ** -0.5
+    out = paged_decode_cpu(q, kc, vc, tables, lens, int(lens.max()), scale)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, paged_decode_cpu(q, kc.float(), vc.float(), tables, lens,
+                                             int(lens.max()), scale))
+    ref = decode_attention(q, kc, vc, tables, lens, int(lens.max()), scale)   # torch, widened
+    assert (out - ref).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("n,start,head_dim", [(64, 0, 64), (37, 100, 64), (5, 27, 80)])
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float16])
+def test_fp32_prefill_over_a_two_byte_pool_reads_it_widened(n, start, head_dim, pool_dtype):
+    from tokenloom.kernels.attention import prefill_attention
+    from tokenloom.kernels.cpu.attention import prefill_attention_cpu, prefill_attention_paged_cpu
+
+    g = torch.Generator().manual_seed(n + start)
+    bs, ctx = 16, start + n
+    kc = torch.randn(64, bs, 3, head_dim, generator=g).to(pool_dtype)
+    vc = torch.randn(64, bs, 3, head_dim, generator=g).to(pool_dtype)
+    table = torch.randperm(64, generator=g)[:cdiv(ctx, bs)]
+    q = torch.randn(n, 9, head_dim, generator=g)
+    widened = prefill_attention_paged_cpu(q, kc.float(), vc.float(), table, start, 0.125)
+    assert torch.equal(prefill_attention_paged_cpu(q, kc, vc, table, start, 0.125), widened)
+    # the gathered entry too (what a kernel without a paged form is given)
+    assert torch.equal(prefill_attention(q, kc, vc, table, start, 0.125,
+                                         kernel=lambda *a: prefill_attention_cpu(*a)), widened)
+    sdpa = prefill_attention(q, kc, vc, table, start, 0.125)        # torch's SDPA, widened
+    assert (sdpa - widened).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float16])
+def test_fp32_rows_are_rounded_into_a_two_byte_pool(pool_dtype):
+    from tokenloom.kernels.kv_store import store_kv
+
+    module = load_cpu_decode_kernel()
+    g = torch.Generator().manual_seed(2)
+    k, v = torch.randn(5, 3, 64, generator=g), torch.randn(5, 3, 64, generator=g)
+    slots = torch.tensor([3, -1, 70, 100, 5])
+    kc, vc = torch.zeros(8, 16, 3, 64, dtype=pool_dtype), torch.zeros(8, 16, 3, 64,
+                                                                      dtype=pool_dtype)
+    module.store_kv(k, v, kc, vc, slots)
+    kt, vt = torch.zeros_like(kc), torch.zeros_like(vc)
+    store_kv(k, v, kt, vt, slots, has_skip=True)                   # the torch path
+    assert torch.equal(kc, kt) and torch.equal(vc, vt)
+    assert torch.equal(kc.view(-1, 3, 64)[70], k[2].to(pool_dtype))
+    assert kc.view(-1, 3, 64)[[0, 1, 2, 4, 6]].eq(0).all()          # slot -1 wrote nowhere
+
+
+def test_a_bf16_query_over_an_fp32_pool_is_refused_by_name():
+    q = torch.zeros(1, 2, 64, dtype=torch.bfloat16)
+    kc = torch.zeros(2, 16, 1, 64)
+    with pytest.raises(RuntimeError, match="BFloat16 query over a Float cache"):
+        load_cpu_decode_kernel().paged_decode(q, kc, kc, torch.tensor([[0]]),
+                                              torch.tensor([3]), 0.125)
+    with pytest.raises(RuntimeError, match="fp32 rows into a bf16 or fp16 cache"):
+        load_cpu_decode_kernel().store_kv(torch.zeros(1, 1, 64, dtype=torch.bfloat16),
+                                          torch.zeros(1, 1, 64, dtype=torch.bfloat16), kc, kc,
+                                          torch.tensor([0]))
+
+
+def test_an_outlier_stays_finite_in_an_fp16_pool():
+    from tokenloom.kernels.kv_store import store_kv
+
+    k = torch.full((1, 1, 64), 1e6)
+    v = torch.full((1, 1, 64), -1e6)
+    kc, vc = torch.zeros(1, 16, 1, 64, dtype=torch.float16), torch.zeros(1, 16, 1, 64,
+                                                                         dtype=torch.float16)
+    load_cpu_decode_kernel().store_kv(k, v, kc, vc, torch.tensor([2]))
+    assert kc[0, 2].eq(65504).all() and vc[0, 2].eq(-65504).all()
+    kt, vt = torch.zeros_like(kc), torch.zeros_like(vc)
+    store_kv(k, v, kt, vt, torch.tensor([2]))
+    assert torch.equal(kt, kc) and torch.equal(vt, vc)
