@@ -19,8 +19,10 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 # q4: the shipped model's own Q4_1 blocks, 1.7x faster batch-1 decode than fp32 on CPU
-# (docs/cpu.md); `make serve SERVE_ARGS=` serves fp32, greedy-identical to transformers.
-SERVE_ARGS ?= --set model.weight_dtype=q4
+# (docs/cpu.md), over an fp16 KV cache (llama-server's default cache type; 1.2x at ~1,100
+# tokens of context, docs/kv-quantization.md); `make serve SERVE_ARGS=` serves fp32 with an
+# fp32 cache, greedy-identical to transformers.
+SERVE_ARGS ?= --set model.weight_dtype=q4 --set cache.kv_dtype=fp16
 serve: $(STAMP)
 	$(BIN)/tokenloom serve --host 127.0.0.1 --port 8000 $(SERVE_ARGS)
 
