@@ -1,5 +1,6 @@
 """KV-cache quantization on the default model: what each `cache.kv_dtype` costs and saves,
-every figure against the model-dtype cache measured in the same run.
+every figure against the model-dtype cache measured in the same run (the 1-byte formats
+with their default rotation; bf16 and fp16 as two bytes under the fp32 model, unrotated).
 
     python benchmarks/kv_quant.py [--quick] [--json out.json] [--md out.md]
                                   [--parts quality,capacity,decode,kernel,check,peer]
@@ -51,7 +52,8 @@ from harness import (
     summarise,
 )
 
-MODES = ["auto", "int8", "fp8_e4m3", "fp8_e5m2"]
+MODES = ["auto", "bf16", "fp16", "int8", "fp8_e4m3", "fp8_e5m2"]
+HALF = ("bf16", "fp16")   # 2-byte caches: no scales, no rotation, no runtime check
 
 
 def load(max_positions: int):
@@ -66,6 +68,13 @@ def fmt(mode):
     return kv_format(mode)
 
 
+def storage(mode) -> torch.dtype:
+    """The pool dtype a mode allocates under the fp32 model (a 1-byte format: fp32, its
+    QuantizedCaches hold the bytes)."""
+    from tokenloom.kernels.kv_quant import HALF_DTYPES
+    return HALF_DTYPES.get(mode, torch.float32)
+
+
 def part_quality(model, tokenizer, out: dict) -> None:
     from tokenloom.kernels.models import kv_quality_gate as g
     from tokenloom.kernels.models.quality_gate import HELD_OUT_TEXT
@@ -76,11 +85,12 @@ def part_quality(model, tokenizer, out: dict) -> None:
     from tokenloom.kernels.kv_quant import hadamard
     rows = {}
     for mode in MODES[1:]:
-        for rotation in ("none", "hadamard"):
+        for rotation in ("none",) if mode in HALF else ("none", "hadamard"):
             model.set_kv_rotation(hadamard(model.spec.head_dim, torch.float32, "cpu")
                                   if rotation == "hadamard" else None)
             name = mode if rotation == "none" else f"{mode}+hadamard"
-            r = g.measure(model, gate_ids, ppl_ids, fmt(mode), fmt(mode), name)
+            r = g.measure(model, gate_ids, ppl_ids, fmt(mode), fmt(mode), name,
+                          storage(mode) if mode in HALF else None)
             rows[name] = {"agreement": r.agreement, "mean_kl": r.mean_kl, "p99_kl": r.p99_kl,
                           "ppl": r.ppl_quantized, "ppl_reference": r.ppl_reference,
                           "ppl_change": r.ppl_increase, "passed": r.passed}
@@ -133,7 +143,7 @@ def decode_step_seconds(model, spec, mode: str, ctx: int, batch: int, steps: int
     bs = 16
     per_seq = ctx // bs + 1
     kv = KVCache.allocate(spec.num_layers, batch * per_seq, bs, spec.num_kv_heads,
-                          spec.head_dim, torch.float32, "cpu", fmt(mode), fmt(mode))
+                          spec.head_dim, storage(mode), "cpu", fmt(mode), fmt(mode))
     g = torch.Generator().manual_seed(0)
     n = batch * per_seq * bs
     for layer in range(spec.num_layers):
@@ -169,7 +179,7 @@ def part_decode(model, spec, out: dict, steps: int, contexts: list[int]) -> None
         base = None
         for mode in MODES:
             # As served by default: a quantized cache with its rotation.
-            model.set_kv_rotation(None if mode == "auto" else
+            model.set_kv_rotation(None if mode == "auto" or mode in HALF else
                                   hadamard(spec.head_dim, torch.float32, "cpu"))
             s = decode_step_seconds(model, spec, mode, ctx, 16, steps)
             base = base or s
@@ -194,7 +204,7 @@ def part_kernel(spec, out: dict, rounds: int) -> None:
     kvh, d = spec.num_kv_heads, spec.head_dim
     caches = {}
     for mode in MODES:
-        kv = KVCache.allocate(layers, batch * per, bs, kvh, d, torch.float32, "cpu", fmt(mode),
+        kv = KVCache.allocate(layers, batch * per, bs, kvh, d, storage(mode), "cpu", fmt(mode),
                               fmt(mode))
         n = batch * per * bs
         for layer in range(layers):
@@ -215,7 +225,8 @@ def part_kernel(spec, out: dict, rounds: int) -> None:
     rows = {}
     for mode, ts in times.items():
         m = statistics.median(ts)
-        kv_bytes = batch * ctx * 2 * kvh * (d * 4 if mode == "auto" else d + 4)
+        kv_bytes = batch * ctx * 2 * kvh * (d * 4 if mode == "auto" else
+                                            d * 2 if mode in HALF else d + 4)
         rows[mode] = {"ms_per_layer": m * 1e3, "speed_ratio": base / m,
                       "gb_per_s": kv_bytes / m / 1e9}
         print(f"kernel 16 x {ctx} {mode}: {m * 1e3:.2f} ms a layer ({base / m:.2f}x fp32, "
@@ -323,7 +334,8 @@ def markdown(out: dict) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for mode in MODES:
         cap = out.get("capacity", {}).get(mode, {})
-        q = out.get("quality", {}).get(mode if mode == "auto" else f"{mode}+hadamard", {})
+        q = out.get("quality", {}).get(mode if mode == "auto" or mode in HALF
+                                       else f"{mode}+hadamard", {})
         d1 = out.get("decode", {}).get(f"{mode}@1024", {})
         d4 = out.get("decode", {}).get(f"{mode}@4096", {})
 
