@@ -100,9 +100,11 @@ def _stack_equals_module(spec, model, dtype, row_counts=(1, 3), pool_dtype=None)
         # more. bf16 rounds where torch rounds, but the norm's fp32 sum may be ordered
         # otherwise: now and then a value lands one bf16 step away.
         # q4/q8 block kernels quantize activations to int8 blocks per call: such a
-        # last-bit difference can flip one rounding there (measured up to ~4e-5 relative).
+        # last-bit difference can flip one rounding there, moving that activation by a
+        # whole int8 step (measured 4e-5 relative, and 1.9e-4 in one run of the suite in
+        # about eight; a wrong kernel is off by orders more).
         blocks = model.layers[0].mlp.down_proj.storage in cpu_linear.BLOCK_STORAGES
-        tol = (1e-4 if blocks else 1e-5) if dtype == torch.float32 else 2e-2
+        tol = (1e-3 if blocks else 1e-5) if dtype == torch.float32 else 2e-2
         pool_tol = tol
         if pool_dtype is not None:
             # A key whose fp32 value differs in the last bit (RoPE's FMAs) can round to
