@@ -25,7 +25,9 @@
 //     blocks.pack_groups' layout, where one 64-byte load holds 4 codes of each of 16 blocks:
 //     8 vpdpbusd leave every block's whole sum in its own lane, and the scales multiply
 //     once per 16 blocks.
-//   AVX2 (+FMA, F16C): one weight row against up to 4 activation rows (maddubs / madd).
+//   AVX2 (+FMA, F16C): one weight row against up to 4 activation rows (maddubs / madd),
+//     each block converted and scaled; over the packed layout, tile_avx2: each block's sum
+//     kept in an int32 lane across the group, the scales applied once per 8 blocks.
 //   plain loops otherwise.
 // Interleaved on a 2-core Zen 4, 30 layers of the default model's projections, AVX2 ->
 // packed VNNI: q4 1 row 4.1-4.4 -> 2.8-3.1 ms, 16 rows 29.6 -> 18.8, 64 rows 111 -> 68;
@@ -97,13 +99,16 @@ inline float hsum(__m256 v) {
 // product pair at most 127 * 127 * 2: neither saturates int16.
 template <Fmt F, int MS>
 inline void row_dot(const uint8_t* q, const uint16_t* d, const uint16_t* mn, const int8_t* xq,
-                    const float* dx, const float* sx, int64_t K, int64_t nb, float* out) {
+                    const float* dx, const float* sx, int64_t K, int64_t nb, float* out,
+                    int64_t blocks = -1) {
+  // nb: the stride of dx / sx rows; blocks: how many to sum (all nb unless given)
+  if (blocks < 0) blocks = nb;
   __m256 acc[MS];
   float macc[MS];
   for (int m = 0; m < MS; ++m) { acc[m] = _mm256_setzero_ps(); macc[m] = 0.f; }
   const __m256i low = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t b = 0; b < nb; ++b) {
+  for (int64_t b = 0; b < blocks; ++b) {
     __m256i w;   // Q4: codes 0..15 (unsigned); Q8: |w| with the signs moved onto x below
     __m256i sign;
     if constexpr (F == Fmt::Q4) {
@@ -132,10 +137,13 @@ inline void row_dot(const uint8_t* q, const uint16_t* d, const uint16_t* mn, con
 // Plain loops over the same int8 activation blocks.
 template <Fmt F, int MS>
 inline void row_dot(const uint8_t* q, const uint16_t* d, const uint16_t* mn, const int8_t* xq,
-                    const float* dx, const float* sx, int64_t K, int64_t nb, float* out) {
+                    const float* dx, const float* sx, int64_t K, int64_t nb, float* out,
+                    int64_t blocks = -1) {
+  // nb: the stride of dx / sx rows; blocks: how many to sum (all nb unless given)
+  if (blocks < 0) blocks = nb;
   float acc[MS] = {};
   float w[kBlock];
-  for (int64_t b = 0; b < nb; ++b) {
+  for (int64_t b = 0; b < blocks; ++b) {
     for (int j = 0; j < 16; ++j) {
       if constexpr (F == Fmt::Q4) {
         const uint8_t byte = q[b * 16 + j];
@@ -530,6 +538,236 @@ void run_vnni(const float* xf, const uint8_t* q, const uint16_t* d, const uint16
 #endif  // TL_VNNI
 
 // Whether the widest compiled path serves calls (tests turn it off to check the AVX2 one).
+#if defined(TL_AVX2)
+// ---- AVX2 over the packed layout ---------------------------------------------------------
+//
+// blocks.pack_groups' 64-byte chunk is two 32-byte halves, each holding 4 codes of each of 8
+// blocks, so the layout the VNNI kernel reads serves 8-lane AVX2 vectors too: maddubs
+// (u8 x s8 -> pairs of s16) then madd with ones leave block i's 4 products of a chunk in
+// int32 lane i, and a group's 8 chunks add up in place, so a block's whole sum ends in one
+// lane and the scales multiply once per 8 blocks (the unpacked AVX2 row_dot converts and
+// scales every block: about twice the instructions per weight, and a 2-core AVX2 machine
+// is compute-bound there at batch 1).
+// q4: a code is 0..15, a pair of products at most 2 * 15 * 127 = 3,810 in magnitude, so the
+// 8 chunk products of a block (low and high nibbles of 4 loads) add up in int16 (30,480)
+// before one madd. q8: codes are signed, so the sign moves onto the activation
+// (sign(x, w) * |w|, as llama.cpp's AVX2 path); a pair of products reaches 2 * 128 * 127 =
+// 32,512, so every chunk is widened to int32 by its own madd.
+// The activations are quantized as quantize_rows does (same dx, same codes), the leading
+// groups' codes interleaved as the weights are (code j of block i of a group at
+// (j / 4) * 64 + i * 4 + j % 4), the tail blocks in natural order for row_dot.
+
+// Weight rows ahead of a tile that it prefetches.
+constexpr int kAvx2PrefetchRows = 8;
+
+struct Avx2X {
+  int64_t M, K, nb, groups;
+  std::unique_ptr<int8_t[]> xq;   // [M, K]
+  std::unique_ptr<float[]> dx;    // [M, nb]
+  std::unique_ptr<float[]> sx;    // [M, nb]: dx * sum(xq)
+};
+
+Avx2X quantize_avx2_packed(const float* x, int64_t M, int64_t K, int64_t groups) {
+  Avx2X v;
+  v.M = M; v.K = K; v.nb = K / kBlock; v.groups = groups;
+  v.xq.reset(new int8_t[M * K]);
+  v.dx.reset(new float[M * v.nb]);
+  v.sx.reset(new float[M * v.nb]);
+  const int64_t b0 = groups * 16;
+  at::parallel_for(0, M * v.nb, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t m = i / v.nb, b = i % v.nb;
+      const float* xb = x + i * kBlock;
+      __m256 amax = _mm256_setzero_ps();
+      const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+      for (int j = 0; j < kBlock; j += 8)
+        amax = _mm256_max_ps(amax, _mm256_and_ps(_mm256_loadu_ps(xb + j), abs_mask));
+      __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_max_ss(h, _mm_movehdup_ps(h));
+      const float a = _mm_cvtss_f32(h);
+      const float inv = a > 0.f ? 127.f / a : 0.f;
+      alignas(32) int32_t codes[kBlock];
+      __m256i sum = _mm256_setzero_si256();
+      for (int j = 0; j < kBlock; j += 8) {   // cvtps rounds to nearest even, as nearbyint
+        const __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + j),
+                                                           _mm256_set1_ps(inv)));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(codes + j), c);
+        sum = _mm256_add_epi32(sum, c);
+      }
+      __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+      s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+      s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+      int8_t* qr = v.xq.get() + m * K;
+      if (b < b0) {
+        int8_t* gp = qr + (b / 16) * 512 + (b % 16) * 4;
+        for (int j = 0; j < kBlock; ++j) gp[(j / 4) * 64 + j % 4] = static_cast<int8_t>(codes[j]);
+      } else {
+        for (int j = 0; j < kBlock; ++j) qr[b * kBlock + j] = static_cast<int8_t>(codes[j]);
+      }
+      const float dv = a / 127.f;
+      v.dx[i] = dv;
+      v.sx[i] = dv * static_cast<float>(_mm_cvtsi128_si32(s));
+    }
+  });
+  return v;
+}
+
+// out[m * RN + n] = weight row n . activation row m0 + m (without bias), RN rows of the
+// packed weights (q_row bytes apart) against RM activation rows.
+template <Fmt F, int RN, int RM>
+inline void tile_avx2(const uint8_t* q, int64_t q_row, const uint16_t* d, const uint16_t* mn,
+                      int64_t nb, const Avx2X& x, int64_t m0, float* out) {
+  __m256 acc[RN][RM];
+  for (int n = 0; n < RN; ++n)
+    for (int m = 0; m < RM; ++m) acc[n][m] = _mm256_setzero_ps();
+  const int64_t K = x.K, groups = x.groups;
+  const int8_t* xq = x.xq.get() + m0 * K;
+  const float* dx = x.dx.get() + m0 * nb;
+  const float* sx = x.sx.get() + m0 * nb;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  constexpr int64_t group_bytes = F == Fmt::Q4 ? 256 : 512;
+  const uint8_t* ahead = q + kAvx2PrefetchRows * q_row;
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t l = 0; l < RN * group_bytes / 64; ++l)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + g * RN * group_bytes + l * 64),
+                   _MM_HINT_T0);
+    for (int half = 0; half < 2; ++half) {   // blocks 0-7 of the group, then 8-15
+      __m256i isum[RN][RM];
+      for (int n = 0; n < RN; ++n)
+        for (int m = 0; m < RM; ++m) isum[n][m] = _mm256_setzero_si256();
+      if constexpr (F == Fmt::Q4) {
+        for (int c = 0; c < 4; ++c) {   // low nibbles: codes 4c.., high: codes 16 + 4c..
+          __m256i xl[RM], xh[RM];
+          for (int m = 0; m < RM; ++m) {
+            const int8_t* xp = xq + m * K + g * 512 + half * 32;
+            xl[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + c * 64));
+            xh[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + (c + 4) * 64));
+          }
+          for (int n = 0; n < RN; ++n) {
+            const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                q + n * q_row + g * group_bytes + c * 64 + half * 32));
+            const __m256i lo = _mm256_and_si256(raw, low);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+            for (int m = 0; m < RM; ++m)
+              isum[n][m] = _mm256_add_epi16(
+                  isum[n][m], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl[m]),
+                                               _mm256_maddubs_epi16(hi, xh[m])));
+          }
+        }
+        for (int n = 0; n < RN; ++n)
+          for (int m = 0; m < RM; ++m) isum[n][m] = _mm256_madd_epi16(isum[n][m], ones);
+      } else {
+        for (int c = 0; c < 8; ++c) {
+          __m256i xv[RM];
+          for (int m = 0; m < RM; ++m)
+            xv[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                xq + m * K + g * 512 + c * 64 + half * 32));
+          for (int n = 0; n < RN; ++n) {
+            const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                q + n * q_row + g * group_bytes + c * 64 + half * 32));
+            const __m256i aw = _mm256_sign_epi8(w, w);
+            for (int m = 0; m < RM; ++m)
+              isum[n][m] = _mm256_add_epi32(
+                  isum[n][m], _mm256_madd_epi16(
+                                  _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv[m], w)), ones));
+          }
+        }
+      }
+      const int64_t bb = g * 16 + half * 8;   // the half's first block
+      for (int n = 0; n < RN; ++n) {
+        const __m256 dw = _mm256_cvtph_ps(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(d + n * nb + bb)));
+        for (int m = 0; m < RM; ++m)
+          acc[n][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[n][m]),
+                                      _mm256_mul_ps(dw, _mm256_loadu_ps(dx + m * nb + bb)),
+                                      acc[n][m]);
+      }
+      if constexpr (F == Fmt::Q4) {   // + m_w dx sum(xq), per block
+        for (int n = 0; n < RN; ++n) {
+          const __m256 mv = _mm256_cvtph_ps(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + n * nb + bb)));
+          for (int m = 0; m < RM; ++m)
+            acc[n][m] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(sx + m * nb + bb), acc[n][m]);
+        }
+      }
+    }
+  }
+  for (int n = 0; n < RN; ++n)
+    for (int m = 0; m < RM; ++m) out[m * RN + n] = hsum(acc[n][m]);
+  const int64_t b0 = groups * 16;
+  if (b0 < nb) {   // the tail blocks, natural order: the unpacked kernel's row_dot
+    const int64_t tail = nb - b0;
+    const int64_t tail_off = F == Fmt::Q4 ? groups * 256 : groups * 512;
+    for (int n = 0; n < RN; ++n) {
+      float t[RM];
+      // row_dot reads row m's codes at xq + m * K + b * 32 and its scales at dx[m * nb + b]:
+      // offset the pointers to the tail's first block, keeping the row strides.
+      row_dot<F, RM>(q + n * q_row + tail_off, d + n * nb + b0,
+                             mn ? mn + n * nb + b0 : nullptr, xq + b0 * kBlock, dx + b0,
+                             sx + b0, K, nb, t, tail);
+      for (int m = 0; m < RM; ++m) out[m * RN + n] += t[m];
+    }
+  }
+}
+
+template <Fmt F, int RN, int RMAX>
+inline void tile_rows_avx2(int64_t rm, const uint8_t* q, int64_t q_row, const uint16_t* d,
+                           const uint16_t* mn, int64_t nb, const Avx2X& x, int64_t m0,
+                           float* out) {
+  static_assert(RMAX <= 4, "tile_rows_avx2: up to 4 activation rows");
+  switch (rm) {
+    case 1: tile_avx2<F, RN, 1>(q, q_row, d, mn, nb, x, m0, out); break;
+    case 2: if constexpr (RMAX >= 2) tile_avx2<F, RN, 2>(q, q_row, d, mn, nb, x, m0, out); break;
+    case 3: if constexpr (RMAX >= 3) tile_avx2<F, RN, 3>(q, q_row, d, mn, nb, x, m0, out); break;
+    default: if constexpr (RMAX >= 4) tile_avx2<F, RN, 4>(q, q_row, d, mn, nb, x, m0, out); break;
+  }
+}
+
+template <Fmt F, int RN, int RMAX>
+void drive_avx2(const Avx2X& x, const uint8_t* q, const uint16_t* d, const uint16_t* mn,
+                const float* bias, float* y, int64_t N) {
+  const int64_t M = x.M, nb = x.nb, q_row = F == Fmt::Q4 ? x.K / 2 : x.K;
+  const int64_t tiles = (N + RN - 1) / RN;
+  at::parallel_for(0, tiles, (32 + RN - 1) / RN, [&](int64_t begin, int64_t end) {
+    float out[RN * RMAX];
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * RN;
+      const int64_t rn = std::min<int64_t>(RN, N - n0);
+      const uint8_t* qn = q + n0 * q_row;
+      const uint16_t* dn = d + n0 * nb;
+      const uint16_t* mnn = mn ? mn + n0 * nb : nullptr;
+      for (int64_t m0 = 0; m0 < M; m0 += RMAX) {
+        const int64_t rm = std::min<int64_t>(RMAX, M - m0);
+        if (rn == RN) {
+          tile_rows_avx2<F, RN, RMAX>(rm, qn, q_row, dn, mnn, nb, x, m0, out);
+        } else {   // the last rows of an N that is not a multiple of RN, one at a time
+          for (int64_t n = 0; n < rn; ++n) {
+            float one[RMAX];
+            tile_rows_avx2<F, 1, RMAX>(rm, qn + n * q_row, q_row, dn + n * nb,
+                                       mnn ? mnn + n * nb : nullptr, nb, x, m0, one);
+            for (int64_t m = 0; m < rm; ++m) out[m * rn + n] = one[m];
+          }
+        }
+        for (int64_t m = 0; m < rm; ++m)
+          for (int64_t n = 0; n < rn; ++n)
+            y[(m0 + m) * N + n0 + n] = out[m * rn + n] + (bias ? bias[n0 + n] : 0.f);
+      }
+    }
+  });
+}
+
+template <Fmt F>
+void run_avx2_packed(const float* xf, const uint8_t* q, const uint16_t* d, const uint16_t* mn,
+                     const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
+  const Avx2X x = quantize_avx2_packed(xf, M, K, K / kBlock / 16);
+  if (M == 1) drive_avx2<F, 4, 1>(x, q, d, mn, bias, y, N);
+  else if (M == 2) drive_avx2<F, 2, 2>(x, q, d, mn, bias, y, N);
+  else drive_avx2<F, 1, 4>(x, q, d, mn, bias, y, N);
+}
+#endif  // TL_AVX2
+
 bool g_use_widest = true;
 
 template <Fmt F>
@@ -615,7 +853,9 @@ torch::Tensor q8_gemm(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch:
 
 // The same products over the packed layout (blocks.pack_groups): each row's leading groups
 // of 16 blocks interleaved in 4-byte chunks, so that a block's sum stays in one lane and its
-// scales multiply once per 16 blocks. Only the AVX-512 VNNI build has these.
+// scales multiply once per 16 blocks (8 on AVX2). The AVX-512 VNNI build serves them
+// with tile_vnni, an AVX2 build with tile_avx2 (and a VNNI build too with the widest path
+// turned off, for tests).
 torch::Tensor q4_gemm_packed(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m,
                              torch::Tensor bias) {
   check_blocks(x, qs, d, 16);
@@ -626,16 +866,26 @@ torch::Tensor q4_gemm_packed(torch::Tensor x, torch::Tensor qs, torch::Tensor d,
   auto xf = x.to(torch::kFloat32).contiguous();
   auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
   torch::Tensor bf = bias.numel() > 0 ? bias.to(torch::kFloat32).contiguous() : bias;
+  if (M > 0 && N > 0) {
 #if defined(TL_VNNI)
-  if (M > 0 && N > 0)
-    run_vnni<Fmt::Q4>(xf.data_ptr<float>(), qs.data_ptr<uint8_t>(),
-                      reinterpret_cast<const uint16_t*>(d.data_ptr()),
-                      reinterpret_cast<const uint16_t*>(m.data_ptr()),
-                      bias.numel() > 0 ? bf.data_ptr<float>() : nullptr, y.data_ptr<float>(), M,
-                      N, K, K / kBlock / 16);
-#else
-  TORCH_CHECK(false, "q4_gemm_packed: built without AVX-512 VNNI");
+    if (g_use_widest)
+      run_vnni<Fmt::Q4>(xf.data_ptr<float>(), qs.data_ptr<uint8_t>(),
+                        reinterpret_cast<const uint16_t*>(d.data_ptr()),
+                        reinterpret_cast<const uint16_t*>(m.data_ptr()),
+                        bias.numel() > 0 ? bf.data_ptr<float>() : nullptr, y.data_ptr<float>(), M,
+                        N, K, K / kBlock / 16);
+    else
 #endif
+#if defined(TL_AVX2)
+    run_avx2_packed<Fmt::Q4>(xf.data_ptr<float>(), qs.data_ptr<uint8_t>(),
+                             reinterpret_cast<const uint16_t*>(d.data_ptr()),
+                             reinterpret_cast<const uint16_t*>(m.data_ptr()),
+                             bias.numel() > 0 ? bf.data_ptr<float>() : nullptr,
+                             y.data_ptr<float>(), M, N, K);
+#else
+    TORCH_CHECK(false, "q4_gemm_packed: built without AVX2");
+#endif
+  }
   return finish(x, y);
 }
 
@@ -647,21 +897,31 @@ torch::Tensor q8_gemm_packed(torch::Tensor x, torch::Tensor qs, torch::Tensor d,
   auto xf = x.to(torch::kFloat32).contiguous();
   auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
   torch::Tensor bf = bias.numel() > 0 ? bias.to(torch::kFloat32).contiguous() : bias;
+  if (M > 0 && N > 0) {
 #if defined(TL_VNNI)
-  if (M > 0 && N > 0)
-    run_vnni<Fmt::Q8>(xf.data_ptr<float>(),
-                      reinterpret_cast<const uint8_t*>(qs.data_ptr<int8_t>()),
-                      reinterpret_cast<const uint16_t*>(d.data_ptr()), nullptr,
-                      bias.numel() > 0 ? bf.data_ptr<float>() : nullptr, y.data_ptr<float>(), M,
-                      N, K, K / kBlock / 16);
-#else
-  TORCH_CHECK(false, "q8_gemm_packed: built without AVX-512 VNNI");
+    if (g_use_widest)
+      run_vnni<Fmt::Q8>(xf.data_ptr<float>(),
+                        reinterpret_cast<const uint8_t*>(qs.data_ptr<int8_t>()),
+                        reinterpret_cast<const uint16_t*>(d.data_ptr()), nullptr,
+                        bias.numel() > 0 ? bf.data_ptr<float>() : nullptr, y.data_ptr<float>(), M,
+                        N, K, K / kBlock / 16);
+    else
 #endif
+#if defined(TL_AVX2)
+    run_avx2_packed<Fmt::Q8>(xf.data_ptr<float>(),
+                             reinterpret_cast<const uint8_t*>(qs.data_ptr<int8_t>()),
+                             reinterpret_cast<const uint16_t*>(d.data_ptr()), nullptr,
+                             bias.numel() > 0 ? bf.data_ptr<float>() : nullptr,
+                             y.data_ptr<float>(), M, N, K);
+#else
+    TORCH_CHECK(false, "q8_gemm_packed: built without AVX2");
+#endif
+  }
   return finish(x, y);
 }
 
 bool packed_built() {
-#if defined(TL_VNNI)
+#if defined(TL_AVX2)
   return true;
 #else
   return false;

@@ -60,12 +60,13 @@ def _packed_built() -> bool:
 @pytest.fixture
 def path(request):
     """Which of the compiled paths serves the call: "widest" (AVX-512 VNNI where built),
-    "next" (the AVX2 or plain-loop one: the widest turned off), or "packed" (the VNNI
-    kernel over pack_groups' layout)."""
+    "next" (the AVX2 or plain-loop one: the widest turned off), "packed" (the widest kernel
+    over pack_groups' layout: VNNI, else AVX2) or "packed-next" (the AVX2 kernel over that
+    layout, on a VNNI build too)."""
     module = cpu_linear.block_gemm_module()
-    if request.param == "packed" and not _packed_built():
-        pytest.skip("built without AVX-512 VNNI")
-    module.use_widest_path(request.param != "next")
+    if request.param.startswith("packed") and not _packed_built():
+        pytest.skip("built without AVX2")
+    module.use_widest_path(request.param not in ("next", "packed-next"))
     yield request.param
     module.use_widest_path(True)
 
@@ -74,7 +75,7 @@ def path(request):
 @pytest.mark.parametrize("fmt", ["q4", "q8"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 16, 67])
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("path", ["widest", "next", "packed"], indirect=True)
+@pytest.mark.parametrize("path", ["widest", "next", "packed", "packed-next"], indirect=True)
 def test_kernel_equals_the_dequantized_matmul(fmt, rows, act, path):
     torch.manual_seed(rows)
     # 70 rows: not a multiple of any tile or split. 1,568 columns = 49 blocks: three packed
@@ -87,12 +88,12 @@ def test_kernel_equals_the_dequantized_matmul(fmt, rows, act, path):
     # The kernels quantize activations to int8 blocks (as llama.cpp does for Q4_1 / Q8_0).
     ref = blk.quantize_activations(x.float()) @ blk.dequantize(b).T + bias
     ops = torch.ops.tokenloom
-    qs = blk.pack_groups(b.qs) if path == "packed" else b.qs
+    packed = path.startswith("packed")
+    qs = blk.pack_groups(b.qs) if packed else b.qs
     if fmt == "q4":
-        y = (ops.q4_gemm_packed if path == "packed" else ops.q4_gemm)(x, qs, b.d, b.m,
-                                                                     bias.to(act))
+        y = (ops.q4_gemm_packed if packed else ops.q4_gemm)(x, qs, b.d, b.m, bias.to(act))
     else:
-        y = (ops.q8_gemm_packed if path == "packed" else ops.q8_gemm)(x, qs, b.d, bias.to(act))
+        y = (ops.q8_gemm_packed if packed else ops.q8_gemm)(x, qs, b.d, bias.to(act))
     assert y.dtype == act and y.shape == (rows, n)
     # (A tie in the activations' rounding may go the other way: one code step of one x.)
     tol = 1e-3 if act == torch.float32 else 2e-2
