@@ -28,6 +28,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -68,7 +69,6 @@ constexpr int64_t kSpan = 256;
 #if defined(__AVX512BF16__)
 #define TL_DECODE_BF16_DOT 1
 #endif
-#include <atomic>
 #define TL_DECODE_AVX512 1
 
 // An element of a quantized cache (kernels/kv_quant.py) in format F (0 int8, 1 fp8 e4m3,
@@ -349,7 +349,15 @@ static void decode_item_avx512(const float* qf, const uint16_t* qb, const T* kc,
 // 18 spans), fixed so that the result does not depend on the thread count or the batch.
 constexpr int64_t kVecSpan = 64;
 
-#ifdef TL_DECODE_AVX512
+#if !defined(TL_DECODE_AVX512) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define TL_DECODE_AVX2 1
+#endif
+
+// false: every call takes the scalar loops (for tests and side-by-side measurements).
+static bool g_vector_path = true;
+
+#if defined(TL_DECODE_AVX512) || defined(TL_DECODE_AVX2)
 // The vector path: items are (sequence, span of kVecSpan keys) with all its heads, taken
 // from a shared counter (spans differ in length: the last one of a sequence is short),
 // merged per (sequence, head) as decode_kernel's spans are. D a multiple of 16 up to 256.
@@ -360,7 +368,7 @@ constexpr int64_t kVecSpan = 64;
 // `item(qf, qb, table, ctx, t0, t1, scores, acc, pmax, psum)` computes one item's
 // partials.
 template <typename T, typename Item>
-static void decode_spans_avx512(const T* q, const int64_t* tables, const int64_t* lens, T* out,
+static void decode_spans_vec(const T* q, const int64_t* tables, const int64_t* lens, T* out,
                                 int64_t B, int64_t H, int64_t KVH, int64_t D,
                                 int64_t max_blocks, const Item& item_fn) {
   const int64_t G = H / KVH;
@@ -424,6 +432,7 @@ static void decode_spans_avx512(const T* q, const int64_t* tables, const int64_t
   });
 }
 
+#ifdef TL_DECODE_AVX512
 // C: the cache's element (T; a Code of a quantized cache with its scales ks / vs; or bf16
 // or fp16 under an fp32 query, cache.kv_dtype bf16 / fp16).
 template <typename T, typename C = T>
@@ -434,7 +443,7 @@ static void decode_kernel_avx512(const T* q, const C* kc, const C* vc, const int
                                  const float* vs = nullptr) {
   const int64_t G = H / KVH;
   constexpr bool QB = std::is_same_v<T, c10::BFloat16>;   // the query in bf16 (qb filled)
-  decode_spans_avx512<T>(
+  decode_spans_vec<T>(
       q, tables, lens, out, B, H, KVH, D, max_blocks,
       [&](const float* qf, const uint16_t* qb, const int64_t* table, int64_t ctx, int64_t t0,
           int64_t t1, float* scores, float* pa, float* pm, float* ps) {
@@ -451,6 +460,189 @@ static void decode_kernel_avx512(const T* q, const C* kc, const C* vc, const int
         }
       });
 }
+#endif  // TL_DECODE_AVX512
+
+#ifdef TL_DECODE_AVX2
+// ---- The vector path on AVX2 (8 lanes): the same items, passes and partials as the
+// AVX-512 path above, for fp32, bf16 and fp16 pools (a quantized pool takes
+// decode_kernel_q). A head's D is walked in 8-lane vectors, so a key slice is not held in
+// registers (D = 64 is 8 of AVX2's 16); keys go to a quad's heads from L1 instead, and the
+// value pass runs over the span once per 32 dims of the head (HN x 4 accumulators), the
+// span's value rows in L1 / L2 after the first. The scalar loops measured compute-bound on
+// a 2-core AVX2 machine: a lone sequence's 800 extra keys cost ~5 ms a step over 30 layers
+// against ~0.6 ms of KV bytes.
+
+// 8 cache elements as fp32: bf16 is the top half of an fp32, fp16 converts in hardware.
+template <typename T>
+static inline __m256 load8(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(p);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  } else {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+}
+
+// [sum(a0), sum(a1), sum(a2), sum(a3)]: hadd pairs within each 128-bit half, then the halves.
+static inline __m128 sum4_avx2(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// The scores of one key slice (one kv head, D elements) against HN query heads of a quad
+// (q4: the quad's zero-padded query, [4][D]), stored as 4 floats at `dst`.
+template <typename T, int HN>
+static inline void score_quad_avx2(const T* rowp, const float* q4, int64_t D, __m128 sc4,
+                                   float* dst) {
+  __m256 a[4];
+  for (int h = 0; h < 4; ++h) a[h] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < D; j += 8) {
+    const __m256 k = load8(rowp + j);
+    for (int h = 0; h < HN; ++h) a[h] = _mm256_fmadd_ps(k, _mm256_loadu_ps(q4 + h * D + j), a[h]);
+  }
+  _mm_storeu_ps(dst, _mm_mul_ps(sum4_avx2(a[0], a[1], a[2], a[3]), sc4));
+}
+
+// Softmax partials of a kv head's quads (scores [quad][t][4], lane i % 4 = head i % 4), as
+// softmax_quads: the scores become exp(s - max) in place; pmax / psum per query head.
+static inline void softmax_quads_avx2(float* scores, int64_t n, int64_t G, int64_t quads,
+                                      float* pmax, float* psum) {
+  const int64_t len = 4 * n;
+  for (int64_t qd = 0; qd < quads; ++qd) {
+    float* sc = scores + qd * len;
+    __m256 mv = _mm256_set1_ps(-std::numeric_limits<float>::max());
+    int64_t i = 0;
+    for (; i + 8 <= len; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sc + i));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+    if (i < len) m4 = _mm_max_ps(m4, _mm_loadu_ps(sc + i));   // an odd key: 4 scores left
+    const __m256 mm = _mm256_set_m128(m4, m4);
+    __m256 sv = _mm256_setzero_ps();
+    for (i = 0; i + 8 <= len; i += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + i), mm));
+      _mm256_storeu_ps(sc + i, e);
+      sv = _mm256_add_ps(sv, e);
+    }
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(sv), _mm256_extractf128_ps(sv, 1));
+    if (i < len) {   // the last 4 scores in the lower half; the upper half is exp(0), unused
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_insertf128_ps(mm, _mm_loadu_ps(sc + i), 0), mm));
+      _mm_storeu_ps(sc + i, _mm256_castps256_ps128(e));
+      s4 = _mm_add_ps(s4, _mm256_castps256_ps128(e));
+    }
+    float mx[4], sm[4];
+    _mm_storeu_ps(mx, m4);
+    _mm_storeu_ps(sm, s4);
+    for (int64_t h = qd * 4; h < std::min(G, qd * 4 + 4); ++h) {
+      pmax[h] = mx[h % 4];
+      psum[h] = sm[h % 4];
+    }
+  }
+}
+
+// P . V over dims c0 .. c0 + 8 * CH of HN heads of a quad (pq: the quad's weights [t][4]):
+// HN x CH sums in registers, the span's value rows walked block by block.
+template <typename T, int CH, int HN>
+static inline void pv_chunk_avx2(const float* pq, const T* vc, const int64_t* table,
+                                 int64_t t0, int64_t t1, int64_t off, int64_t BS,
+                                 int64_t blk_stride, int64_t row_stride, int64_t D, float* acc) {
+  __m256 a[HN][CH];
+  for (int h = 0; h < HN; ++h)
+    for (int j = 0; j < CH; ++j) a[h][j] = _mm256_setzero_ps();
+  for (int64_t t = t0; t < t1;) {
+    const int64_t tb = t % BS, te = std::min(t1, t - tb + BS);
+    const T* base = vc + table[t / BS] * blk_stride + off;
+    for (int64_t i = tb; t < te; ++t, ++i) {
+      const T* rowp = base + i * row_stride;
+      __m256 vv[CH];
+      for (int j = 0; j < CH; ++j) vv[j] = load8(rowp + 8 * j);
+      for (int h = 0; h < HN; ++h) {
+        const __m256 p = _mm256_broadcast_ss(pq + (t - t0) * 4 + h);
+        for (int j = 0; j < CH; ++j) a[h][j] = _mm256_fmadd_ps(p, vv[j], a[h][j]);
+      }
+    }
+  }
+  for (int h = 0; h < HN; ++h)
+    for (int j = 0; j < CH; ++j) _mm256_storeu_ps(acc + h * D + 8 * j, a[h][j]);
+}
+
+// One work item: keys t0..t1 of one sequence against all its query heads (decode_item_avx512's
+// layout of qf, scores, partials).
+template <typename T>
+static void decode_item_avx2(const float* qf, const T* kc, const T* vc, const int64_t* table,
+                             int64_t ctx, int64_t t0, int64_t t1, int64_t KVH, int64_t G,
+                             int64_t D, int64_t BS, int64_t blk_stride, int64_t row_stride,
+                             float scale, float* scores_all, float* acc_all, float* pmax_all,
+                             float* psum_all) {
+  const int64_t n = t1 - t0, quads = (G + 3) / 4, R = KVH * D;
+  const __m128 sc4 = _mm_set1_ps(scale);
+  for (int64_t t = t0; t < t1;) {
+    const int64_t tb = t % BS, te = std::min(t1, t - tb + BS);
+    const T* base = kc + table[t / BS] * blk_stride;
+    const T* next = t - tb + BS < ctx ? kc + table[t / BS + 1] * blk_stride : nullptr;
+    for (int64_t i = tb; t < te; ++t, ++i) {
+      const T* row = base + i * row_stride;
+      if (next != nullptr) prefetch_row(next + i * row_stride, R);
+      prefetch_row(vc + (row - kc), R);   // the value pass's row, into L2 meanwhile
+      for (int64_t g = 0; g < KVH; ++g) {
+        const float* qg = qf + g * quads * 4 * D;
+        float* sg = scores_all + g * quads * n * 4;
+        for (int64_t qd = 0; qd < quads; ++qd) {
+          float* dst = sg + (qd * n + t - t0) * 4;
+          const float* q4 = qg + qd * 4 * D;
+          switch (std::min<int64_t>(4, G - qd * 4)) {
+            case 1: score_quad_avx2<T, 1>(row + g * D, q4, D, sc4, dst); break;
+            case 2: score_quad_avx2<T, 2>(row + g * D, q4, D, sc4, dst); break;
+            case 3: score_quad_avx2<T, 3>(row + g * D, q4, D, sc4, dst); break;
+            default: score_quad_avx2<T, 4>(row + g * D, q4, D, sc4, dst); break;
+          }
+        }
+      }
+    }
+  }
+  for (int64_t g = 0; g < KVH; ++g) {
+    float* scores = scores_all + g * quads * n * 4;
+    float* acc = acc_all + g * G * D;
+    softmax_quads_avx2(scores, n, G, quads, pmax_all + g * G, psum_all + g * G);
+    for (int64_t qd = 0; qd < quads; ++qd) {
+      const int64_t hn = std::min<int64_t>(4, G - qd * 4);
+      const float* pq = scores + qd * n * 4;
+      for (int64_t c0 = 0; c0 < D; c0 += 32) {
+        const int64_t ch = std::min<int64_t>(4, (D - c0) / 8);
+        float* aq = acc + qd * 4 * D + c0;
+        const int64_t off = g * D + c0;
+        switch (ch * 4 + hn) {
+#define TL_PV2(CH, HN)                                                                  \
+  case CH * 4 + HN:                                                                     \
+    pv_chunk_avx2<T, CH, HN>(pq, vc, table, t0, t1, off, BS, blk_stride, row_stride, D, \
+                             aq);                                                       \
+    break;
+          TL_PV2(1, 1) TL_PV2(1, 2) TL_PV2(1, 3) TL_PV2(1, 4)
+          TL_PV2(2, 1) TL_PV2(2, 2) TL_PV2(2, 3) TL_PV2(2, 4)
+          TL_PV2(3, 1) TL_PV2(3, 2) TL_PV2(3, 3) TL_PV2(3, 4)
+          TL_PV2(4, 1) TL_PV2(4, 2) TL_PV2(4, 3) TL_PV2(4, 4)
+#undef TL_PV2
+        }
+      }
+    }
+  }
+}
+
+template <typename T, typename C = T>
+static void decode_kernel_avx2(const T* q, const C* kc, const C* vc, const int64_t* tables,
+                               const int64_t* lens, T* out, int64_t B, int64_t H, int64_t KVH,
+                               int64_t D, int64_t BS, int64_t max_blocks, int64_t blk_stride,
+                               int64_t row_stride, float scale) {
+  const int64_t G = H / KVH;
+  decode_spans_vec<T>(
+      q, tables, lens, out, B, H, KVH, D, max_blocks,
+      [&](const float* qf, const uint16_t*, const int64_t* table, int64_t ctx, int64_t t0,
+          int64_t t1, float* scores, float* pa, float* pm, float* ps) {
+        decode_item_avx2<C>(qf, kc, vc, table, ctx, t0, t1, KVH, G, D, BS, blk_stride,
+                            row_stride, scale, scores, pa, pm, ps);
+      });
+}
+#endif  // TL_DECODE_AVX2
 #endif
 
 template <typename T, typename C = T>
@@ -578,10 +770,17 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor key_cache, torch::Tens
     const C* vp = reinterpret_cast<const C*>(value_cache.data_ptr());
     T* op = out.data_ptr<T>();
 #ifdef TL_DECODE_AVX512
-    if (D % 16 == 0 && D <= 256) {
+    if (g_vector_path && D % 16 == 0 && D <= 256) {
       decode_kernel_avx512<T, C>(qp, kp, vp, block_tables.data_ptr<int64_t>(),
                                  context_lens.data_ptr<int64_t>(), op, B, H, KVH, D, BS,
                                  max_blocks, blk_stride, row_stride, static_cast<float>(scale));
+      return;
+    }
+#elif defined(TL_DECODE_AVX2)
+    if (g_vector_path && D % 8 == 0 && D <= 256) {
+      decode_kernel_avx2<T, C>(qp, kp, vp, block_tables.data_ptr<int64_t>(),
+                               context_lens.data_ptr<int64_t>(), op, B, H, KVH, D, BS,
+                               max_blocks, blk_stride, row_stride, static_cast<float>(scale));
       return;
     }
 #endif
@@ -735,7 +934,7 @@ torch::Tensor paged_decode_q(torch::Tensor q, torch::Tensor key_cache, torch::Te
     // The vector path when both sides share a format (the codes are a template type);
     // mixed formats (cache.k_dtype != cache.v_dtype) take the scalar loops.
     if constexpr (!std::is_same_v<scalar_t, double>) {
-      if (D % 16 == 0 && D <= 256 && kfmt == vfmt) {
+      if (g_vector_path && D % 16 == 0 && D <= 256 && kfmt == vfmt) {
         auto run = [&](auto tag) {
           using C = decltype(tag);
           const int64_t row_stride = KVH * D;
@@ -858,4 +1057,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_bf16_dot_built", &prefill_bf16_dot_built,
         "whether bf16 prefill attention runs the AVX512-BF16 kernel");
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for uses for n items");
+  m.def("decode_vector_path", []() {
+#if defined(TL_DECODE_AVX512)
+    return std::string("avx512");
+#elif defined(TL_DECODE_AVX2)
+    return std::string("avx2");
+#else
+    return std::string("scalar");
+#endif
+  }, "which vector path decode attention has (avx512, avx2, or scalar loops only)");
+  m.def("use_vector_path", [](bool on) { g_vector_path = on; },
+        "false: decode attention takes the scalar loops (for tests and measurements)");
 }

@@ -28,13 +28,33 @@ CASES = [  # (heads, kv_heads, head_dim, block_size)
     (32, 4, 128, 32),   # ratio 8
     (8, 1, 128, 16),    # MQA
     (10, 2, 80, 16),    # ratio 5: a second, partial quad of heads; 5 vectors a row
-    (6, 2, 40, 16),     # head_dim not a multiple of 16: the scalar loops
+    (6, 2, 40, 16),     # head_dim not a multiple of 16: AVX2's vector path, else scalar
+    (6, 2, 36, 16),     # nor of 8: the scalar loops
 ]
+
+
+@pytest.fixture
+def path(request):
+    """"vector": the widest SIMD path built (AVX-512 or AVX2) where the shape allows it;
+    "scalar": the plain loops, forced."""
+    module = load_cpu_decode_kernel()
+    module.use_vector_path(request.param == "vector")
+    yield request.param
+    module.use_vector_path(True)
+
+
+def test_the_vector_path_built_is_the_widest_the_cpu_has():
+    from tokenloom.kernels.cpu.features import detect
+    flags = detect().flags
+    want = ("avx512" if {"avx512f", "avx512bw"} <= flags
+            else "avx2" if {"avx2", "fma"} <= flags else "scalar")
+    assert load_cpu_decode_kernel().decode_vector_path() == want
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_matches_reference(heads, kv_heads, head_dim, block_size, dtype):
+@pytest.mark.parametrize("path", ["vector", "scalar"], indirect=True)
+def test_matches_reference(heads, kv_heads, head_dim, block_size, dtype, path):
     g = torch.Generator().manual_seed(heads * 1000 + head_dim)
     num_blocks = 300
     # Context lengths straddle block boundaries: 1, a full block, one past it, long ones.
@@ -323,8 +343,9 @@ def test_paged_prefill_rejects_a_block_outside_the_pool():
 # -- a bf16 / fp16 pool under an fp32 model (cache.kv_dtype bf16 / fp16) ---------------------
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", CASES)
 @pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("path", ["vector", "scalar"], indirect=True)
 def test_an_fp32_query_over_a_two_byte_pool_reads_it_widened(heads, kv_heads, head_dim,
-                                                             block_size, pool_dtype):
+                                                             block_size, pool_dtype, path):
     """Exactly the fp32 kernel over the same values widened to fp32 (bf16 keys must not take
     the bf16-query dot product: the query stays fp32), vector path and scalar loops."""
     g = torch.Generator().manual_seed(heads * 7 + head_dim)
