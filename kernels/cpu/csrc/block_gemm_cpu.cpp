@@ -762,9 +762,14 @@ template <Fmt F>
 void run_avx2_packed(const float* xf, const uint8_t* q, const uint16_t* d, const uint16_t* mn,
                      const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
   const Avx2X x = quantize_avx2_packed(xf, M, K, K / kBlock / 16);
-  if (M == 1) drive_avx2<F, 4, 1>(x, q, d, mn, bias, y, N);
-  else if (M == 2) drive_avx2<F, 2, 2>(x, q, d, mn, bias, y, N);
-  else drive_avx2<F, 1, 4>(x, q, d, mn, bias, y, N);
+  if constexpr (F == Fmt::Q8) {   // one weight row a tile
+    if (M == 1) drive_avx2<F, 1, 1>(x, q, d, mn, bias, y, N);
+    else drive_avx2<F, 1, 4>(x, q, d, mn, bias, y, N);
+  } else {
+    if (M == 1) drive_avx2<F, 4, 1>(x, q, d, mn, bias, y, N);
+    else if (M == 2) drive_avx2<F, 2, 2>(x, q, d, mn, bias, y, N);
+    else drive_avx2<F, 1, 4>(x, q, d, mn, bias, y, N);
+  }
 }
 #endif  // TL_AVX2
 
