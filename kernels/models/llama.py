@@ -424,25 +424,34 @@ class LlamaForCausalLM(nn.Module):
         return chosen
 
     def _copy_kernels_excluded(self, storage: str) -> frozenset:
-        """int8/q4/q8 may keep a dequantized copy for prefill-sized calls, where memory
-        allows: the copies (in the activation dtype) must fit in half of the memory
-        available now; otherwise every row count runs the quantized kernel."""
-        if storage not in (*cpu_linear.BLOCK_STORAGES, cpu_linear.INT8):
-            return frozenset()
+        """int8/q4/q8 may keep a dequantized copy for prefill-sized calls, and bf16
+        activations an fp32 copy (copy_fp32), where memory allows: the copies must fit in
+        half of the memory available now; otherwise the fp32 copy goes first, then every
+        copy, and those row counts run the model's own kernels."""
         import os
 
         act = self.rope.cos.dtype if self.rope is not None else self.embed_tokens.weight.dtype
+        quantized = storage in (*cpu_linear.BLOCK_STORAGES, cpu_linear.INT8)
+        fp32_copy = act == torch.bfloat16
+        if not quantized and not fp32_copy:
+            return frozenset()
         params = sum(p.numel() for layer in self.layers for p in layer.parameters())
         params += self.lm_head.weight.numel()
-        copy_bytes = params * torch.tensor([], dtype=act).element_size()
+        act_copy = params * torch.tensor([], dtype=act).element_size() if quantized else 0
+        wide_copy = params * 4 if fp32_copy else 0
         try:
             available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (ValueError, OSError, AttributeError):
             available = 0
-        if copy_bytes <= available // 2:
+        if act_copy + wide_copy <= available // 2:
             return frozenset()
+        if fp32_copy and act_copy <= available // 2:
+            cpu_linear.log.info(f"{storage}: no fp32 copy for prefill (memory)",
+                                copy_mb=wide_copy >> 20, available_mb=available >> 20)
+            return frozenset({"copy_fp32"})
         cpu_linear.log.info(f"{storage}: no dequantized copies for prefill (memory)",
-                            copy_mb=copy_bytes >> 20, available_mb=available >> 20)
+                            copy_mb=(act_copy + wide_copy) >> 20,
+                            available_mb=available >> 20)
         return frozenset(cpu_linear.COPY_KERNELS)
 
     def _count_layer_params(self) -> None:

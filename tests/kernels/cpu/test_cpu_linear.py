@@ -76,6 +76,54 @@ def test_int8_candidates_match_dequantized_weights(act):
                                        msg=name)
 
 
+@pytest.mark.parametrize("storage", ["float", cpu_linear.INT8])
+def test_bf16_activations_get_an_fp32_copy_rounded_once(storage):
+    """copy_fp32: x and W widened to fp32 exactly (an int8 weight: its fp32
+    dequantization), fp32 sums, one rounding to bf16; offered to bf16 activations only."""
+    (w, b), = _weights(11, shapes=((48, 100),))
+    x = torch.randn(70, 100).to(torch.bfloat16)
+    if storage == "float":
+        wide = w.to(torch.bfloat16).float()
+    else:
+        q, scale = cpu_linear.quantize_int8(w)
+        wide = q.float() * scale[:, None]
+    ref = torch.nn.functional.linear(x.float(), wide, b.to(torch.bfloat16).float())
+    kernels = cpu_linear.KernelSet(w, b, storage, torch.bfloat16)
+    assert "copy_fp32" in kernels.names
+    assert "copy_fp32" not in cpu_linear.KernelSet(w, b, storage, torch.float32).names
+    with torch.inference_mode():
+        y = kernels.run("copy_fp32", x)
+    assert y.dtype == torch.bfloat16 and y.shape == (70, 48)
+    assert ((y.float() - ref).abs() <= ref.abs() * 2 ** -8 + 1e-5).all(), \
+        ((y.float() - ref).abs() / ref.abs()).max()
+
+
+@pytest.mark.parametrize("available_gb,storage,act,want", [
+    (64, "float", torch.bfloat16, set()),
+    (64, "float", torch.float32, set()),
+    (1, "float", torch.bfloat16, {"copy_fp32"}),        # 4 bytes a weight do not fit
+    (1, "float", torch.float32, set()),                 # fp32 models keep no copy at all
+    (1, cpu_linear.INT8, torch.bfloat16, {"copy_fp32"}),   # the bf16 copy fits, fp32 not
+    (0, cpu_linear.INT8, torch.bfloat16, cpu_linear.COPY_KERNELS),
+])
+def test_copies_are_kept_only_where_memory_allows(monkeypatch, available_gb, storage, act,
+                                                  want):
+    import os
+    from types import SimpleNamespace
+
+    from tokenloom.kernels.models.llama import LlamaForCausalLM
+
+    # 300 M weights: a bf16 copy is 0.6 GB, an fp32 one 1.2 GB; half of 2 GB is 1 GB
+    weights = SimpleNamespace(numel=lambda: 150_000_000)
+    layer = SimpleNamespace(parameters=lambda: [weights])
+    model = SimpleNamespace(rope=None, embed_tokens=SimpleNamespace(weight=torch.empty(0,
+                                                                                   dtype=act)),
+                            layers=[layer], lm_head=SimpleNamespace(weight=weights))
+    pages = {"SC_AVPHYS_PAGES": (2 * available_gb) * 10 ** 9 // 4096, "SC_PAGE_SIZE": 4096}
+    monkeypatch.setattr(os, "sysconf", lambda name: pages[name])
+    assert LlamaForCausalLM._copy_kernels_excluded(model, storage) == frozenset(want)
+
+
 def test_plan_bands_cover_every_row_count_and_dispatch():
     weights = _weights(3)
     chosen = cpu_linear.plan(weights, "float", torch.float32, rows=(1, 4, 16))
