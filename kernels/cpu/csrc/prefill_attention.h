@@ -87,6 +87,19 @@ inline float elem_f32(T x) { return static_cast<float>(x); }
 // tensor, no materialised [n, ctx] score matrix.
 constexpr int64_t kPR = 8;    // query rows per tile
 constexpr int64_t kPL = 16;   // keys (score tile) / value lanes per vector
+// Register tiles, sized to the vector registers: AVX-512's 32 hold 8 rows x 32 keys of
+// scores (16 zmm) and 4 rows x 64 value lanes (16 zmm). AVX2 has 16 registers of half the
+// width, where those tiles need 32 and spilled (the kernel ran 57 GFLOP/s on a 2-core Zen 3,
+// about a quarter of its FMA peak): there a score pass is 4 rows x 16 keys (8 ymm) and a
+// value pass 4 rows x 16 lanes (8 ymm).
+#if defined(__AVX512F__)
+constexpr int64_t kScoreRows = kPR, kVR = 4, kVL = 4 * kPL;
+constexpr bool kScorePairs = true;
+#else
+constexpr int64_t kScoreRows = 4, kVR = 4, kVL = kPL;
+constexpr bool kScorePairs = false;
+#endif
+
 
 template <typename T>
 inline void prefill_fp32(const torch::Tensor& q, const KVRows<T>& K, const KVRows<T>& V,
@@ -122,7 +135,6 @@ inline void prefill_fp32(const torch::Tensor& q, const KVRows<T>& K, const KVRow
           for (int64_t u = ctx; u < cp; ++u) kt[(h * D + d) * cp + u] = 0.f;
     }
     float* sc = scratch<float, 2>(kPR * cp);
-    float acc[kPR][kPL];
     // Later tiles see more keys: hand them out first, one at a time, so the threads finish
     // together.
 #pragma omp for schedule(dynamic, 1)
@@ -136,43 +148,45 @@ inline void prefill_fp32(const torch::Tensor& q, const KVRows<T>& K, const KVRow
         for (int64_t d = 0; d < D; ++d)
           qr[r][d] = r < rows ? qp[((i0 + r) * H + h) * D + d] * scale : 0.f;
       const float* ktp = kt + hk * D * cp;
-      for (int64_t t0 = 0; t0 < tk; t0 += 2 * kPL) {      // scores: q . k, 32 keys a pass
-        const bool two = t0 + kPL < tk;
-        float acc2[kPR][kPL];
-        for (int64_t r = 0; r < kPR; ++r)
+      // scores: q . k, kScoreRows query rows x 32 (or 16) keys a pass
+      for (int64_t g0 = 0; g0 < kPR; g0 += kScoreRows)
+        for (int64_t t0 = 0; t0 < tk; t0 += (kScorePairs ? 2 : 1) * kPL) {
+          const bool two = kScorePairs && t0 + kPL < tk;
+          float a1[kScoreRows][kPL], a2[kScoreRows][kPL];
+          for (int64_t r = 0; r < kScoreRows; ++r)
 #pragma omp simd
-          for (int64_t l = 0; l < kPL; ++l) acc[r][l] = acc2[r][l] = 0.f;
-        if (two) {
-          for (int64_t d = 0; d < D; ++d) {
-            const float* kv = ktp + d * cp + t0;
-            for (int64_t r = 0; r < kPR; ++r) {
-              const float qd = qr[r][d];
+            for (int64_t l = 0; l < kPL; ++l) a1[r][l] = a2[r][l] = 0.f;
+          if (two) {
+            for (int64_t d = 0; d < D; ++d) {
+              const float* kv = ktp + d * cp + t0;
+              for (int64_t r = 0; r < kScoreRows; ++r) {
+                const float qd = qr[g0 + r][d];
 #pragma omp simd
-              for (int64_t l = 0; l < kPL; ++l) {
-                acc[r][l] += qd * kv[l];
-                acc2[r][l] += qd * kv[kPL + l];
+                for (int64_t l = 0; l < kPL; ++l) {
+                  a1[r][l] += qd * kv[l];
+                  a2[r][l] += qd * kv[kPL + l];
+                }
+              }
+            }
+          } else {
+            for (int64_t d = 0; d < D; ++d) {
+              const float* kv = ktp + d * cp + t0;
+              for (int64_t r = 0; r < kScoreRows; ++r) {
+                const float qd = qr[g0 + r][d];
+#pragma omp simd
+                for (int64_t l = 0; l < kPL; ++l) a1[r][l] += qd * kv[l];
               }
             }
           }
-        } else {
-          for (int64_t d = 0; d < D; ++d) {
-            const float* kv = ktp + d * cp + t0;
-            for (int64_t r = 0; r < kPR; ++r) {
-              const float qd = qr[r][d];
+          for (int64_t r = 0; r < kScoreRows; ++r) {
 #pragma omp simd
-              for (int64_t l = 0; l < kPL; ++l) acc[r][l] += qd * kv[l];
+            for (int64_t l = 0; l < kPL; ++l) sc[(g0 + r) * cp + t0 + l] = a1[r][l];
+            if (two) {
+#pragma omp simd
+              for (int64_t l = 0; l < kPL; ++l) sc[(g0 + r) * cp + t0 + kPL + l] = a2[r][l];
             }
           }
         }
-        for (int64_t r = 0; r < kPR; ++r) {
-#pragma omp simd
-          for (int64_t l = 0; l < kPL; ++l) sc[r * cp + t0 + l] = acc[r][l];
-          if (two) {
-#pragma omp simd
-            for (int64_t l = 0; l < kPL; ++l) sc[r * cp + t0 + kPL + l] = acc2[r][l];
-          }
-        }
-      }
       // Softmax numerators and sums over each row's visible keys; later keys get exactly 0
       // (their scores are never read, so no exp of a huge negative number either).
       float inv[kPR];
@@ -189,9 +203,8 @@ inline void prefill_fp32(const torch::Tensor& q, const KVRows<T>& K, const KVRow
       }
       const float* vp = vf + hk * ctx * dp;
       const int64_t tv = std::min(tk, ctx);                // padding keys have p = 0
-      // P . V: 4 rows x 64 value lanes a pass (16 accumulators), each value row read once a
-      // pass; other head sizes take several or partial lane blocks.
-      constexpr int64_t kVR = 4, kVL = 4 * kPL;
+      // P . V: kVR rows x kVL value lanes a pass, each value row read once a pass; other
+      // head sizes take several or partial lane blocks.
       for (int64_t r0 = 0; r0 < rows; r0 += kVR)
         for (int64_t d0 = 0; d0 < dp; d0 += kVL) {
           const int64_t lanes = std::min<int64_t>(kVL, dp - d0);
