@@ -32,7 +32,7 @@ lint: $(STAMP)
 
 test: $(STAMP) browser redis
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # The diagnosis report's test screenshots it in a real browser (tests/screenshot.py).
 browser:
