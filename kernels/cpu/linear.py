@@ -129,7 +129,8 @@ def choose(linears: list[nn.Linear], rows: tuple[int, ...] = (1, 16, 128)) -> bo
 ROW_LADDER = (1, 2, 4, 8, 16, 64, 256)
 # kernels torch.compile cannot call (oneDNN's opaque packed weight; tile_gemm registers no
 # shape function)
-NOT_TRACEABLE = {"onednn", "copy_onednn", "tile_gemm", "copy_tile_bf16", "copy_fp32"}
+NOT_TRACEABLE = {"onednn", "copy_onednn", "tile_gemm", "copy_tile_bf16", "copy_fp32",
+                 "tile_gemm_int8"}
 HEAD_ROW_LADDER = (1, 4, 16, 64)
 INT8 = "int8"
 # Weights in GGUF-style 32-weight blocks (kernels/cpu/blocks.py): Q4_1 and Q8_0.
@@ -162,24 +163,20 @@ def block_gemm_module():
 
 
 def tile_gemm_module():
-    """The C++ register-tiled bf16 kernel (csrc/tile_gemm_cpu.cpp; built on first use), or
-    None: no compiler, or a CPU without AVX512-BF16 (the kernel needs vdpbf16ps)."""
+    """The C++ register-tiled kernels (csrc/tile_gemm_cpu.cpp; built on first use), or None:
+    no compiler, or a CPU with neither AVX512-BF16 (vdpbf16ps) nor AVX2 + FMA."""
     global _tile_gemm, _tile_gemm_failed
     if _tile_gemm is None and _tile_gemm_failed is None:
-        from tokenloom.kernels.cpu.features import detect
-        if "avx512_bf16" not in detect().flags:
-            _tile_gemm_failed = "no AVX512-BF16 on this CPU"
-            return None
         try:
             from tokenloom.kernels.cpu.cpp_build import build
             module = build("tokenloom_tile_gemm_cpu", "tile_gemm_cpu.cpp")
             if module.tile_gemm_built():
                 _tile_gemm = module
             else:
-                _tile_gemm_failed = "built without AVX512-BF16"
+                _tile_gemm_failed = "built without AVX512-BF16 or AVX2 + FMA"
         except Exception as e:  # no compiler: the other kernels still work
             _tile_gemm_failed = f"{type(e).__name__}: {e}"
-            log.info("C++ tiled bf16 matmul unavailable", reason=_tile_gemm_failed)
+            log.info("C++ tiled matmul unavailable", reason=_tile_gemm_failed)
     return _tile_gemm
 
 
@@ -266,6 +263,13 @@ class KernelSet(nn.Module):
             self.register_buffer("scale", scale, persistent=False)
             names += [n for n in ("small_gemm_int8", "small_gemm_strips_int8")
                       if gemm is not None and want(n)]
+            # int8 panels of 16 outputs on the register-tiled kernel (tile_gemm_cpu.cpp)
+            tiles = tile_gemm_module()
+            if (q.shape[0] % 16 == 0 and want("tile_gemm_int8") and tiles is not None
+                    and tiles.tile_gemm_int8_built()):
+                self.register_buffer("tiles8", place(tiles.tile_gemm_int8_pack(q)),
+                                     persistent=False)
+                names.append("tile_gemm_int8")
             # torch's packed int8 matmul takes bf16 activations: a candidate only when the
             # model's activations are bf16 anyway. With fp32 activations it would round
             # them to bf16 whenever it measured fastest, so the numerics (and the quality
@@ -289,7 +293,7 @@ class KernelSet(nn.Module):
                     log.info("oneDNN linear unavailable", dtype=str(act_dtype), reason=str(e))
             names += [n for n in ("small_gemm", "small_gemm_strips")
                       if gemm is not None and want(n)]
-            # bf16 on vdpbf16ps, weight packed in panels of 16 outputs (tile_gemm_cpu.cpp)
+            # bf16 weight packed in panels of 16 outputs (tile_gemm_cpu.cpp: vdpbf16ps, or FMA)
             if (act_dtype == torch.bfloat16 and self.w.shape[0] % 16 == 0 and want("tile_gemm")
                     and tile_gemm_module() is not None):
                 self.register_buffer("tiles", place(tile_gemm_module().tile_gemm_pack(self.w)),
@@ -363,6 +367,9 @@ class KernelSet(nn.Module):
             return onednn_linear(x, self.packed, b)
         if name in ("tile_gemm", "copy_tile_bf16"):   # fp32 x: rounded to bf16, fp32 out
             return torch.ops.tokenloom.tile_gemm(x, self.tiles, self.empty if b is None else b)
+        if name == "tile_gemm_int8":
+            return torch.ops.tokenloom.tile_gemm_int8(x, self.tiles8, self.scale,
+                                                      self.empty if b is None else b)
         if name == "small_gemm_strips":
             return torch.ops.tokenloom.small_gemm_strips(x, self.w, self.empty,
                                                          self.empty if b is None else b)
@@ -442,6 +449,8 @@ def _available(name: str) -> bool:
         return has_int8_weight_op()
     if name in ("tile_gemm", "copy_tile_bf16"):
         return tile_gemm_module() is not None
+    if name == "tile_gemm_int8":
+        return tile_gemm_module() is not None and tile_gemm_module().tile_gemm_int8_built()
     return name in ("mkl", "copy_mkl")
 
 
@@ -450,7 +459,7 @@ def _available(name: str) -> bool:
 # added; 4 = copy_tile_bf16 added (q4/q8 with fp32 activations); 5 = copy_fp32 added (bf16
 # activations). A change to a C++ kernel's source needs no bump: its build digest is part
 # of the key.
-PLAN_VERSION = "kernels-5"
+PLAN_VERSION = "kernels-6"
 CPP_KERNELS = (("tokenloom_small_gemm_cpu", "small_gemm_cpu.cpp"),
                ("tokenloom_block_gemm_cpu", "block_gemm_cpu.cpp"),
                ("tokenloom_tile_gemm_cpu", "tile_gemm_cpu.cpp"))

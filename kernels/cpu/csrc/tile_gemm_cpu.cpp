@@ -1,40 +1,60 @@
-// bf16 projections for mixed and prefill-sized steps on a CPU with AVX512-BF16:
-// y[M, N] = x[M, K] . W[N, K]^T (+ bias), bf16 in and out, fp32 sums, on vdpbf16ps.
-// fp32 x is accepted too (rounded to bf16, to nearest even, as it is packed; the result is
-// then fp32, its sums not rounded): the q4/q8 models' dequantized bf16 copy
-// (kernels/cpu/linear.py, "copy_tile_bf16") runs on it.
+// Register-tiled projections for mixed and prefill-sized steps (and batched decode, where
+// the plan measures them fastest): y[M, N] = x[M, K] . W[N, K]^T (+ bias), fp32 sums.
 //
-// oneDNN's bf16 matmul on prepacked weights ran the default model's 30 layers of
-// projections at ~300 GFLOP/s for an 80-row step (16 decodes + a 64-token chunk: the step
-// SLO chunking takes under load) against ~400 at 512 rows, on a 2-core AVX-512 machine:
-// small chunks paid a quarter more per token in their matmuls. This kernel is the textbook
-// register-tiled one, sized for such steps:
+// tile_gemm: bf16 weights, bf16 x and y (or fp32 x, rounded to bf16 to nearest even as it
+// is packed, and fp32 y, its sums not rounded: the q4/q8 models' dequantized bf16 copy,
+// "copy_tile_bf16" in kernels/cpu/linear.py, runs on it). Two bodies:
+// - AVX512-BF16 (vdpbf16ps). oneDNN's bf16 matmul on prepacked weights ran the default
+//   model's 30 layers of projections at ~300 GFLOP/s for an 80-row step (16 decodes + a
+//   64-token chunk: the step SLO chunking takes under load) against ~400 at 512 rows, on a
+//   2-core AVX-512 machine: small chunks paid a quarter more per token. This is the
+//   textbook register-tiled kernel sized for such steps.
+// - AVX2 + FMA (no bf16 dot instruction): the same packed panels, each word's two bf16
+//   widened in registers (a shift for the even k, a mask for the odd one: the bits of a
+//   bf16 are the top half of its fp32), x pre-widened to fp32 per call, 6 rows x 16 outputs
+//   of fp32 sums (12 of the 16 ymm registers; the classic AVX2 tile). small_gemm_strips,
+//   which widens each weight once per 4 x rows with 4 x 4 sums that spill on 16 registers,
+//   ran a 16-row step's bf16 projections at ~35% of the FMA peak (a 2-core Zen 3).
 //
-// - W is packed once, at load, into panels of 16 output columns: panel p is [K/2][16]
-//   32-bit words, word (j, l) = the bf16 pair (W[16p + l, 2j], W[16p + l, 2j + 1]), which is
-//   what vdpbf16ps multiplies lane-wise. N must be a multiple of 16 (every projection of
-//   the models served here; linear.py offers the kernel only then).
-// - x is packed per call into tiles of 8 rows: tile t is [K/2][8] words (row r's pair j),
-//   rows past M zeros, so a tile's 8 broadcasts per k-pair read one 32-byte line.
-// - The micro-kernel keeps 8 rows x kNV panels of fp32 sums in registers over the whole of
-//   K: per k-pair, kNV panel loads, 8 broadcasts, 8 x kNV vdpbf16ps.
-// - Threads split the panel groups; each walks every row tile over its group, so the
-//   group's panels are read from memory once a call and from L2 after the first tile.
+// tile_gemm_int8: int8 weights with per-output fp32 scales (the int8 mode: fp32 or bf16
+// activations, the weight's scale applied to the finished sum), packed in panels of 16
+// outputs x K bytes, widened in registers (sign-extend + convert), the same 6 x 16 tile.
+// AVX2 + FMA (an AVX-512 build has them too).
+//
+// Layout and threads (both kernels):
+// - W is packed once, at load, into panels of 16 output columns: for bf16, panel p is
+//   [K/2][16] 32-bit words, word (j, l) = the bf16 pair (W[16p + l, 2j], W[16p + l, 2j + 1]),
+//   which is what vdpbf16ps multiplies lane-wise; for int8, [K][16] bytes. N must be a
+//   multiple of 16 (every projection of the models served here; linear.py offers the
+//   kernels only then).
+// - x is packed per call into row tiles (bf16 pairs for vdpbf16ps, fp32 otherwise), rows
+//   past M zeros or skipped, so a tile's broadcasts for one k are adjacent.
+// - The micro-kernel keeps a tile's rows x its panels of fp32 sums in registers over the
+//   whole of K.
+// - Threads split the panels; each walks every row tile over its panels, so a panel is
+//   read from memory once a call and from L1/L2 after the first tile.
 //
 // Which kernel runs at which row count is measured at start-up (kernels/cpu/linear.py).
 #include <torch/extension.h>
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
     defined(__AVX512VL__)
-#include <immintrin.h>
-#define TL_TILE_GEMM 1
+#define TL_TILE_DPBF16 1
 #else
-#define TL_TILE_GEMM 0
+#define TL_TILE_DPBF16 0
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define TL_TILE_FMA 1
+#else
+#define TL_TILE_FMA 0
+#endif
+#define TL_TILE_GEMM (TL_TILE_DPBF16 || TL_TILE_FMA)
 
 namespace {
 
@@ -42,12 +62,15 @@ constexpr int64_t kMR = 8;    // rows per tile
 constexpr int64_t kPW = 16;   // output columns per panel
 constexpr int kNV = 3;        // panels per micro-kernel call
 
-// [N, K] bf16 -> [N / 16, ceil(K / 2), 16] int32 (the panel layout above).
+// [N, K] bf16 -> the panels of the path built: for vdpbf16ps [N / 16, ceil(K / 2), 16]
+// int32 (the pair words above); for the FMA path [N / 16, K, 16] int16 (the bf16 bits).
 torch::Tensor tile_gemm_pack(const torch::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16 && w.size(0) % kPW == 0,
               "tile_gemm_pack: a 2-d bf16 weight with a multiple of 16 rows");
   auto wc = w.contiguous();
   const int64_t N = wc.size(0), K = wc.size(1), P = N / kPW, K2 = (K + 1) / 2;
+  if (!TL_TILE_DPBF16)
+    return wc.view(torch::kInt16).view({P, kPW, K}).transpose(1, 2).contiguous();
   auto packed = torch::zeros({P, K2, kPW}, torch::kInt32);
   const uint16_t* src = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
   uint32_t* dst = reinterpret_cast<uint32_t*>(packed.data_ptr<int32_t>());
@@ -64,7 +87,10 @@ torch::Tensor tile_gemm_pack(const torch::Tensor& w) {
 
 bool tile_gemm_built() { return TL_TILE_GEMM; }
 
-#if TL_TILE_GEMM
+// Which body tile_gemm runs: "dpbf16", "fma" or "" (not built).
+std::string tile_gemm_path() { return TL_TILE_DPBF16 ? "dpbf16" : (TL_TILE_FMA ? "fma" : ""); }
+
+#if TL_TILE_DPBF16
 static inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
 
 // acc[r][c] = sum over k-pairs of x tile row r . panel c, for NV panels at `w` (K2 x 16
@@ -117,6 +143,145 @@ static inline uint32_t pair_word(const uint16_t* xb, const float* xf, int64_t ro
 }
 #endif
 
+#if TL_TILE_FMA
+constexpr int64_t kMR8 = 6;   // rows per tile on the FMA path (6 x 2 sums: 12 ymm registers)
+
+// bf16 bits -> fp32 (exact).
+static inline float widen_bf16(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// fp32 -> bf16, rounded to nearest even, NaN kept a (quiet) NaN: c10::BFloat16's rounding,
+// 8 lanes at a time.
+static inline __m128i round_bf16_8(__m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(
+      _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(nan));
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+// Rows [m0, m0 + rows) of y for the 16 outputs at n0: sums * scale (int8) + bias, rounded
+// to bf16 (Y = uint16_t) or as they are (Y = float).
+template <typename Y>
+static inline void store_tile8(const __m256 (&acc)[kMR8][2], int64_t rows, int64_t n0,
+                               int64_t N, const float* scale, const float* bias, Y* y,
+                               int64_t m0) {
+  for (int h = 0; h < 2; ++h) {
+    const __m256 s = scale != nullptr ? _mm256_loadu_ps(scale + n0 + 8 * h) : _mm256_set1_ps(1.f);
+    const __m256 b = bias != nullptr ? _mm256_loadu_ps(bias + n0 + 8 * h) : _mm256_setzero_ps();
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m256 v = scale != nullptr ? _mm256_fmadd_ps(acc[r][h], s, b)
+                                        : _mm256_add_ps(acc[r][h], b);
+      Y* dst = y + (m0 + r) * N + n0 + 8 * h;
+      if constexpr (std::is_same_v<Y, float>)
+        _mm256_storeu_ps(dst, v);
+      else
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), round_bf16_8(v));
+    }
+  }
+}
+
+// bf16 panel (K x 16 bf16, tile_gemm_pack on this path) times a tile of R rows, a =
+// [K][kMR8] fp32: per k, two 8-weight loads widened (zero-extend, shift left 16: the bits
+// of a bf16 are the top half of its fp32), each meeting R broadcasts. 12 sums + 2 weights
+// + a broadcast: 15 of AVX2's 16 registers. (The vdpbf16ps path's pair words, split by a
+// shift and an and-mask, needed a 17th register for the mask, spilled a sum and ran at 2/3
+// of this loop's rate.)
+template <int R>
+static inline void micro_bf16(const float* a, const uint16_t* w, int64_t K,
+                              __m256 (&out)[kMR8][2]) {
+  __m256 acc[R][2];   // local, so that they live in registers (out is in memory)
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const uint16_t* wk = w + k * kPW;
+    const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wk))), 16));
+    const __m256 w1 = _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wk + 8))), 16));
+    const float* ak = a + k * kMR8;
+    for (int r = 0; r < R; ++r) {
+      const __m256 xb = _mm256_broadcast_ss(ak + r);
+      acc[r][0] = _mm256_fmadd_ps(w0, xb, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(w1, xb, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r][0] = acc[r][0], out[r][1] = acc[r][1];
+}
+
+// int8 panel (K x 16 bytes) times a tile of R rows, a = [K][kMR8] fp32.
+template <int R>
+static inline void micro_int8(const float* a, const int8_t* w, int64_t K,
+                              __m256 (&out)[kMR8][2]) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const int8_t* wk = w + k * kPW;
+    const __m256 w0 = _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wk))));
+    const __m256 w1 = _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wk + 8))));
+    const float* ak = a + k * kMR8;
+    for (int r = 0; r < R; ++r) {
+      const __m256 xb = _mm256_broadcast_ss(ak + r);
+      acc[r][0] = _mm256_fmadd_ps(w0, xb, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(w1, xb, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r][0] = acc[r][0], out[r][1] = acc[r][1];
+}
+
+// The tile of rows [m0, m0 + rows) through one panel: R as a compile-time count, so that
+// the sums stay in registers.
+template <typename Micro>
+static inline void by_rows(int64_t rows, Micro&& micro) {
+  switch (rows) {
+    case 1: micro(std::integral_constant<int, 1>{}); break;
+    case 2: micro(std::integral_constant<int, 2>{}); break;
+    case 3: micro(std::integral_constant<int, 3>{}); break;
+    case 4: micro(std::integral_constant<int, 4>{}); break;
+    case 5: micro(std::integral_constant<int, 5>{}); break;
+    default: micro(std::integral_constant<int, 6>{}); break;
+  }
+}
+
+// x [M, K] (fp32, or bf16 widened; `round` rounds fp32 to bf16 first) into row tiles of
+// kMR8, a[t][k][r]. Rows past M are never read (a tile's R stops at M).
+static void pack_rows8(const uint16_t* xb, const float* xf, bool round, int64_t M, int64_t K,
+                       float* a) {
+#pragma omp parallel for schedule(static) if (M * K > 16384)
+  for (int64_t row = 0; row < M; ++row) {
+    float* tile = a + (row / kMR8) * K * kMR8 + row % kMR8;
+    for (int64_t k = 0; k < K; ++k) {
+      float v;
+      if (xb != nullptr) v = widen_bf16(xb[row * K + k]);
+      else v = round ? widen_bf16(c10::BFloat16(xf[row * K + k]).x) : xf[row * K + k];
+      tile[k * kMR8] = v;
+    }
+  }
+}
+
+// Panels split between threads, each walking every row tile over its panel.
+template <typename Micro, typename Store>
+static void run_panels(int64_t M, int64_t P, Micro&& micro, Store&& store) {
+  const int64_t tiles = (M + kMR8 - 1) / kMR8;
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < P; ++p) {
+    __m256 acc[kMR8][2];
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t rows = std::min<int64_t>(kMR8, M - t * kMR8);
+      by_rows(rows, [&](auto R) { micro(R, p, t, acc); });
+      store(acc, rows, p, t);
+    }
+  }
+}
+#endif
+
 // x [M, K] bf16 or fp32; packed from tile_gemm_pack of an [n, K] weight; bias [n] (bf16 or
 // fp32) or empty -> [M, n] in x's dtype.
 torch::Tensor tile_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor bias) {
@@ -125,9 +290,10 @@ torch::Tensor tile_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor bia
                                 x.scalar_type() == torch::kFloat32),
               "tile_gemm: x [M, K] bf16 or fp32");
   const bool f32 = x.scalar_type() == torch::kFloat32;
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kInt32 &&
+  TORCH_CHECK(packed.dim() == 3 &&
+                  packed.scalar_type() == (TL_TILE_DPBF16 ? torch::kInt32 : torch::kInt16) &&
                   packed.size(2) == kPW && packed.is_contiguous() &&
-                  packed.size(1) == (x.size(1) + 1) / 2,
+                  packed.size(1) == (TL_TILE_DPBF16 ? (x.size(1) + 1) / 2 : x.size(1)),
               "tile_gemm: a packed weight (tile_gemm_pack) matching x");
   const int64_t n = packed.size(0) * kPW;
   TORCH_CHECK(bias.numel() == 0 || bias.numel() == n, "tile_gemm: bias [n] or empty");
@@ -141,9 +307,10 @@ torch::Tensor tile_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor bia
   const uint16_t* xp =
       f32 ? nullptr : reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   const float* xfp = f32 ? xc.data_ptr<float>() : nullptr;
-  const uint32_t* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>());
   uint16_t* yp = f32 ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   float* yfp = f32 ? y.data_ptr<float>() : nullptr;
+#if TL_TILE_DPBF16
+  const uint32_t* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>());
   const int64_t tiles = (M + kMR - 1) / kMR, groups = (P + kNV - 1) / kNV;
   static thread_local std::vector<uint32_t> abuf;   // the packed x tiles, kept between calls
   if (static_cast<int64_t>(abuf.size()) < tiles * K2 * kMR) abuf.resize(tiles * K2 * kMR);
@@ -177,9 +344,89 @@ torch::Tensor tile_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor bia
       }
     }
   }
+#else
+  (void)K2;
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<int16_t>());
+  const int64_t tiles = (M + kMR8 - 1) / kMR8, tile_floats = K * kMR8;
+  static thread_local std::vector<float> abuf;   // the widened x tiles, kept between calls
+  if (static_cast<int64_t>(abuf.size()) < tiles * tile_floats) abuf.resize(tiles * tile_floats);
+  float* ap = abuf.data();
+  pack_rows8(xp, xfp, /*round=*/true, M, K, ap);
+  run_panels(
+      M, P,
+      [&](auto R, int64_t p, int64_t t, __m256 (&acc)[kMR8][2]) {
+        micro_bf16<decltype(R)::value>(ap + t * tile_floats, wp + p * K * kPW, K, acc);
+      },
+      [&](const __m256 (&acc)[kMR8][2], int64_t rows, int64_t p, int64_t t) {
+        if (f32) store_tile8(acc, rows, p * kPW, n, nullptr, bp, yfp, t * kMR8);
+        else store_tile8(acc, rows, p * kPW, n, nullptr, bp, yp, t * kMR8);
+      });
+#endif
   return y;
 #else
-  TORCH_CHECK(false, "tile_gemm: built without AVX512-BF16");
+  TORCH_CHECK(false, "tile_gemm: built without AVX512-BF16 or AVX2 + FMA");
+  return x;
+#endif
+}
+
+// [N, K] int8 -> [N / 16, K, 16] int8 (tile_gemm_int8's panels).
+torch::Tensor tile_gemm_int8_pack(const torch::Tensor& q) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kInt8 && q.size(0) % kPW == 0,
+              "tile_gemm_int8_pack: a 2-d int8 weight with a multiple of 16 rows");
+  const int64_t N = q.size(0), K = q.size(1);
+  return q.contiguous().view({N / kPW, kPW, K}).transpose(1, 2).contiguous();
+}
+
+// x [M, K] fp32 or bf16 (widened exactly); packed from tile_gemm_int8_pack of an [n, K]
+// int8 weight; scale [n] fp32; bias [n] or empty -> [M, n] in x's dtype:
+// y = (x . q^T) * scale + bias, sums in fp32.
+torch::Tensor tile_gemm_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor scale,
+                             torch::Tensor bias) {
+#if TL_TILE_FMA
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kBFloat16 ||
+                                x.scalar_type() == torch::kFloat32),
+              "tile_gemm_int8: x [M, K] bf16 or fp32");
+  const bool f32 = x.scalar_type() == torch::kFloat32;
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kInt8 &&
+                  packed.size(2) == kPW && packed.is_contiguous() &&
+                  packed.size(1) == x.size(1),
+              "tile_gemm_int8: a packed weight (tile_gemm_int8_pack) matching x");
+  const int64_t n = packed.size(0) * kPW;
+  TORCH_CHECK(scale.numel() == n && scale.scalar_type() == torch::kFloat32 &&
+                  scale.is_contiguous(),
+              "tile_gemm_int8: scale [n] fp32");
+  TORCH_CHECK(bias.numel() == 0 || bias.numel() == n, "tile_gemm_int8: bias [n] or empty");
+  auto xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), P = packed.size(0);
+  auto y = torch::empty({M, n}, xc.options());
+  if (M == 0 || n == 0) return y;
+  torch::Tensor bias32;
+  if (bias.numel() > 0) bias32 = bias.to(torch::kFloat32).contiguous();
+  const float* bp = bias.numel() > 0 ? bias32.data_ptr<float>() : nullptr;
+  const float* sp = scale.data_ptr<float>();
+  const uint16_t* xp =
+      f32 ? nullptr : reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  const float* xfp = f32 ? xc.data_ptr<float>() : nullptr;
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  uint16_t* yp = f32 ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  float* yfp = f32 ? y.data_ptr<float>() : nullptr;
+  const int64_t tiles = (M + kMR8 - 1) / kMR8, tile_floats = K * kMR8;
+  static thread_local std::vector<float> abuf;
+  if (static_cast<int64_t>(abuf.size()) < tiles * tile_floats) abuf.resize(tiles * tile_floats);
+  float* ap = abuf.data();
+  pack_rows8(xp, xfp, /*round=*/false, M, K, ap);
+  run_panels(
+      M, P,
+      [&](auto R, int64_t p, int64_t t, __m256 (&acc)[kMR8][2]) {
+        micro_int8<decltype(R)::value>(ap + t * tile_floats, wp + p * K * kPW, K, acc);
+      },
+      [&](const __m256 (&acc)[kMR8][2], int64_t rows, int64_t p, int64_t t) {
+        if (f32) store_tile8(acc, rows, p * kPW, n, sp, bp, yfp, t * kMR8);
+        else store_tile8(acc, rows, p * kPW, n, sp, bp, yp, t * kMR8);
+      });
+  return y;
+#else
+  TORCH_CHECK(false, "tile_gemm_int8: built without AVX2 + FMA");
   return x;
 #endif
 }
@@ -188,14 +435,21 @@ torch::Tensor tile_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor bia
 
 TORCH_LIBRARY_FRAGMENT(tokenloom, m) {
   m.def("tile_gemm(Tensor x, Tensor packed, Tensor bias) -> Tensor");
+  m.def("tile_gemm_int8(Tensor x, Tensor packed, Tensor scale, Tensor bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenloom, CPU, m) {
   m.impl("tile_gemm", &tile_gemm);
+  m.impl("tile_gemm_int8", &tile_gemm_int8);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("tile_gemm", &tile_gemm, "x . W^T (+ bias) on vdpbf16ps over a packed bf16 weight");
+  m.def("tile_gemm", &tile_gemm, "x . W^T (+ bias) over a packed bf16 weight");
   m.def("tile_gemm_pack", &tile_gemm_pack, "a [N, K] bf16 weight into tile_gemm's panels");
-  m.def("tile_gemm_built", &tile_gemm_built, "whether the AVX512-BF16 kernel was compiled");
+  m.def("tile_gemm_built", &tile_gemm_built, "whether tile_gemm was compiled (a body for this CPU)");
+  m.def("tile_gemm_path", &tile_gemm_path, "tile_gemm's body: dpbf16, fma or empty");
+  m.def("tile_gemm_int8", &tile_gemm_int8, "x . (q * scale)^T (+ bias) over a packed int8 weight");
+  m.def("tile_gemm_int8_pack", &tile_gemm_int8_pack, "a [N, K] int8 weight into panels of 16");
+  m.def("tile_gemm_int8_built", []() { return bool(TL_TILE_FMA); },
+        "whether tile_gemm_int8 was compiled (AVX2 + FMA)");
 }

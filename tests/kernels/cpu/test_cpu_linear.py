@@ -212,21 +212,26 @@ def test_a_remembered_plan_is_measured_again_when_a_kernel_source_changes(monkey
     assert key != cpu_linear.plan_cache_key(weights, "float", torch.float32, (1, 4))
 
 
-def test_tile_gemm_is_built_where_the_cpu_has_avx512_bf16():
+def test_tile_gemm_is_built_where_the_cpu_has_avx512_bf16_or_avx2_and_fma():
     from tokenloom.kernels.cpu.features import detect
 
-    assert (cpu_linear.tile_gemm_module() is not None) == ("avx512_bf16" in detect().flags)
+    flags = detect().flags
+    module = cpu_linear.tile_gemm_module()
+    assert (module is not None) == ("avx512_bf16" in flags or {"avx2", "fma"} <= flags)
+    if module is not None:
+        assert module.tile_gemm_path() == ("dpbf16" if "avx512_bf16" in flags else "fma")
+        assert module.tile_gemm_int8_built() == ({"avx2", "fma"} <= flags)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 8, 9, 17, 70])
 @pytest.mark.parametrize("k", [100, 99])
 @pytest.mark.parametrize("bias", [False, True])
 def test_tile_gemm_matches_the_reference(rows, k, bias):
-    """The tiled bf16 kernel: row counts on both sides of its 8-row tiles, output panels
-    in groups of 3 with a group of 1 and of 2 left over (80 and 96 columns), an odd K (the
-    last pair's second weight is 0), a bias."""
+    """The tiled bf16 kernel: row counts on both sides of its 8-row (vdpbf16ps) and 6-row
+    (FMA) tiles, output panels in groups of 3 with a group of 1 and of 2 left over (80 and
+    96 columns), an odd K (vdpbf16ps: the last pair's second weight is 0), a bias."""
     if cpu_linear.tile_gemm_module() is None:
-        pytest.skip("this CPU has no AVX512-BF16")
+        pytest.skip("tile_gemm not built here (no AVX512-BF16, no AVX2 + FMA)")
     for n in (80, 96):
         g = torch.Generator().manual_seed(rows * 1000 + k + n)
         w = torch.randn(n, k, generator=g) * 0.1
@@ -243,11 +248,11 @@ def test_tile_gemm_matches_the_reference(rows, k, bias):
         torch.testing.assert_close(y.float(), ref, rtol=8e-3, atol=8e-3)
 
 
-@pytest.mark.parametrize("rows", [1, 9, 70])
+@pytest.mark.parametrize("rows", [1, 6, 7, 9, 70])
 @pytest.mark.parametrize("k", [99, 576])
 def test_tile_gemm_takes_fp32_x_rounding_it_to_bf16_and_returns_unrounded_sums(rows, k):
     if cpu_linear.tile_gemm_module() is None:
-        pytest.skip("this CPU has no AVX512-BF16")
+        pytest.skip("tile_gemm not built here (no AVX512-BF16, no AVX2 + FMA)")
     g = torch.Generator().manual_seed(rows + k)
     w, b = torch.randn(96, k, generator=g) * 0.1, torch.randn(96, generator=g)
     x = torch.randn(rows, k, generator=g)
@@ -260,10 +265,47 @@ def test_tile_gemm_takes_fp32_x_rounding_it_to_bf16_and_returns_unrounded_sums(r
 
 def test_tile_gemm_is_offered_only_for_bf16_and_whole_panels():
     if cpu_linear.tile_gemm_module() is None:
-        pytest.skip("this CPU has no AVX512-BF16")
+        pytest.skip("tile_gemm not built here (no AVX512-BF16, no AVX2 + FMA)")
     assert "tile_gemm" in cpu_linear.KernelSet(torch.randn(32, 8), None, "float",
                                                torch.bfloat16).names
     assert "tile_gemm" not in cpu_linear.KernelSet(torch.randn(40, 8), None, "float",
                                                    torch.bfloat16).names
     assert "tile_gemm" not in cpu_linear.KernelSet(torch.randn(32, 8), None, "float",
                                                    torch.float32).names
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 16, 70])
+@pytest.mark.parametrize("k", [99, 576])
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
+def test_tile_gemm_int8_matches_its_dequantized_weight(rows, k, act):
+    """int8 panels of 16 outputs, 6-row tiles (rows on both sides), the per-output scale
+    applied to the finished fp32 sum, a bias; fp32 x is used as it is, bf16 x widened."""
+    if not cpu_linear._available("tile_gemm_int8"):
+        pytest.skip("tile_gemm_int8 not built here (no AVX2 + FMA)")
+    g = torch.Generator().manual_seed(rows * 10 + k)
+    w, b = torch.randn(96, k, generator=g) * 0.1, torch.randn(96, generator=g)
+    x = torch.randn(rows, k, generator=g).to(act)
+    kernels = cpu_linear.KernelSet(w, b, cpu_linear.INT8, act, only={"tile_gemm_int8"})
+    assert kernels.names == ("tile_gemm_int8",)
+    with torch.inference_mode():
+        y = kernels.run("tile_gemm_int8", x)
+    ref = torch.nn.functional.linear(x.float(), kernels.q.float() * kernels.scale[:, None],
+                                     b.to(act).float())
+    assert y.dtype == act and y.shape == (rows, 96)
+    tol = 1e-5 if act == torch.float32 else 8e-3   # fp32 sums; then one bf16 rounding
+    torch.testing.assert_close(y.float(), ref, rtol=tol, atol=tol)
+
+
+def test_tile_gemm_int8_is_offered_only_for_whole_panels_and_rejects_a_mismatched_weight():
+    if not cpu_linear._available("tile_gemm_int8"):
+        pytest.skip("tile_gemm_int8 not built here (no AVX2 + FMA)")
+    assert "tile_gemm_int8" in cpu_linear.KernelSet(torch.randn(32, 8), None, cpu_linear.INT8,
+                                                    torch.float32).names
+    assert "tile_gemm_int8" not in cpu_linear.KernelSet(torch.randn(40, 8), None,
+                                                        cpu_linear.INT8, torch.float32).names
+    q, scale = cpu_linear.quantize_int8(torch.randn(32, 8))
+    packed = cpu_linear.tile_gemm_module().tile_gemm_int8_pack(q)
+    with pytest.raises(RuntimeError, match="matching x"):
+        torch.ops.tokenloom.tile_gemm_int8(torch.randn(2, 9), packed, scale, torch.empty(0))
+    with pytest.raises(RuntimeError, match="scale"):
+        torch.ops.tokenloom.tile_gemm_int8(torch.randn(2, 8), packed, scale[:16], torch.empty(0))

@@ -141,7 +141,7 @@ def test_an_fp32_model_over_a_two_byte_pool_runs_on_the_stack(storage, pool_dtyp
     ("float", "onednn"), ("q4", "block_gemm"), ("int8", "small_gemm_strips_int8"),
     ("q8", "block_gemm"), ("q4", "copy_mkl"), ("q4", "copy_onednn"),
     ("int8", "small_gemm_int8"), ("int8", "int8pack_bf16"), ("float", "tile_gemm"),
-    ("q4", "copy_tile_bf16")])
+    ("q4", "copy_tile_bf16"), ("int8", "tile_gemm_int8")])
 def test_every_kernel_the_stack_calls_at_decode_and_padded_row_counts(storage, kernel,
                                                                         monkeypatch):
     # 20 rows: oneDNN is called at a padded row count above 16 (kernels/cpu/linear.py).
@@ -149,8 +149,8 @@ def test_every_kernel_the_stack_calls_at_decode_and_padded_row_counts(storage, k
         pytest.skip("this torch build has no oneDNN packed linear")
     if kernel == "int8pack_bf16" and not cpu_linear.has_int8_weight_op():
         pytest.skip("this torch build has no int8 weight matmul")
-    if "tile" in kernel and cpu_linear.tile_gemm_module() is None:
-        pytest.skip("this CPU has no AVX512-BF16")
+    if "tile" in kernel and not cpu_linear._available(kernel):
+        pytest.skip("tile_gemm not built here (no AVX512-BF16, no AVX2 + FMA)")
     # torch's int8 matmul is a candidate only with bf16 activations, tile_gemm is bf16 only
     dtype = torch.bfloat16 if kernel in ("int8pack_bf16", "tile_gemm") else torch.float32
     spec, model = _model(storage, True, dtype, kernel, monkeypatch)
