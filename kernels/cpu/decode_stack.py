@@ -27,10 +27,11 @@ from tokenloom.kernels.cpu import linear as cpu_linear
 from tokenloom.startup_log import startup_log as log
 
 # The projection kernels (kernels/cpu/linear.py names) the stack can call, by its codes.
-Q4, Q8, SMALL, DENSE, ONEDNN, STRIPS, INT8PACK, TILE, Q4_PACKED, Q8_PACKED, TILE_INT8 = range(11)
+(Q4, Q8, SMALL, DENSE, ONEDNN, STRIPS, INT8PACK, TILE, Q4_PACKED, Q8_PACKED, TILE_INT8,
+ TILE_F32) = range(12)
 KINDS = {"block_gemm", "small_gemm", "small_gemm_int8", "small_gemm_strips",
          "small_gemm_strips_int8", "mkl", "copy_mkl", "onednn", "copy_onednn",
-         "int8pack_bf16", "tile_gemm", "copy_tile_bf16", "tile_gemm_int8"}
+         "int8pack_bf16", "tile_gemm", "copy_tile_bf16", "tile_gemm_int8", "tile_gemm_f32"}
 ACTIVATIONS = (torch.float32, torch.bfloat16)
 # Pools the stack reads under fp32 activations besides fp32 (cache.kv_dtype bf16 / fp16).
 HALF_POOLS = (torch.bfloat16, torch.float16)
@@ -88,6 +89,8 @@ def _args(lin, name: str) -> tuple[int, list[torch.Tensor]] | None:
         return TILE, [k.tiles, bias]
     if name == "tile_gemm_int8":
         return TILE_INT8, [k.tiles8, k.scale, bias]
+    if name == "tile_gemm_f32":
+        return TILE_F32, [k.tiles32, bias]
     if name in ("onednn", "copy_onednn"):
         return ONEDNN, [k.packed] if k.bias is None else [k.packed, k.bias]
     return None

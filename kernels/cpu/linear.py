@@ -130,7 +130,7 @@ ROW_LADDER = (1, 2, 4, 8, 16, 64, 256)
 # kernels torch.compile cannot call (oneDNN's opaque packed weight; tile_gemm registers no
 # shape function)
 NOT_TRACEABLE = {"onednn", "copy_onednn", "tile_gemm", "copy_tile_bf16", "copy_fp32",
-                 "tile_gemm_int8"}
+                 "tile_gemm_int8", "tile_gemm_f32"}
 HEAD_ROW_LADDER = (1, 4, 16, 64)
 INT8 = "int8"
 # Weights in GGUF-style 32-weight blocks (kernels/cpu/blocks.py): Q4_1 and Q8_0.
@@ -299,6 +299,14 @@ class KernelSet(nn.Module):
                 self.register_buffer("tiles", place(tile_gemm_module().tile_gemm_pack(self.w)),
                                      persistent=False)
                 names.append("tile_gemm")
+            # fp32 weight packed in panels of 16 outputs (tile_gemm_cpu.cpp, FMA)
+            tiles = tile_gemm_module()
+            if (act_dtype == torch.float32 and self.w.shape[0] % 16 == 0
+                    and want("tile_gemm_f32") and tiles is not None
+                    and tiles.tile_gemm_int8_built()):
+                self.register_buffer("tiles32", place(tiles.tile_gemm_f32_pack(self.w)),
+                                     persistent=False)
+                names.append("tile_gemm_f32")
             names += self._fp32_copy(lambda: self.w.float(), act_dtype, want)
         self.names = tuple(names)
 
@@ -367,6 +375,9 @@ class KernelSet(nn.Module):
             return onednn_linear(x, self.packed, b)
         if name in ("tile_gemm", "copy_tile_bf16"):   # fp32 x: rounded to bf16, fp32 out
             return torch.ops.tokenloom.tile_gemm(x, self.tiles, self.empty if b is None else b)
+        if name == "tile_gemm_f32":
+            return torch.ops.tokenloom.tile_gemm_f32(x, self.tiles32,
+                                                     self.empty if b is None else b)
         if name == "tile_gemm_int8":
             return torch.ops.tokenloom.tile_gemm_int8(x, self.tiles8, self.scale,
                                                       self.empty if b is None else b)
@@ -449,7 +460,7 @@ def _available(name: str) -> bool:
         return has_int8_weight_op()
     if name in ("tile_gemm", "copy_tile_bf16"):
         return tile_gemm_module() is not None
-    if name == "tile_gemm_int8":
+    if name in ("tile_gemm_int8", "tile_gemm_f32"):
         return tile_gemm_module() is not None and tile_gemm_module().tile_gemm_int8_built()
     return name in ("mkl", "copy_mkl")
 

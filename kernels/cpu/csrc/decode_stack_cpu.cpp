@@ -36,7 +36,8 @@ using at::Tensor;
 // [packed, bias]), called at the row counts kernels/cpu/linear.py's onednn_rows pads to.
 enum Kind : int64_t {
   kQ4 = 0, kQ8 = 1, kSmall = 2, kDense = 3, kOneDNN = 4, kStrips = 5, kInt8Pack = 6,
-  kTile = 7, kQ4Packed = 8, kQ8Packed = 9, kTileInt8 = 10
+  kTile = 7, kQ4Packed = 8, kQ8Packed = 9, kTileInt8 = 10,
+  kTileF32 = 11
 };
 
 // kernels/cpu/linear.py's onednn_rows: exact up to 16 rows, above that rounded up to 1/8 of
@@ -146,7 +147,7 @@ class DecodeStack {
                     norms_.size() * 2 == kinds.size(),
                 "decode_stack: 4 projections and 2 norms per layer");
     for (size_t i = 0; i < kinds.size(); ++i) {
-      TORCH_CHECK(kinds[i] >= kQ4 && kinds[i] <= kTileInt8, "decode_stack: unknown kind");
+      TORCH_CHECK(kinds[i] >= kQ4 && kinds[i] <= kTileF32, "decode_stack: unknown kind");
       projs_.push_back(Proj{kinds[i], std::move(args[i])});
       need(kinds[i]);
     }
@@ -310,6 +311,9 @@ class DecodeStack {
                   .typed<TileOp>();
     } else if (kind == kTileInt8 && !tile8_) {
       tile8_ = op4("tokenloom::tile_gemm_int8");
+    } else if (kind == kTileF32 && !tile32_) {
+      tile32_ = c10::Dispatcher::singleton().findSchemaOrThrow("tokenloom::tile_gemm_f32", "")
+                    .typed<TileOp>();
     } else if (kind == kOneDNN && !onednn_) {
       onednn_ = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
     }
@@ -345,6 +349,7 @@ class DecodeStack {
       case kOneDNN: return onednn(x, a);
       case kTile: return tile_->call(x, a[0], a[1]);   // [packed panels, bias or empty]
       case kTileInt8: return tile8_->call(x, a[0], a[1], a[2]);   // [panels, scales, bias]
+      case kTileF32: return tile32_->call(x, a[0], a[1]);   // [panels, bias or empty]
       case kInt8Pack: {   // torch's int8 matmul: [q, bf16 scales, bias or empty]
         Tensor y = at::_weight_int8pack_mm(x.to(at::kBFloat16).contiguous(), a[0], a[1])
                        .to(x.scalar_type());
@@ -361,7 +366,7 @@ class DecodeStack {
   double eps_, scale_;
   c10::optional<c10::TypedOperatorHandle<Q4Op>> q4_, q4p_;
   c10::optional<c10::TypedOperatorHandle<Q8Op>> q8_, q8p_, small_, strips_, tile8_;
-  c10::optional<c10::TypedOperatorHandle<TileOp>> tile_;
+  c10::optional<c10::TypedOperatorHandle<TileOp>> tile_, tile32_;
   c10::optional<c10::TypedOperatorHandle<PrefillOp>> prefill_;
   c10::optional<c10::OperatorHandle> onednn_;
   c10::TypedOperatorHandle<DecodeOp> decode_ = c10::Dispatcher::singleton()

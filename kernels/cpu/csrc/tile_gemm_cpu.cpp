@@ -21,6 +21,9 @@
 // outputs x K bytes, widened in registers (sign-extend + convert), the same 6 x 16 tile.
 // AVX2 + FMA (an AVX-512 build has them too).
 //
+// tile_gemm_f32: fp32 weights and x, the same tile without the widening (panels of 16
+// outputs x K floats), for fp32 models' batched and prefill-sized calls.
+//
 // Layout and threads (both kernels):
 // - W is packed once, at load, into panels of 16 output columns: for bf16, panel p is
 //   [K/2][16] 32-bit words, word (j, l) = the bf16 pair (W[16p + l, 2j], W[16p + l, 2j + 1]),
@@ -236,6 +239,24 @@ static inline void micro_int8(const float* a, const int8_t* w, int64_t K,
   for (int r = 0; r < R; ++r) out[r][0] = acc[r][0], out[r][1] = acc[r][1];
 }
 
+// fp32 panel (K x 16 floats) times a tile of R rows, a = [K][kMR8] fp32: no widening.
+template <int R>
+static inline void micro_f32(const float* a, const float* w, int64_t K,
+                             __m256 (&out)[kMR8][2]) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(w + k * kPW), w1 = _mm256_loadu_ps(w + k * kPW + 8);
+    const float* ak = a + k * kMR8;
+    for (int r = 0; r < R; ++r) {
+      const __m256 xb = _mm256_broadcast_ss(ak + r);
+      acc[r][0] = _mm256_fmadd_ps(w0, xb, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(w1, xb, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r][0] = acc[r][0], out[r][1] = acc[r][1];
+}
+
 // The tile of rows [m0, m0 + rows) through one panel: R as a compile-time count, so that
 // the sums stay in registers.
 template <typename Micro>
@@ -431,16 +452,67 @@ torch::Tensor tile_gemm_int8(torch::Tensor x, torch::Tensor packed, torch::Tenso
 #endif
 }
 
+// [N, K] fp32 -> [N / 16, K, 16] fp32 (tile_gemm_f32's panels).
+torch::Tensor tile_gemm_f32_pack(const torch::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat32 && w.size(0) % kPW == 0,
+              "tile_gemm_f32_pack: a 2-d fp32 weight with a multiple of 16 rows");
+  const int64_t N = w.size(0), K = w.size(1);
+  return w.contiguous().view({N / kPW, kPW, K}).transpose(1, 2).contiguous();
+}
+
+// x [M, K] fp32; packed from tile_gemm_f32_pack of an [n, K] fp32 weight; bias [n] or
+// empty -> [M, n] fp32, exact fp32 products and sums (only their order differs from a
+// plain matmul's).
+torch::Tensor tile_gemm_f32(torch::Tensor x, torch::Tensor packed, torch::Tensor bias) {
+#if TL_TILE_FMA
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "tile_gemm_f32: x [M, K] fp32");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kFloat32 &&
+                  packed.size(2) == kPW && packed.is_contiguous() &&
+                  packed.size(1) == x.size(1),
+              "tile_gemm_f32: a packed weight (tile_gemm_f32_pack) matching x");
+  const int64_t n = packed.size(0) * kPW;
+  TORCH_CHECK(bias.numel() == 0 || bias.numel() == n, "tile_gemm_f32: bias [n] or empty");
+  auto xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), P = packed.size(0);
+  auto y = torch::empty({M, n}, xc.options());
+  if (M == 0 || n == 0) return y;
+  torch::Tensor bias32;
+  if (bias.numel() > 0) bias32 = bias.to(torch::kFloat32).contiguous();
+  const float* bp = bias.numel() > 0 ? bias32.data_ptr<float>() : nullptr;
+  const float* wp = packed.data_ptr<float>();
+  float* yfp = y.data_ptr<float>();
+  const int64_t tiles = (M + kMR8 - 1) / kMR8, tile_floats = K * kMR8;
+  static thread_local std::vector<float> abuf;
+  if (static_cast<int64_t>(abuf.size()) < tiles * tile_floats) abuf.resize(tiles * tile_floats);
+  float* ap = abuf.data();
+  pack_rows8(nullptr, xc.data_ptr<float>(), /*round=*/false, M, K, ap);
+  run_panels(
+      M, P,
+      [&](auto R, int64_t p, int64_t t, __m256 (&acc)[kMR8][2]) {
+        micro_f32<decltype(R)::value>(ap + t * tile_floats, wp + p * K * kPW, K, acc);
+      },
+      [&](const __m256 (&acc)[kMR8][2], int64_t rows, int64_t p, int64_t t) {
+        store_tile8(acc, rows, p * kPW, n, nullptr, bp, yfp, t * kMR8);
+      });
+  return y;
+#else
+  TORCH_CHECK(false, "tile_gemm_f32: built without AVX2 + FMA");
+  return x;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenloom, m) {
   m.def("tile_gemm(Tensor x, Tensor packed, Tensor bias) -> Tensor");
   m.def("tile_gemm_int8(Tensor x, Tensor packed, Tensor scale, Tensor bias) -> Tensor");
+  m.def("tile_gemm_f32(Tensor x, Tensor packed, Tensor bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenloom, CPU, m) {
   m.impl("tile_gemm", &tile_gemm);
   m.impl("tile_gemm_int8", &tile_gemm_int8);
+  m.impl("tile_gemm_f32", &tile_gemm_f32);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -450,6 +522,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tile_gemm_path", &tile_gemm_path, "tile_gemm's body: dpbf16, fma or empty");
   m.def("tile_gemm_int8", &tile_gemm_int8, "x . (q * scale)^T (+ bias) over a packed int8 weight");
   m.def("tile_gemm_int8_pack", &tile_gemm_int8_pack, "a [N, K] int8 weight into panels of 16");
+  m.def("tile_gemm_f32", &tile_gemm_f32, "x . W^T (+ bias) over a packed fp32 weight");
+  m.def("tile_gemm_f32_pack", &tile_gemm_f32_pack, "a [N, K] fp32 weight into panels of 16");
   m.def("tile_gemm_int8_built", []() { return bool(TL_TILE_FMA); },
-        "whether tile_gemm_int8 was compiled (AVX2 + FMA)");
+        "whether tile_gemm_int8 and tile_gemm_f32 were compiled (AVX2 + FMA)");
 }

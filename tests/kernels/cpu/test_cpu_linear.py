@@ -309,3 +309,23 @@ def test_tile_gemm_int8_is_offered_only_for_whole_panels_and_rejects_a_mismatche
         torch.ops.tokenloom.tile_gemm_int8(torch.randn(2, 9), packed, scale, torch.empty(0))
     with pytest.raises(RuntimeError, match="scale"):
         torch.ops.tokenloom.tile_gemm_int8(torch.randn(2, 8), packed, scale[:16], torch.empty(0))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 16, 70])
+@pytest.mark.parametrize("k", [99, 576])
+def test_tile_gemm_f32_matches_the_reference_in_fp32(rows, k):
+    """fp32 panels of 16 outputs, 6-row tiles, a bias: exact fp32 products, fp32 sums."""
+    if not cpu_linear._available("tile_gemm_f32"):
+        pytest.skip("tile_gemm_f32 not built here (no AVX2 + FMA)")
+    g = torch.Generator().manual_seed(rows * 7 + k)
+    w, b = torch.randn(96, k, generator=g) * 0.1, torch.randn(96, generator=g)
+    x = torch.randn(rows, k, generator=g)
+    kernels = cpu_linear.KernelSet(w, b, "float", torch.float32, only={"tile_gemm_f32"})
+    assert kernels.names == ("tile_gemm_f32",)
+    assert "tile_gemm_f32" not in cpu_linear.KernelSet(w, b, "float", torch.bfloat16).names
+    assert "tile_gemm_f32" not in cpu_linear.KernelSet(w[:90], b[:90], "float",
+                                                       torch.float32).names
+    with torch.inference_mode():
+        y = kernels.run("tile_gemm_f32", x)
+    assert y.dtype == torch.float32 and y.shape == (rows, 96)
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)

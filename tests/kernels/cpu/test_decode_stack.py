@@ -141,7 +141,7 @@ def test_an_fp32_model_over_a_two_byte_pool_runs_on_the_stack(storage, pool_dtyp
     ("float", "onednn"), ("q4", "block_gemm"), ("int8", "small_gemm_strips_int8"),
     ("q8", "block_gemm"), ("q4", "copy_mkl"), ("q4", "copy_onednn"),
     ("int8", "small_gemm_int8"), ("int8", "int8pack_bf16"), ("float", "tile_gemm"),
-    ("q4", "copy_tile_bf16"), ("int8", "tile_gemm_int8")])
+    ("q4", "copy_tile_bf16"), ("int8", "tile_gemm_int8"), ("float", "tile_gemm_f32")])
 def test_every_kernel_the_stack_calls_at_decode_and_padded_row_counts(storage, kernel,
                                                                         monkeypatch):
     # 20 rows: oneDNN is called at a padded row count above 16 (kernels/cpu/linear.py).
