@@ -90,17 +90,21 @@ constexpr int64_t kPL = 16;   // keys (score tile) / value lanes per vector
 // scores (16 zmm) and 4 rows x 64 value lanes (16 zmm). AVX2 has 16 registers of half the
 // width, where those tiles need 32 and spilled (the kernel ran ~57 GFLOP/s on a 2-core Zen
 // 3, about a quarter of its FMA peak). There a tile is 6 query rows: a score pass 6 rows x
-// 16 keys (12 ymm), a value pass 3 rows x 32 lanes (12 ymm): 12 independent FMA chains,
+// 16 keys (12 ymm), a value pass 6 rows x 16 lanes (12 ymm): 12 independent FMA chains,
 // enough to cover the FMA latency (4 x 16 keys, 8 chains, measured 1.1x slower; the
 // 1,024-token prefill's attention, 30 layers, 630-685 ms before, 479-532 ms after, in
-// alternating processes).
+// alternating processes). The value pass was 3 rows x 32 lanes until session 23: its 4
+// value vectors a key could not stay in registers beside 12 sums, so every FMA re-read
+// one (12 loads + 3 broadcasts per 12 FMAs; 6 x 16 needs 2 loads + 6 broadcasts). With
+// that and K transposed in 16-key blocks (below) the same prefill's attention went from
+// 447-470 to 284-333 ms (alternating processes, 3 each).
 #if defined(__AVX512F__)
 constexpr int64_t kPR = 8;    // query rows per tile
 constexpr int64_t kScoreRows = kPR, kVR = 4, kVL = 4 * kPL;
 constexpr bool kScorePairs = true;
 #else
 constexpr int64_t kPR = 6;
-constexpr int64_t kScoreRows = 6, kVR = 3, kVL = 2 * kPL;
+constexpr int64_t kScoreRows = 6, kVR = 6, kVL = kPL;
 constexpr bool kScorePairs = false;
 #endif
 
@@ -111,9 +115,15 @@ inline void prefill_fp32(const torch::Tensor& q, const KVRows<T>& K, const KVRow
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t G = H / KVH, off = ctx - n;
   const int64_t cp = (ctx + kPL - 1) / kPL * kPL;        // keys padded to whole tiles
+  // The scores' row stride: an odd number of 64-byte lines, so that a tile's rows do not
+  // share L1 sets (a multiple of 4 KB, 1,024 keys, put them all in one).
+  const int64_t ks = (cp / kPL) % 2 == 0 ? cp + kPL : cp;
   const int64_t dp = (D + kPL - 1) / kPL * kPL;          // value lanes padded likewise
-  // fp32 copies: K transposed [KVH][D][cp] (padding keys are 0), V [KVH][ctx][dp]
-  // (padding lanes are 0).
+  // fp32 copies: K transposed in blocks of 16 keys, [KVH][cp / 16][D][16] (padding keys
+  // are 0), so that a score tile's D x 16 keys are 4 KB in a row (as [KVH][D][cp] they were
+  // D lines a key-row apart: at 1,024 keys all in one L1 set, and D streams for the
+  // prefetcher); V [KVH][ctx][dp] (padding lanes are 0).
+  const int64_t kb = cp / kPL;
   float* kt = scratch<float, 0>(KVH * D * cp);
   float* vf = scratch<float, 1>(KVH * ctx * dp);
   auto q32 = q.to(torch::kFloat32).contiguous();
@@ -130,15 +140,15 @@ inline void prefill_fp32(const torch::Tensor& q, const KVRows<T>& K, const KVRow
       const T* vr = V.row(h, t);
       float* vo = vf + (h * ctx + t) * dp;
       for (int64_t d = 0; d < D; ++d) {
-        kt[(h * D + d) * cp + t] = elem_f32(kr[d]);
+        kt[((h * kb + t / kPL) * D + d) * kPL + t % kPL] = elem_f32(kr[d]);
         vo[d] = elem_f32(vr[d]);
       }
       for (int64_t d = D; d < dp; ++d) vo[d] = 0.f;
       if (t == ctx - 1)                                    // this head's padding keys
         for (int64_t d = 0; d < D; ++d)
-          for (int64_t u = ctx; u < cp; ++u) kt[(h * D + d) * cp + u] = 0.f;
+          for (int64_t u = ctx; u < cp; ++u) kt[((h * kb + u / kPL) * D + d) * kPL + u % kPL] = 0.f;
     }
-    float* sc = scratch<float, 2>(kPR * cp);
+    float* sc = scratch<float, 2>(kPR * ks);
     // Later tiles see more keys: hand them out first, one at a time, so the threads finish
     // together.
 #pragma omp for schedule(dynamic, 1)
@@ -162,19 +172,19 @@ inline void prefill_fp32(const torch::Tensor& q, const KVRows<T>& K, const KVRow
             for (int64_t l = 0; l < kPL; ++l) a1[r][l] = a2[r][l] = 0.f;
           if (two) {
             for (int64_t d = 0; d < D; ++d) {
-              const float* kv = ktp + d * cp + t0;
+              const float* kv = ktp + (t0 / kPL * D + d) * kPL;
               for (int64_t r = 0; r < kScoreRows; ++r) {
                 const float qd = qr[g0 + r][d];
 #pragma omp simd
                 for (int64_t l = 0; l < kPL; ++l) {
                   a1[r][l] += qd * kv[l];
-                  a2[r][l] += qd * kv[kPL + l];
+                  a2[r][l] += qd * kv[D * kPL + l];
                 }
               }
             }
           } else {
             for (int64_t d = 0; d < D; ++d) {
-              const float* kv = ktp + d * cp + t0;
+              const float* kv = ktp + (t0 / kPL * D + d) * kPL;
               for (int64_t r = 0; r < kScoreRows; ++r) {
                 const float qd = qr[g0 + r][d];
 #pragma omp simd
@@ -184,10 +194,10 @@ inline void prefill_fp32(const torch::Tensor& q, const KVRows<T>& K, const KVRow
           }
           for (int64_t r = 0; r < kScoreRows; ++r) {
 #pragma omp simd
-            for (int64_t l = 0; l < kPL; ++l) sc[(g0 + r) * cp + t0 + l] = a1[r][l];
+            for (int64_t l = 0; l < kPL; ++l) sc[(g0 + r) * ks + t0 + l] = a1[r][l];
             if (two) {
 #pragma omp simd
-              for (int64_t l = 0; l < kPL; ++l) sc[(g0 + r) * cp + t0 + kPL + l] = a2[r][l];
+              for (int64_t l = 0; l < kPL; ++l) sc[(g0 + r) * ks + t0 + kPL + l] = a2[r][l];
             }
           }
         }
@@ -195,7 +205,7 @@ inline void prefill_fp32(const torch::Tensor& q, const KVRows<T>& K, const KVRow
       // (their scores are never read, so no exp of a huge negative number either).
       float inv[kPR];
       for (int64_t r = 0; r < kPR; ++r) {
-        float* s = sc + r * cp;
+        float* s = sc + r * ks;
         const int64_t vis = std::min(off + i0 + r + 1, tk);
         float m = s[0];
         for (int64_t t = 1; t < vis; ++t) m = std::max(m, s[t]);
@@ -220,7 +230,7 @@ inline void prefill_fp32(const torch::Tensor& q, const KVRows<T>& K, const KVRow
             for (int64_t t = 0; t < tv; ++t) {
               const float* vr = vp + t * dp + d0;
               for (int64_t r = 0; r < kVR; ++r) {
-                const float pr = sc[(r0 + r) * cp + t];
+                const float pr = sc[(r0 + r) * ks + t];
 #pragma omp simd
                 for (int64_t l = 0; l < kVL; ++l) pv[r][l] += pr * vr[l];
               }
@@ -229,7 +239,7 @@ inline void prefill_fp32(const torch::Tensor& q, const KVRows<T>& K, const KVRow
             for (int64_t t = 0; t < tv; ++t) {
               const float* vr = vp + t * dp + d0;
               for (int64_t r = 0; r < kVR; ++r) {
-                const float pr = sc[(r0 + r) * cp + t];
+                const float pr = sc[(r0 + r) * ks + t];
                 for (int64_t l = 0; l < lanes; ++l) pv[r][l] += pr * vr[l];
               }
             }
