@@ -78,11 +78,16 @@ def _faults() -> int:
 
 class PartTimer:
     """Wall time per part of the forward, by wrapping the layers' callables (the engine's
-    compute is sequential on this thread, so wall times add up)."""
+    compute is sequential on this thread, so wall times add up). The C++ decode stack, which
+    also serves prefill chunks, calls the same kernels without passing through those
+    callables, so it is set aside while the parts are timed: the parts are the module
+    path's (the Python between the kernels lands in "rest")."""
 
     def __init__(self, model):
         self.acc: dict[str, float] = collections.defaultdict(float)
         self.undo = []
+        self.model, self.stacks = model, getattr(model, "decode_stacks", None)
+        model.decode_stacks = None
         for layer in model.layers:
             for part, (path, attr) in PARTS.items():
                 self._wrap(layer.get_submodule(path), attr, part)
@@ -104,6 +109,7 @@ class PartTimer:
     def remove(self) -> None:
         for obj, attr, fn in reversed(self.undo):
             object.__setattr__(obj, attr, fn)
+        self.model.decode_stacks = self.stacks
 
 
 def settings(model):

@@ -388,6 +388,10 @@ class LlamaForCausalLM(nn.Module):
                                            cache_dir=self.plan_cache_dir, excluded=excluded,
                                            blocks=[blocks.get("lm_head")],
                                            from_memory=from_memory)
+        from tokenloom.kernels.cpu.allocator import huge_page_bytes, weight_arena
+        # The arena counts every byte it ever placed (the plans' trial copies too, and other
+        # models in this process): this model's weights are what is placed from here.
+        placed_before = weight_arena().placed_bytes
         for i, layer in enumerate(self.layers):
             for n in names:
                 parent, attr = n.split(".")
@@ -413,8 +417,8 @@ class LlamaForCausalLM(nn.Module):
         release_freed_memory()
         chosen = {"layers": layer_plan.describe(), "head": head_plan.describe()}
         self.cpu_kernels = chosen   # part of a compiled program's cache key
-        from tokenloom.kernels.cpu.allocator import huge_page_bytes, weight_arena
-        placed, huge = weight_arena().placed_bytes >> 20, huge_page_bytes() >> 20
+        self.cpu_weights_placed_bytes = weight_arena().placed_bytes - placed_before
+        placed, huge = self.cpu_weights_placed_bytes >> 20, huge_page_bytes() >> 20
         cpu_linear.log.info(f"CPU projections ({storage} weights, "
                             f"{str(act).removeprefix('torch.')} activations): "
                             f"layers {chosen['layers']}; head {chosen['head']}; "

@@ -232,3 +232,22 @@ def test_a_tied_head_and_its_embedding_share_one_copy_in_float_storage(tiny_dir,
     model.specialize_cpu("float")
     assert model.embed_tokens.weight.data_ptr() == model.lm_head.kernels.w.data_ptr()
     assert torch.equal(model.embed_tokens.weight, before)
+
+
+def test_the_placed_weights_reported_are_this_models_alone(tiny_dir, monkeypatch, tmp_path):
+    """The start-up log's "MiB of weights placed for huge pages" counts this model's
+    weights: not the plans' trial copies, nor another model loaded earlier in the process
+    (the arena's own counter only grows)."""
+    from tokenloom.kernels.cpu import allocator
+
+    if not allocator.huge_pages_possible():
+        pytest.skip("no transparent huge pages here: nothing is placed")
+    monkeypatch.setattr(allocator, "ARENA_MIN_BYTES", 0)
+    placed = []
+    for _ in range(2):
+        model, _ = load_model(tiny_dir, torch.float32, torch.device("cpu"), 256)
+        model.plan_cache_dir = tmp_path   # the second load reuses the first's plan
+        model.specialize_cpu("float")
+        placed.append(model.cpu_weights_placed_bytes)
+    assert placed[0] == placed[1] > 0
+    assert allocator.weight_arena().placed_bytes >= sum(placed)
