@@ -70,6 +70,11 @@ def register_shape_functions() -> None:
     register("q4_gemm_packed",
              lambda x, qs, d, m, bias: x.new_empty((x.shape[0], qs.shape[0])))
     register("q8_gemm_packed", lambda x, qs, d, bias: x.new_empty((x.shape[0], qs.shape[0])))
+    # the AVX2 tiles (panels of 16 outputs)
+    register("tile_gemm_f32",
+             lambda x, packed, bias: x.new_empty((x.shape[0], packed.shape[0] * 16)))
+    register("tile_gemm_int8",
+             lambda x, packed, scale, bias: x.new_empty((x.shape[0], packed.shape[0] * 16)))
 
 
 def paged_decode_op(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -128,9 +128,8 @@ def choose(linears: list[nn.Linear], rows: tuple[int, ...] = (1, 16, 128)) -> bo
 
 ROW_LADDER = (1, 2, 4, 8, 16, 64, 256)
 # kernels torch.compile cannot call (oneDNN's opaque packed weight; tile_gemm registers no
-# shape function)
-NOT_TRACEABLE = {"onednn", "copy_onednn", "tile_gemm", "copy_tile_bf16", "copy_fp32",
-                 "tile_gemm_int8", "tile_gemm_f32"}
+# shape function; tile_gemm_f32 and tile_gemm_int8 do, graphs/cpu_compile.py)
+NOT_TRACEABLE = {"onednn", "copy_onednn", "tile_gemm", "copy_tile_bf16", "copy_fp32"}
 HEAD_ROW_LADDER = (1, 4, 16, 64)
 INT8 = "int8"
 # Weights in GGUF-style 32-weight blocks (kernels/cpu/blocks.py): Q4_1 and Q8_0.

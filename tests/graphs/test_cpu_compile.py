@@ -275,3 +275,30 @@ def test_buckets_whose_fastest_kernel_cannot_be_compiled_stay_eager(tiny_dir, tm
     model, spec, kv, dispatcher, programs, events = _build(tiny_dir, tmp_path, sizes=(1, 4))
     assert programs.sizes == (1,) and dispatcher.table.sizes == (1,)
     assert any("batch sizes [4] stay eager" in e["event"] for e in events)
+
+
+def test_a_bucket_whose_fastest_kernel_is_an_avx2_tile_compiles_and_matches_eager(
+        tiny_dir, tmp_path, monkeypatch):
+    """tile_gemm_f32 registers a shape function: a bucket whose plan picks it compiles
+    (it is not left eager), and the program's logits are eager's (the same opaque kernel;
+    Inductor's fused fp32 code around it may differ in the last bits)."""
+    from tokenloom.kernels.cpu import linear as cpu_linear
+
+    if not cpu_linear._available("tile_gemm_f32"):
+        pytest.skip("tile_gemm_f32 not built here (no AVX2 + FMA)")
+    pinned = cpu_linear.Plan(((1 << 30, "tile_gemm_f32"),), {})
+    monkeypatch.setattr(cpu_linear, "cached_plan", lambda *a, **k: pinned)
+    model, spec = _model(tiny_dir)
+    kv = _kv(spec)
+    kv.pool.normal_(generator=torch.Generator().manual_seed(0))
+    _, programs = graph_setup.build_decode_graphs(
+        GraphsConfig(cpu_compile=True, cpu_capture_sizes=[2]), model, kv, max_num_seqs=8,
+        max_model_len=MAX_LEN, device=torch.device("cpu"), cache_dir=tmp_path)
+    assert programs is not None and programs.sizes == (2,), programs.failed
+    assert model.layers[0].mlp.down_proj.kernel_for(2) == "tile_gemm_f32"
+    seqs = [ScheduledSequence(request_id=f"r{i}", token_ids=[7 + i], start_pos=20 + i,
+                              block_table=[3 * i + 1, 3 * i + 2, 3 * i + 3], sample=True)
+            for i in range(2)]
+    compiled = programs.run(seqs, 2).clone()
+    assert programs.num_replays == 1
+    torch.testing.assert_close(compiled, programs._eager(2), rtol=1e-5, atol=1e-5)
