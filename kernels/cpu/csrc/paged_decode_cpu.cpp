@@ -543,14 +543,15 @@ static inline void softmax_quads_avx2(float* scores, int64_t n, int64_t G, int64
 // P . V over dims c0 .. c0 + 8 * CH of HN heads of a quad (pq: the quad's weights [t][4]):
 // HN x CH sums in registers, the span's value rows walked block by block. A key's HN
 // weights are broadcast once and its value vectors converted one at a time, so the loop
-// holds HN x CH + HN + 1 vectors: callers keep that within AVX2's 16 (4 x 4 sums + 4 values
-// + 1 weight spilled a sum to the stack: a store-to-load chain through every key, 26% of
-// a 4,000-key decode's samples in `perf annotate`, and ~2x its time).
+// holds HN x CH + HN + 1 vectors: callers keep that within 14 of AVX2's 16 (4 x 4 sums + 4
+// values + 1 weight spilled a sum to the stack: a store-to-load chain through every key,
+// 26% of a 4,000-key decode's samples in `perf annotate`; and 3 x 4 sums, exactly 16, spilled
+// all of them once the function was not inlined).
 template <typename T, int CH, int HN>
 static inline void pv_chunk_avx2(const float* pq, const T* vc, const int64_t* table,
                                  int64_t t0, int64_t t1, int64_t off, int64_t BS,
                                  int64_t blk_stride, int64_t row_stride, int64_t D, float* acc) {
-  static_assert(HN * CH + HN + 1 <= 16, "pv_chunk_avx2: sums, weights and a value in 16 ymm");
+  static_assert(HN * CH + HN + 1 <= 14, "pv_chunk_avx2: sums, weights and a value in 14 ymm");
   __m256 a[HN][CH];
   for (int h = 0; h < HN; ++h)
     for (int j = 0; j < CH; ++j) a[h][j] = _mm256_setzero_ps();
@@ -612,9 +613,9 @@ static void decode_item_avx2(const float* qf, const T* kc, const T* vc, const in
     for (int64_t qd = 0; qd < quads; ++qd) {
       const int64_t hn = std::min<int64_t>(4, G - qd * 4);
       const float* pq = scores + qd * n * 4;
-      // 8-lane vectors of the head per pass: 4 (32 dims) for up to 3 heads, 2 for 4 heads
-      // (pv_chunk_avx2's register budget)
-      const int64_t width = hn == 4 ? 2 : 4;
+      // 8-lane vectors of the head per pass (pv_chunk_avx2's register budget): 4 for up to
+      // 2 heads, 3 for 3 heads, 2 for 4 heads
+      const int64_t width = hn <= 2 ? 4 : 6 - hn;
       for (int64_t c0 = 0; c0 < D; c0 += 8 * width) {
         const int64_t ch = std::min<int64_t>(width, (D - c0) / 8);
         float* aq = acc + qd * 4 * D + c0;
@@ -628,7 +629,7 @@ static void decode_item_avx2(const float* qf, const T* kc, const T* vc, const in
           TL_PV2(1, 1) TL_PV2(1, 2) TL_PV2(1, 3) TL_PV2(1, 4)
           TL_PV2(2, 1) TL_PV2(2, 2) TL_PV2(2, 3) TL_PV2(2, 4)
           TL_PV2(3, 1) TL_PV2(3, 2) TL_PV2(3, 3)
-          TL_PV2(4, 1) TL_PV2(4, 2) TL_PV2(4, 3)
+          TL_PV2(4, 1) TL_PV2(4, 2)
 #undef TL_PV2
         }
       }
