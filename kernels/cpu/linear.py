@@ -37,6 +37,24 @@ def onednn_available() -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+# dtypes whose oneDNN reorder this torch refused (a CPU without the primitive, e.g. bf16 on
+# AVX2): not tried again, so the reason is logged once, not once per projection and plan
+# trial (a six-model benchmark printed it ~200 times).
+_ONEDNN_REFUSED: set[torch.dtype] = set()
+
+
+def _onednn_pack(w: torch.Tensor) -> torch.Tensor | None:
+    """w reordered for oneDNN's linear, or None where this torch or CPU cannot."""
+    if not onednn_available() or w.dtype in _ONEDNN_REFUSED:
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(w, ROWS_HINT)
+    except RuntimeError as e:  # a torch build without the primitive for this dtype
+        _ONEDNN_REFUSED.add(w.dtype)
+        log.info("oneDNN linear unavailable", dtype=str(w.dtype), reason=str(e))
+        return None
+
+
 class PackedLinear(nn.Module):
     """A Linear whose weight is reordered once for oneDNN (CPU, fp32). Same contract as
     nn.Linear for 2-D inputs [rows, in_features] -> [rows, out_features]."""
@@ -283,13 +301,11 @@ class KernelSet(nn.Module):
                                  persistent=False)
             if want("mkl"):
                 names.append("mkl")
-            if onednn_available() and want("onednn"):
-                try:
-                    packed = torch.ops.mkldnn._reorder_linear_weight(self.w, ROWS_HINT)
+            if want("onednn"):
+                packed = _onednn_pack(self.w)
+                if packed is not None:
                     self.register_buffer("packed", packed, persistent=False)
                     names.append("onednn")
-                except RuntimeError as e:  # a torch build without the primitive for this dtype
-                    log.info("oneDNN linear unavailable", dtype=str(act_dtype), reason=str(e))
             names += [n for n in ("small_gemm", "small_gemm_strips")
                       if gemm is not None and want(n)]
             # bf16 weight packed in panels of 16 outputs (tile_gemm_cpu.cpp: vdpbf16ps, or FMA)
@@ -324,13 +340,11 @@ class KernelSet(nn.Module):
         self.register_buffer("w", dequantized().to(act_dtype).contiguous(), persistent=False)
         if want("copy_mkl"):
             names.append("copy_mkl")
-        if onednn_available() and want("copy_onednn"):
-            try:
-                packed = torch.ops.mkldnn._reorder_linear_weight(self.w, ROWS_HINT)
+        if want("copy_onednn"):
+            packed = _onednn_pack(self.w)
+            if packed is not None:
                 self.register_buffer("packed", packed, persistent=False)
                 names.append("copy_onednn")
-            except RuntimeError as e:
-                log.info("oneDNN linear unavailable", dtype=str(act_dtype), reason=str(e))
         if not want("copy_mkl"):
             self.w = None   # only the packed form is used
         return names

@@ -329,3 +329,20 @@ def test_tile_gemm_f32_matches_the_reference_in_fp32(rows, k):
         y = kernels.run("tile_gemm_f32", x)
     assert y.dtype == torch.float32 and y.shape == (rows, 96)
     torch.testing.assert_close(y, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_a_refused_onednn_reorder_is_tried_and_logged_once(monkeypatch):
+    """A torch or CPU without oneDNN's primitive for a dtype (bf16 on AVX2) refuses the
+    reorder: the projections after the first skip it instead of raising and logging again."""
+    calls = []
+
+    def refuse(w, rows_hint):
+        calls.append(w.dtype)
+        raise RuntimeError("no primitive for this dtype here")
+
+    monkeypatch.setattr(cpu_linear, "_ONEDNN_REFUSED", set())
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    sets = [cpu_linear.KernelSet(torch.randn(32, 64), None, "float", torch.float32,
+                                 only={"onednn", "mkl"}) for _ in range(3)]
+    assert calls == [torch.float32]
+    assert all(s.names == ("mkl",) for s in sets)
