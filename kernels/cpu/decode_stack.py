@@ -96,6 +96,18 @@ def _args(lin, name: str) -> tuple[int, list[torch.Tensor]] | None:
     return None
 
 
+def _enable_team(stack) -> bool:
+    """Let `stack` run its decode-only steps in one OpenMP team (csrc/team.h) where its
+    kernels allow: every projection in packed q4 / q8 blocks, the vector decode attention.
+    Bit-identical to the per-call path, without a fork and join of the team per kernel."""
+    from tokenloom.kernels.cpu.attention import load_cpu_decode_kernel
+
+    blocks, attention = cpu_linear.block_gemm_module(), load_cpu_decode_kernel()
+    if blocks is None or attention is None:
+        return False
+    return bool(stack.enable_team(blocks.team_factory(), attention.team_factory()))
+
+
 class DecodeStacks:
     """The model's C++ stacks, one per combination of projection kernels (the kernels are
     chosen per row count, so a batch of 1 and one of 12 may need different ones)."""
@@ -104,6 +116,8 @@ class DecodeStacks:
         self.model = model
         self._by_rows: dict[int, object] = {}
         self._by_kernels: dict[tuple[str, ...], object] = {}
+        # Per combination of kernels: whether its decode-only steps run in one OpenMP team.
+        self.team_kernels: dict[tuple[str, ...], bool] = {}
         self.steps = 0   # decode steps served (tests and stats)
 
     def usable(self, meta, kv) -> bool:
@@ -155,6 +169,8 @@ class DecodeStacks:
             log.warning("C++ decode stack unavailable for these kernels; module forward",
                         kernels=list(kernels), reason=str(e))
             stack = None
+        if stack is not None:
+            self.team_kernels[kernels] = _enable_team(stack)
         self._by_kernels[kernels] = stack
         return stack
 

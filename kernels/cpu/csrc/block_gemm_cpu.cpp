@@ -43,6 +43,8 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+
+#include "team.h"
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define TL_AVX2 1
@@ -256,17 +258,22 @@ inline float quantize_block(const float* xb, Pos pos, int8_t* out, int* sum) {
   return amax / 127.f;
 }
 
-template <Fmt F>
-VnniX quantize_vnni(const float* x, int64_t M, int64_t K, int64_t groups) {
+VnniX alloc_vnni(int64_t M, int64_t K, int64_t groups) {
   VnniX v;
   v.M = M; v.K = K; v.nb = K / kBlock; v.groups = groups;
-  const int64_t b0 = groups * 16;   // the tail's first block
-  v.np = (v.nb - b0) / 2;
+  v.np = (v.nb - groups * 16) / 2;
   v.sx_row = (v.nb + 15) / 16 * 16;
   v.xq.reset(new int8_t[M * K]);
   v.dxn.reset(new float[M * v.sx_row]);
   v.dxv.reset(new float[std::max<int64_t>(1, M * v.np * 16)]);
   v.sx.reset(new float[M * v.sx_row]);
+  return v;
+}
+
+// x's M rows into v (allocated by alloc_vnni for them).
+template <Fmt F>
+void quantize_vnni_into(VnniX& v, const float* x) {
+  const int64_t M = v.M, K = v.K, b0 = v.groups * 16;   // b0: the tail's first block
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const float* xr = x + m * K;
@@ -303,6 +310,12 @@ VnniX quantize_vnni(const float* x, int64_t M, int64_t K, int64_t groups) {
       }
     }
   });
+}
+
+template <Fmt F>
+VnniX quantize_vnni(const float* x, int64_t M, int64_t K, int64_t groups) {
+  VnniX v = alloc_vnni(M, K, groups);
+  quantize_vnni_into<F>(v, x);
   return v;
 }
 
@@ -492,14 +505,15 @@ inline void tile_rows(int64_t rm, const uint8_t* q, int64_t q_row, const uint16_
 }
 
 // Tiles of RN weight rows x up to RMAX activation rows; each thread takes a range of tiles
-// and runs every activation row through a tile while its weights are in L1.
+// and runs every activation row through a tile while its weights are in L1. parts == 0:
+// at::parallel_for over all tiles; else share `part` of `parts` on this thread (a caller's
+// OpenMP team, team.h).
 template <Fmt F, int RN, int RMAX>
 void drive(const VnniX& x, const uint8_t* q, const uint16_t* d, const uint16_t* mn,
-           const float* bias, float* y, int64_t N) {
+           const float* bias, float* y, int64_t N, int part = 0, int parts = 0) {
   const int64_t M = x.M, nb = x.nb, q_row = F == Fmt::Q4 ? x.K / 2 : x.K;
   const int64_t tiles = (N + RN - 1) / RN;
-  // 32 weight rows per task at least: enough to balance a few dozen threads.
-  at::parallel_for(0, tiles, (32 + RN - 1) / RN, [&](int64_t begin, int64_t end) {
+  auto go = [&](int64_t begin, int64_t end) {
     float out[RN * RMAX];
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * RN;
@@ -524,22 +538,31 @@ void drive(const VnniX& x, const uint8_t* q, const uint16_t* d, const uint16_t* 
             y[(m0 + m) * N + n0 + n] = out[m * rn + n] + (bias ? bias[n0 + n] : 0.f);
       }
     }
-  });
+  };
+  // 32 weight rows per task at least: enough to balance a few dozen threads.
+  if (parts == 0) at::parallel_for(0, tiles, (32 + RN - 1) / RN, go);
+  else go(tiles * part / parts, tiles * (part + 1) / parts);
 }
 
 // groups: how many groups of 16 blocks lead each weight row in the packed layout (0: the
 // blocks as GGUF stores them).
 template <Fmt F>
-void run_vnni(const float* xf, const uint8_t* q, const uint16_t* d, const uint16_t* mn,
-              const float* bias, float* y, int64_t M, int64_t N, int64_t K, int64_t groups) {
-  const VnniX x = quantize_vnni<F>(xf, M, K, groups);
+void drive_vnni(const VnniX& x, const uint8_t* q, const uint16_t* d, const uint16_t* mn,
+                const float* bias, float* y, int64_t N, int part = 0, int parts = 0) {
+  const int64_t M = x.M;
   // One row: 8 weight rows a tile (8 streams and sums in flight; 4 measured 5-15% slower in
   // q8); 2-3 rows: 4 weight rows a tile; more activation rows:
   // 2 x 6 (2 x 6 integer and 2 x 6 float sums fill the 32 vector registers). 4 x 4, 3 x 4,
   // 4 x 3 and 3 x 6 measured within noise of 2 x 6 (session 18).
-  if (M == 1) drive<F, 8, 1>(x, q, d, mn, bias, y, N);
-  else if (M <= 3) drive<F, 4, 3>(x, q, d, mn, bias, y, N);
-  else drive<F, 2, 6>(x, q, d, mn, bias, y, N);
+  if (M == 1) drive<F, 8, 1>(x, q, d, mn, bias, y, N, part, parts);
+  else if (M <= 3) drive<F, 4, 3>(x, q, d, mn, bias, y, N, part, parts);
+  else drive<F, 2, 6>(x, q, d, mn, bias, y, N, part, parts);
+}
+
+template <Fmt F>
+void run_vnni(const float* xf, const uint8_t* q, const uint16_t* d, const uint16_t* mn,
+              const float* bias, float* y, int64_t M, int64_t N, int64_t K, int64_t groups) {
+  drive_vnni<F>(quantize_vnni<F>(xf, M, K, groups), q, d, mn, bias, y, N);
 }
 #endif  // TL_VNNI
 
@@ -576,15 +599,19 @@ struct Avx2X {
 // pair_tail (q4): the tail blocks after the groups in pairs, each pair's 64 codes as
 // [lo(A) lo(B) hi(A) hi(B)] (16 each, as the VNNI path's), so that one 32-byte load of a
 // pair's nibbles serves both blocks; a lone last block stays in natural order.
-Avx2X quantize_avx2_packed(const float* x, int64_t M, int64_t K, int64_t groups,
-                           bool pair_tail) {
+Avx2X alloc_avx2(int64_t M, int64_t K, int64_t groups) {
   Avx2X v;
   v.M = M; v.K = K; v.nb = K / kBlock; v.groups = groups;
   v.xq.reset(new int8_t[M * K]);
   v.dx.reset(new float[M * v.nb]);
   v.sx.reset(new float[M * v.nb]);
-  const int64_t b0 = groups * 16;
-  at::parallel_for(0, M * v.nb, 64, [&](int64_t begin, int64_t end) {
+  return v;
+}
+
+// x's M rows into v (allocated by alloc_avx2 for them).
+void quantize_avx2_into(Avx2X& v, const float* x, bool pair_tail) {
+  const int64_t K = v.K, b0 = v.groups * 16;
+  at::parallel_for(0, v.M * v.nb, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t m = i / v.nb, b = i % v.nb;
       const float* xb = x + i * kBlock;
@@ -624,6 +651,12 @@ Avx2X quantize_avx2_packed(const float* x, int64_t M, int64_t K, int64_t groups,
       v.sx[i] = dv * static_cast<float>(_mm_cvtsi128_si32(s));
     }
   });
+}
+
+Avx2X quantize_avx2_packed(const float* x, int64_t M, int64_t K, int64_t groups,
+                           bool pair_tail) {
+  Avx2X v = alloc_avx2(M, K, groups);
+  quantize_avx2_into(v, x, pair_tail);
   return v;
 }
 
@@ -802,12 +835,13 @@ inline void tile_rows_avx2(int64_t rm, const uint8_t* q, int64_t q_row, const ui
   }
 }
 
+// parts: as drive's.
 template <Fmt F, int RN, int RMAX>
 void drive_avx2(const Avx2X& x, const uint8_t* q, const uint16_t* d, const uint16_t* mn,
-                const float* bias, float* y, int64_t N) {
+                const float* bias, float* y, int64_t N, int part = 0, int parts = 0) {
   const int64_t M = x.M, nb = x.nb, q_row = F == Fmt::Q4 ? x.K / 2 : x.K;
   const int64_t tiles = (N + RN - 1) / RN;
-  at::parallel_for(0, tiles, (32 + RN - 1) / RN, [&](int64_t begin, int64_t end) {
+  auto go = [&](int64_t begin, int64_t end) {
     float out[RN * RMAX];
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * RN;
@@ -832,25 +866,34 @@ void drive_avx2(const Avx2X& x, const uint8_t* q, const uint16_t* d, const uint1
             y[(m0 + m) * N + n0 + n] = out[m * rn + n] + (bias ? bias[n0 + n] : 0.f);
       }
     }
-  });
+  };
+  if (parts == 0) at::parallel_for(0, tiles, (32 + RN - 1) / RN, go);
+  else go(tiles * part / parts, tiles * (part + 1) / parts);
 }
 
 template <Fmt F>
-void run_avx2_packed(const float* xf, const uint8_t* q, const uint16_t* d, const uint16_t* mn,
-                     const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
-  const Avx2X x = quantize_avx2_packed(xf, M, K, K / kBlock / 16, F == Fmt::Q4);
+void drive_avx2_packed(const Avx2X& x, const uint8_t* q, const uint16_t* d, const uint16_t* mn,
+                       const float* bias, float* y, int64_t N, int part = 0, int parts = 0) {
+  const int64_t M = x.M;
   if constexpr (F == Fmt::Q8) {   // one weight row a tile
-    if (M == 1) drive_avx2<F, 1, 1>(x, q, d, mn, bias, y, N);
-    else drive_avx2<F, 1, 4>(x, q, d, mn, bias, y, N);
+    if (M == 1) drive_avx2<F, 1, 1>(x, q, d, mn, bias, y, N, part, parts);
+    else drive_avx2<F, 1, 4>(x, q, d, mn, bias, y, N, part, parts);
   } else {
     // One row: 2 weight rows a tile. 4 spilled (8 activation vectors of a group's codes
     // stay live beside the sums; perf annotate showed the stack traffic): 3,072 x 576 on
     // one core in cache 74-78 -> 70-71 us, 30 layers from memory 3.54-3.79 -> 3.41-3.58 ms
     // (alternating processes, session 24).
-    if (M == 1) drive_avx2<F, 2, 1>(x, q, d, mn, bias, y, N);
-    else if (M == 2) drive_avx2<F, 2, 2>(x, q, d, mn, bias, y, N);
-    else drive_avx2<F, 1, 4>(x, q, d, mn, bias, y, N);
+    if (M == 1) drive_avx2<F, 2, 1>(x, q, d, mn, bias, y, N, part, parts);
+    else if (M == 2) drive_avx2<F, 2, 2>(x, q, d, mn, bias, y, N, part, parts);
+    else drive_avx2<F, 1, 4>(x, q, d, mn, bias, y, N, part, parts);
   }
+}
+
+template <Fmt F>
+void run_avx2_packed(const float* xf, const uint8_t* q, const uint16_t* d, const uint16_t* mn,
+                     const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
+  drive_avx2_packed<F>(quantize_avx2_packed(xf, M, K, K / kBlock / 16, F == Fmt::Q4), q, d, mn,
+                       bias, y, N);
 }
 #endif  // TL_AVX2
 
@@ -899,6 +942,56 @@ void check_blocks(const torch::Tensor& x, const torch::Tensor& q, const torch::T
 
 torch::Tensor finish(const torch::Tensor& x, torch::Tensor y) {
   return x.scalar_type() == torch::kFloat32 ? y : y.to(x.scalar_type());
+}
+
+#if defined(TL_AVX2)
+// The packed operators' work for the decode stack's team (team.h): the activations
+// quantized once into buffers kept for the step, the tiles split by part, with the path
+// and tile shapes the operator would take.
+template <Fmt F>
+class TeamBlockCall final : public tl_team::BlockCall {
+ public:
+  TeamBlockCall(int64_t M, int64_t K) {
+    const int64_t groups = K / kBlock / 16;
+#if defined(TL_VNNI)
+    vnni_ = g_use_widest;
+    if (vnni_) {
+      vx_ = alloc_vnni(M, K, groups);
+      return;
+    }
+#endif
+    ax_ = alloc_avx2(M, K, groups);
+  }
+  void prepare(const float* x) override {
+#if defined(TL_VNNI)
+    if (vnni_) return quantize_vnni_into<F>(vx_, x);
+#endif
+    quantize_avx2_into(ax_, x, F == Fmt::Q4);
+  }
+  void rows(const tl_team::BlockWeights& w, float* y, int part, int parts) const override {
+#if defined(TL_VNNI)
+    if (vnni_) return drive_vnni<F>(vx_, w.q, w.d, w.mn, w.bias, y, w.n, part, parts);
+#endif
+    drive_avx2_packed<F>(ax_, w.q, w.d, w.mn, w.bias, y, w.n, part, parts);
+  }
+
+ private:
+#if defined(TL_VNNI)
+  bool vnni_ = false;
+  VnniX vx_;
+#endif
+  Avx2X ax_;
+};
+#endif
+
+tl_team::BlockCall* make_team_block_call(int fmt, int64_t M, int64_t K) {
+#if defined(TL_AVX2)
+  if (M <= 0 || K % kBlock != 0) return nullptr;
+  if (fmt == 0) return new TeamBlockCall<Fmt::Q4>(M, K);
+  if (fmt == 1) return new TeamBlockCall<Fmt::Q8>(M, K);
+#endif
+  (void)fmt; (void)M; (void)K;
+  return nullptr;
 }
 
 }  // namespace
@@ -1047,6 +1140,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("q8_gemm_packed", &q8_gemm_packed, "q8_gemm over blocks.pack_groups' layout");
   mod.def("packed_built", &packed_built, "whether the packed-layout kernels were compiled");
   mod.def("simd_path", &simd_path, "which SIMD path serves calls");
+  mod.def("team_factory", []() {
+    return pybind11::capsule(reinterpret_cast<void*>(&make_team_block_call),
+                             tl_team::kBlockCapsule);
+  }, "the packed kernels for the decode stack's one OpenMP team per step (team.h)");
   mod.def("use_widest_path", [](bool on) { g_use_widest = on; },
           "false: serve calls with the next narrower path (for tests)");
 }

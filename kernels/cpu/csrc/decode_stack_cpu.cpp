@@ -20,16 +20,23 @@
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <pybind11/stl.h>
+#include <omp.h>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
 #include "row_ops.h"
+#include "team.h"
 
 namespace {
 
 using at::Tensor;
+
+// false: every step takes the per-call path (for tests and side-by-side measurements).
+bool g_team = true;
 
 // How a projection runs (kernels/cpu/linear.py's kernel names): the operator and its
 // tensor arguments after x. kOneDNN: oneDNN's linear on a prepacked weight ([packed] or
@@ -155,6 +162,51 @@ class DecodeStack {
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(norms_.size() / 2); }
+  int64_t team_steps() const { return team_steps_.load(std::memory_order_relaxed); }
+
+  // Take the team path (team.h) where it applies: every projection packed q4 / q8 blocks of
+  // the model's shapes, fp32 norms and biases. block / attention: the kernel modules'
+  // team_factory() capsules. Returns whether it will be used.
+  bool enable_team(pybind11::capsule block, pybind11::capsule attention) {
+    team_ = false;
+    if (std::string(block.name()) != tl_team::kBlockCapsule ||
+        std::string(attention.name()) != tl_team::kAttentionCapsule)
+      return false;
+    make_block_ = reinterpret_cast<tl_team::MakeBlockCall>(block.get_pointer());
+    make_attention_ = reinterpret_cast<tl_team::MakeDecodeAttention>(attention.get_pointer());
+    const int64_t E = norms_[0].numel(), Q = H_ * D_, KV = KVH_ * D_;
+    weights_.clear();
+    int64_t inter = -1;
+    for (size_t i = 0; i < projs_.size(); ++i) {
+      const auto& p = projs_[i];
+      if (p.kind != kQ4Packed && p.kind != kQ8Packed) return false;
+      const bool q4 = p.kind == kQ4Packed;
+      const Tensor& qs = p.args[0];
+      const Tensor& d = p.args[1];
+      const Tensor& bias = p.args[q4 ? 3 : 2];
+      if (!qs.is_contiguous() || !d.is_contiguous() ||
+          (q4 && !p.args[2].is_contiguous()) ||
+          (bias.numel() > 0 && (bias.scalar_type() != at::kFloat || !bias.is_contiguous())))
+        return false;
+      const int64_t n = qs.size(0), k = q4 ? qs.size(1) * 2 : qs.size(1);
+      if (i % 4 == 2) {
+        if (inter < 0) inter = n / 2;
+        if (n != 2 * inter) return false;
+      }
+      const int64_t want_n[4] = {Q + 2 * KV, E, 2 * inter, E};
+      const int64_t want_k[4] = {E, Q, E, inter};
+      if (n != want_n[i % 4] || k != want_k[i % 4] || d.size(1) * 32 != k) return false;
+      weights_.push_back(tl_team::BlockWeights{
+          reinterpret_cast<const uint8_t*>(qs.data_ptr()),
+          reinterpret_cast<const uint16_t*>(d.data_ptr()),
+          q4 ? reinterpret_cast<const uint16_t*>(p.args[2].data_ptr()) : nullptr,
+          bias.numel() > 0 ? bias.data_ptr<float>() : nullptr, n});
+    }
+    for (auto& n : norms_)
+      if (n.scalar_type() != at::kFloat) return false;
+    team_ = make_block_ != nullptr && make_attention_ != nullptr;
+    return team_;
+  }
 
   // h: [B, E] embeddings (fp32 or bf16, not modified); cos, sin: [B, D]; pool: the KV
   // pool [L, 2, blocks, block_size, KVH, D] (h's dtype, contiguous); slots [B]; the
@@ -220,6 +272,12 @@ class DecodeStack {
       covered += seg[3 * i + 1];
     }
     TORCH_CHECK(covered == B, "decode_stack: decode rows and chunks cover the step's rows");
+    if constexpr (std::is_same_v<T, float>) {
+      if (S == 0 && team_ && g_team && at::get_num_threads() > 1) {
+        Tensor out = run_team<C>(h, cp, sp, slot, pool, tables, lens);
+        if (out.defined()) return out;
+      }
+    }
     Tensor x = at::empty({B, E}, h.options());
     std::vector<T> krow(KV);   // a key row rotated in the activations' dtype, then stored
     Tensor m;   // the previous layer's MLP output (none before the first)
@@ -288,6 +346,125 @@ class DecodeStack {
       m = project(p[3], y);
     }
     if (m.defined()) h.add_(m);
+    return h;
+  }
+
+  // The team path (team.h): a decode-only step of fp32 activations whose projections are
+  // all packed q4 / q8 blocks runs its layers in one OpenMP parallel region. h: the step's
+  // residual stream (a copy, updated in place and returned); undefined when the attention
+  // has no team kernel for this pool (the caller takes the per-call path).
+  template <typename C>
+  Tensor run_team(Tensor h, const float* cp, const float* sp, const int64_t* slot,
+                  const Tensor& pool, const Tensor& tables_in, const Tensor& lens_in) const {
+    const int64_t B = h.size(0), E = h.size(1), Q = H_ * D_, KV = KVH_ * D_;
+    const int64_t L = num_layers(), BS = pool.size(3);
+    const int64_t layer_stride = pool[0].numel(), side = layer_stride / 2;
+    const int64_t slots_per_layer = pool.size(2) * BS;
+    Tensor tables = tables_in.contiguous(), lens = lens_in.contiguous();
+    TORCH_CHECK(tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong &&
+                    tables.dim() == 2 && tables.size(0) == B && lens.numel() == B,
+                "decode_stack: block tables [B, blocks] and lengths [B], int64");
+    for (int64_t b = 0; b < B; ++b)   // checked here: nothing may throw inside the region
+      TORCH_CHECK(slot[b] < slots_per_layer, "decode_stack: slot out of range");
+    const int nt = at::get_num_threads();
+    tl_team::AttentionShape shape{std::is_same_v<C, float> ? 0 : std::is_same_v<C, bf16> ? 1 : 2,
+                                  tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), B, H_,
+                                  KVH_, D_, BS, tables.size(1), BS * KV, KV,
+                                  static_cast<float>(scale_), nt};
+    std::unique_ptr<tl_team::DecodeAttention> attn(make_attention_(shape));
+    if (!attn) return Tensor();
+    // One quantized-activation buffer per projection position and format.
+    const int64_t inter = weights_[2].n / 2;
+    const int64_t widths[4] = {E, Q, E, inter};
+    std::unique_ptr<tl_team::BlockCall> calls[4][2];
+    for (int64_t i = 0; i < 4 * L; ++i) {
+      auto& c = calls[i % 4][projs_[i].kind == kQ8Packed];
+      if (!c) c.reset(make_block_(projs_[i].kind == kQ8Packed, B, widths[i % 4]));
+      if (!c) return Tensor();
+    }
+    auto call = [&](int64_t l, int pos) { return calls[pos][projs_[4 * l + pos].kind == kQ8Packed].get(); };
+    auto opts = h.options();
+    Tensor x = at::empty({B, E}, opts), qkv = at::empty({B, Q + 2 * KV}, opts);
+    Tensor q = at::empty({B, Q}, opts), o = at::empty({B, Q}, opts), a = at::empty({B, E}, opts);
+    Tensor gu = at::empty({B, 2 * inter}, opts), y = at::empty({B, inter}, opts);
+    Tensor m = at::empty({B, E}, opts);
+    float *hp = h.data_ptr<float>(), *xp = x.data_ptr<float>(), *qkvp = qkv.data_ptr<float>();
+    float *qp = q.data_ptr<float>(), *op = o.data_ptr<float>(), *ap = a.data_ptr<float>();
+    float *gup = gu.data_ptr<float>(), *yp = y.data_ptr<float>(), *mp = m.data_ptr<float>();
+    C* poolp = reinterpret_cast<C*>(pool.data_ptr());
+    std::vector<const float*> norm_w;
+    for (auto& n : norms_) norm_w.push_back(n.data_ptr<float>());
+    const double eps = eps_;
+    // Serial steps between the kernels (run by the last thread to reach each barrier).
+    auto rope_store = [&](int64_t l) {
+      C* kp = poolp + l * layer_stride;
+      C* vp = kp + side;
+      std::vector<float> krow(KV);
+      for (int64_t b = 0; b < B; ++b) {
+        const float* row = qkvp + b * (Q + 2 * KV);
+        const float* c = cp + b * D_;
+        const float* s = sp + b * D_;
+        float* qb = qp + b * Q;
+        std::copy(row, row + Q, qb);
+        for (int64_t hh = 0; hh < H_; ++hh) Ops<float>::rope(qb + hh * D_, c, s, D_);
+        if (slot[b] < 0) continue;
+        C* kd = kp + slot[b] * KV;
+        std::copy(row + Q, row + Q + KV, krow.begin());
+        for (int64_t hh = 0; hh < KVH_; ++hh) Ops<float>::rope(krow.data() + hh * D_, c, s, D_);
+        for (int64_t i = 0; i < KV; ++i) kd[i] = tl_rows::to_pool<C>(krow[i]);
+        const float* vsrc = row + Q + KV;
+        C* vd = vp + slot[b] * KV;
+        for (int64_t i = 0; i < KV; ++i) vd[i] = tl_rows::to_pool<C>(vsrc[i]);
+      }
+      attn->bind(qp, kp, vp, op);
+    };
+    tl_team::Barrier bar(nt);
+    bool short_team = false;
+#pragma omp parallel num_threads(nt)
+    {
+      const int part = omp_get_thread_num(), parts = omp_get_num_threads();
+      if (parts != nt) {
+        // Fewer threads than asked (a nested region): the barrier would wait forever.
+#pragma omp single
+        short_team = true;
+      } else {
+        bar.arrive([&] {
+          Ops<float>::norm(hp, nullptr, norm_w[0], xp, B, E, eps);
+          call(0, 0)->prepare(xp);
+        });
+        for (int64_t l = 0; l < L; ++l) {
+          const tl_team::BlockWeights* w = &weights_[4 * l];
+          call(l, 0)->rows(w[0], qkvp, part, parts);
+          bar.arrive([&] { rope_store(l); });
+          attn->items(part);
+          bar.arrive([&] {
+            attn->merge();
+            call(l, 1)->prepare(op);
+          });
+          call(l, 1)->rows(w[1], ap, part, parts);
+          bar.arrive([&] {
+            Ops<float>::norm(ap, hp, norm_w[2 * l + 1], xp, B, E, eps);
+            call(l, 2)->prepare(xp);
+          });
+          call(l, 2)->rows(w[2], gup, part, parts);
+          bar.arrive([&] {
+            Ops<float>::silu_mul(gup, yp, B, inter);
+            call(l, 3)->prepare(yp);
+          });
+          call(l, 3)->rows(w[3], mp, part, parts);
+          bar.arrive([&] {
+            if (l + 1 < L) {
+              Ops<float>::norm(mp, hp, norm_w[2 * l + 2], xp, B, E, eps);
+              call(l + 1, 0)->prepare(xp);
+            } else {
+              for (int64_t i = 0; i < B * E; ++i) hp[i] += mp[i];
+            }
+          });
+        }
+      }
+    }
+    if (short_team) return Tensor();
+    team_steps_.fetch_add(1, std::memory_order_relaxed);
     return h;
   }
 
@@ -362,6 +539,11 @@ class DecodeStack {
 
   std::vector<Tensor> norms_;
   std::vector<Proj> projs_;
+  bool team_ = false;
+  tl_team::MakeBlockCall make_block_ = nullptr;
+  tl_team::MakeDecodeAttention make_attention_ = nullptr;
+  std::vector<tl_team::BlockWeights> weights_;   // the projections' blocks (team path)
+  mutable std::atomic<int64_t> team_steps_{0};    // steps the team path served
   int64_t H_, KVH_, D_;
   double eps_, scale_;
   c10::optional<c10::TypedOperatorHandle<Q4Op>> q4_, q4p_;
@@ -376,11 +558,16 @@ class DecodeStack {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  mod.def("use_team", [](bool on) { g_team = on; },
+          "false: every step takes the per-call path (for tests and measurements)");
   pybind11::class_<DecodeStack>(mod, "DecodeStack")
       .def(pybind11::init<std::vector<Tensor>, std::vector<int64_t>,
                           std::vector<std::vector<Tensor>>, int64_t, int64_t, int64_t, double,
                           double>())
       .def("num_layers", &DecodeStack::num_layers)
+      .def("team_steps", &DecodeStack::team_steps, "steps served by one OpenMP team")
+      .def("enable_team", &DecodeStack::enable_team,
+           "run decode-only steps in one OpenMP team where the kernels allow (team.h)")
       .def("run", &DecodeStack::run, "the decoder layers of one step",
            pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -37,6 +37,7 @@
 
 #include "prefill_attention.h"
 #include "row_ops.h"
+#include "team.h"
 #include "vec_exp.h"
 
 template <typename T>
@@ -367,72 +368,132 @@ static bool g_vector_path = true;
 // 1.1-1.3x slower from a cold cache (session 19, with the L2 prefetch above).
 // `item(qf, qb, table, ctx, t0, t1, scores, acc, pmax, psum)` computes one item's
 // partials.
-template <typename T, typename Item>
-static void decode_spans_vec(const T* q, const int64_t* tables, const int64_t* lens, T* out,
-                                int64_t B, int64_t H, int64_t KVH, int64_t D,
-                                int64_t max_blocks, const Item& item_fn) {
-  const int64_t G = H / KVH;
-  std::vector<int64_t> spans(B), first(B + 1, 0);   // items of sequence b: first[b]..
-  for (int64_t b = 0; b < B; ++b) {
-    spans[b] = std::max<int64_t>(1, (lens[b] + kVecSpan - 1) / kVecSpan);
-    first[b + 1] = first[b] + spans[b];
+template <typename T>
+class SpanItems {
+ public:
+  SpanItems(const int64_t* lens, int64_t B, int64_t H, int64_t KVH, int64_t D)
+      : lens_(lens), B_(B), H_(H), KVH_(KVH), D_(D), G_(H / KVH), first_(B + 1, 0) {
+    for (int64_t b = 0; b < B; ++b)   // items of sequence b: first_[b]..first_[b + 1]
+      first_[b + 1] = first_[b] + std::max<int64_t>(1, (lens[b] + kVecSpan - 1) / kVecSpan);
+    items_ = first_[B];
+    part_acc_.resize(items_ * H * D);
+    part_max_.resize(items_ * H);
+    part_sum_.resize(items_ * H);
   }
-  const int64_t items = first[B];
-  std::vector<float> part_acc(items * H * D), part_max(items * H), part_sum(items * H);
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    const int64_t quads = (G + 3) / 4, QH = quads * 4;   // query heads per kv head, padded
-    std::vector<float> qf(KVH * QH * D, 0.f), scores(KVH * QH * kVecSpan);
-    std::vector<uint16_t> qb(KVH * QH * D, 0);
+
+  int64_t items() const { return items_; }
+  void reset() { next_.store(0, std::memory_order_relaxed); }
+
+  // One thread's buffers: the query [kv head][quads * 4 heads, zero-padded][D] (fp32, and
+  // bf16 for the vdpbf16ps path) and an item's scores.
+  struct Scratch {
+    std::vector<float> qf, scores;
+    std::vector<uint16_t> qb;
+    Scratch(int64_t KVH, int64_t G, int64_t D)
+        : qf(KVH * ((G + 3) / 4 * 4) * D, 0.f), scores(KVH * ((G + 3) / 4 * 4) * kVecSpan),
+          qb(KVH * ((G + 3) / 4 * 4) * D, 0) {}
+  };
+
+  // Takes items from the shared counter until none is left (every thread of a call).
+  template <typename Item>
+  void run(const T* q, const int64_t* tables, int64_t max_blocks, Scratch& s,
+           const Item& item_fn) {
+    const int64_t H = H_, D = D_, G = G_, QH = (G + 3) / 4 * 4;
     int64_t item;
-    while ((item = next.fetch_add(1, std::memory_order_relaxed)) < items) {
-      const int64_t b = std::upper_bound(first.begin(), first.end(), item) - first.begin() - 1;
-      const int64_t span = item - first[b];
-      const int64_t ctx = lens[b], t0 = span * kVecSpan, t1 = std::min(ctx, t0 + kVecSpan);
-      float* pm = &part_max[item * H];
-      float* ps = &part_sum[item * H];
-      float* pa = &part_acc[item * H * D];
+    while ((item = next_.fetch_add(1, std::memory_order_relaxed)) < items_) {
+      const int64_t b = std::upper_bound(first_.begin(), first_.end(), item) - first_.begin() - 1;
+      const int64_t span = item - first_[b];
+      const int64_t ctx = lens_[b], t0 = span * kVecSpan, t1 = std::min(ctx, t0 + kVecSpan);
+      float* pm = &part_max_[item * H];
+      float* ps = &part_sum_[item * H];
+      float* pa = &part_acc_[item * H * D];
       if (t1 <= t0) {   // an empty sequence
         std::fill(ps, ps + H, 0.f);
         std::fill(pm, pm + H, 0.f);
         std::fill(pa, pa + H * D, 0.f);
         continue;
       }
-      for (int64_t g = 0; g < KVH; ++g) {
+      for (int64_t g = 0; g < KVH_; ++g) {
         const T* qg = q + (b * H + g * G) * D;
-        for (int64_t i = 0; i < G * D; ++i) qf[g * QH * D + i] = to_f(qg[i]);
+        for (int64_t i = 0; i < G * D; ++i) s.qf[g * QH * D + i] = to_f(qg[i]);
         if constexpr (std::is_same_v<T, c10::BFloat16>)   // the vdpbf16ps path's query
-          std::memcpy(qb.data() + g * QH * D, qg, G * D * sizeof(uint16_t));
+          std::memcpy(s.qb.data() + g * QH * D, qg, G * D * sizeof(uint16_t));
       }
-      item_fn(qf.data(), qb.data(), tables + b * max_blocks, ctx, t0, t1, scores.data(), pa, pm,
-              ps);
+      item_fn(s.qf.data(), s.qb.data(), tables + b * max_blocks, ctx, t0, t1, s.scores.data(),
+              pa, pm, ps);
     }
-  });
-  at::parallel_for(0, B, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> o(D);
-    for (int64_t b = begin; b < end; ++b) {
-      for (int64_t h = 0; h < H; ++h) {
-        const int64_t i0 = first[b], i1 = first[b + 1];
-        float m = -std::numeric_limits<float>::max();
-        for (int64_t i = i0; i < i1; ++i)
-          if (part_sum[i * H + h] > 0.f) m = std::max(m, part_max[i * H + h]);
-        float sum = 0.f;
-        std::fill(o.begin(), o.end(), 0.f);
-        for (int64_t i = i0; i < i1; ++i) {
-          if (part_sum[i * H + h] == 0.f) continue;
-          const float w = std::exp(part_max[i * H + h] - m);
-          sum += w * part_sum[i * H + h];
-          const float* a = &part_acc[(i * H + h) * D];
-          for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
+  }
+
+  // Each (sequence, head)'s spans merged into out [B, H, D].
+  void merge(T* out) const {
+    const int64_t H = H_, D = D_;
+    at::parallel_for(0, B_, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> o(D);
+      for (int64_t b = begin; b < end; ++b) {
+        for (int64_t h = 0; h < H; ++h) {
+          const int64_t i0 = first_[b], i1 = first_[b + 1];
+          float m = -std::numeric_limits<float>::max();
+          for (int64_t i = i0; i < i1; ++i)
+            if (part_sum_[i * H + h] > 0.f) m = std::max(m, part_max_[i * H + h]);
+          float sum = 0.f;
+          std::fill(o.begin(), o.end(), 0.f);
+          for (int64_t i = i0; i < i1; ++i) {
+            if (part_sum_[i * H + h] == 0.f) continue;
+            const float w = std::exp(part_max_[i * H + h] - m);
+            sum += w * part_sum_[i * H + h];
+            const float* a = &part_acc_[(i * H + h) * D];
+            for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
+          }
+          const float inv = sum > 0.f ? 1.f / sum : 0.f;
+          for (int64_t d = 0; d < D; ++d) out[(b * H + h) * D + d] = static_cast<T>(o[d] * inv);
         }
-        const float inv = sum > 0.f ? 1.f / sum : 0.f;
-        for (int64_t d = 0; d < D; ++d) out[(b * H + h) * D + d] = static_cast<T>(o[d] * inv);
       }
-    }
+    });
+  }
+
+ private:
+  const int64_t* lens_;
+  int64_t B_, H_, KVH_, D_, G_, items_ = 0;
+  std::vector<int64_t> first_;
+  std::vector<float> part_acc_, part_max_, part_sum_;
+  std::atomic<int64_t> next_{0};
+};
+
+template <typename T, typename Item>
+static void decode_spans_vec(const T* q, const int64_t* tables, const int64_t* lens, T* out,
+                                int64_t B, int64_t H, int64_t KVH, int64_t D,
+                                int64_t max_blocks, const Item& item_fn) {
+  SpanItems<T> spans(lens, B, H, KVH, D);
+  at::parallel_for(0, std::min<int64_t>(spans.items(), at::get_num_threads()), 1,
+                   [&](int64_t, int64_t) {
+    typename SpanItems<T>::Scratch s(KVH, H / KVH, D);
+    spans.run(q, tables, max_blocks, s, item_fn);
   });
+  spans.merge(out);
 }
 
 #ifdef TL_DECODE_AVX512
+// One item at the head size D (a multiple of 16 up to 256).
+template <typename C, bool QB>
+static inline void item_avx512(const float* qf, const uint16_t* qb, const C* kc, const C* vc,
+                               const int64_t* table, int64_t ctx, int64_t t0, int64_t t1,
+                               int64_t KVH, int64_t G, int64_t D, int64_t BS,
+                               int64_t blk_stride, int64_t row_stride, float scale,
+                               float* scores, float* pa, float* pm, float* ps,
+                               const float* ks = nullptr, const float* vs = nullptr) {
+  switch (D / 16) {
+#define TL_ITEM(NV)                                                                        \
+  case NV:                                                                                 \
+    decode_item_avx512<C, NV, QB>(qf, qb, kc, vc, table, ctx, t0, t1, KVH, G, BS, blk_stride, \
+                                  row_stride, scale, scores, pa, pm, ps, ks, vs);          \
+    break;
+    TL_ITEM(1) TL_ITEM(2) TL_ITEM(3) TL_ITEM(4) TL_ITEM(5) TL_ITEM(6) TL_ITEM(7)
+    TL_ITEM(8) TL_ITEM(9) TL_ITEM(10) TL_ITEM(11) TL_ITEM(12) TL_ITEM(13) TL_ITEM(14)
+    TL_ITEM(15) TL_ITEM(16)
+#undef TL_ITEM
+  }
+}
+
 // C: the cache's element (T; a Code of a quantized cache with its scales ks / vs; or bf16
 // or fp16 under an fp32 query, cache.kv_dtype bf16 / fp16).
 template <typename T, typename C = T>
@@ -447,17 +508,8 @@ static void decode_kernel_avx512(const T* q, const C* kc, const C* vc, const int
       q, tables, lens, out, B, H, KVH, D, max_blocks,
       [&](const float* qf, const uint16_t* qb, const int64_t* table, int64_t ctx, int64_t t0,
           int64_t t1, float* scores, float* pa, float* pm, float* ps) {
-        switch (D / 16) {
-#define TL_ITEM(NV)                                                                        \
-  case NV:                                                                                 \
-    decode_item_avx512<C, NV, QB>(qf, qb, kc, vc, table, ctx, t0, t1, KVH, G, BS, blk_stride, \
-                                  row_stride, scale, scores, pa, pm, ps, ks, vs);          \
-    break;
-          TL_ITEM(1) TL_ITEM(2) TL_ITEM(3) TL_ITEM(4) TL_ITEM(5) TL_ITEM(6) TL_ITEM(7)
-          TL_ITEM(8) TL_ITEM(9) TL_ITEM(10) TL_ITEM(11) TL_ITEM(12) TL_ITEM(13) TL_ITEM(14)
-          TL_ITEM(15) TL_ITEM(16)
-#undef TL_ITEM
-        }
+        item_avx512<C, QB>(qf, qb, kc, vc, table, ctx, t0, t1, KVH, G, D, BS, blk_stride,
+                           row_stride, scale, scores, pa, pm, ps, ks, vs);
       });
 }
 #endif  // TL_DECODE_AVX512
@@ -652,7 +704,72 @@ static void decode_kernel_avx2(const T* q, const C* kc, const C* vc, const int64
       });
 }
 #endif  // TL_DECODE_AVX2
+
+// The vector path for the decode stack's team (team.h): an fp32 query over a pool of C,
+// the same items and merge as paged_decode's call, the items shared by the team's threads.
+template <typename C>
+class TeamDecodeAttention final : public tl_team::DecodeAttention {
+ public:
+  explicit TeamDecodeAttention(const tl_team::AttentionShape& a)
+      : a_(a), spans_(a.lens, a.b, a.h, a.kvh, a.d) {
+    for (int p = 0; p < a.parts; ++p) scratch_.emplace_back(a.kvh, a.h / a.kvh, a.d);
+  }
+  void bind(const float* q, const void* kc, const void* vc, float* out) override {
+    q_ = q;
+    kc_ = static_cast<const C*>(kc);
+    vc_ = static_cast<const C*>(vc);
+    out_ = out;
+    spans_.reset();
+  }
+  void items(int part) override {
+    const auto& a = a_;
+    const C* kc = kc_;
+    const C* vc = vc_;
+    const int64_t G = a.h / a.kvh;
+    spans_.run(q_, a.tables, a.max_blocks, scratch_[part],
+               [&](const float* qf, const uint16_t* qb, const int64_t* table, int64_t ctx,
+                   int64_t t0, int64_t t1, float* scores, float* pa, float* pm, float* ps) {
+#ifdef TL_DECODE_AVX512
+      item_avx512<C, false>(qf, qb, kc, vc, table, ctx, t0, t1, a.kvh, G, a.d, a.block_size,
+                            a.blk_stride, a.row_stride, a.scale, scores, pa, pm, ps);
+#else
+      (void)qb;
+      decode_item_avx2<C>(qf, kc, vc, table, ctx, t0, t1, a.kvh, G, a.d, a.block_size,
+                          a.blk_stride, a.row_stride, a.scale, scores, pa, pm, ps);
 #endif
+    });
+  }
+  void merge() override { spans_.merge(out_); }
+
+ private:
+  tl_team::AttentionShape a_;
+  SpanItems<float> spans_;
+  std::vector<SpanItems<float>::Scratch> scratch_;
+  const float* q_ = nullptr;
+  const C* kc_ = nullptr;
+  const C* vc_ = nullptr;
+  float* out_ = nullptr;
+};
+#endif
+
+// Null where paged_decode would not take the vector path for this shape.
+static tl_team::DecodeAttention* make_team_decode_attention(const tl_team::AttentionShape& a) {
+#if defined(TL_DECODE_AVX512) || defined(TL_DECODE_AVX2)
+#ifdef TL_DECODE_AVX512
+  const bool shaped = a.d % 16 == 0 && a.d <= 256;
+#else
+  const bool shaped = a.d % 8 == 0 && a.d <= 256;
+#endif
+  if (!g_vector_path || !shaped || a.parts < 1 || a.kvh < 1 || a.h % a.kvh != 0) return nullptr;
+  switch (a.pool) {
+    case 0: return new TeamDecodeAttention<float>(a);
+    case 1: return new TeamDecodeAttention<c10::BFloat16>(a);
+    case 2: return new TeamDecodeAttention<c10::Half>(a);
+  }
+#endif
+  (void)a;
+  return nullptr;
+}
 
 template <typename T, typename C = T>
 static void decode_kernel(const T* q, const C* kc, const C* vc, const int64_t* tables,
@@ -1075,6 +1192,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return std::string("scalar");
 #endif
   }, "which vector path decode attention has (avx512, avx2, or scalar loops only)");
+  m.def("team_factory", []() {
+    return pybind11::capsule(reinterpret_cast<void*>(&make_team_decode_attention),
+                             tl_team::kAttentionCapsule);
+  }, "decode attention for the decode stack's one OpenMP team per step (team.h)");
   m.def("use_vector_path", [](bool on) { g_vector_path = on; },
         "false: decode attention takes the scalar loops (for tests and measurements)");
 }

@@ -229,3 +229,62 @@ def test_a_kernel_the_stack_cannot_call_leaves_the_module_forward():
     _hidden(model, kv, [Seq("a", list(range(3, 15)), 0, [4, 5])], 0)
     _hidden(model, kv, [Seq("a", [20], 12, [4, 5])], 1)
     assert model.decode_stacks.steps == 1
+
+
+@pytest.mark.parametrize("storage", ["q4", "q8"])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_one_openmp_team_per_step_is_bit_identical_to_a_team_per_kernel(storage, pool_dtype,
+                                                                         monkeypatch):
+    """The team path (csrc/team.h) splits the same tiles and attention spans over one
+    parallel region: the residual stream and the pool come out bit-identical to the
+    per-call path's, at decode row counts 1, 3 and 16, on the default model's widths (the
+    packed layout's groups of 16 blocks and its tail)."""
+    spec = dataclasses.replace(SHAPES["smollm2-135m"], num_layers=2, vocab_size=256)
+    model = random_model(spec, torch.float32, "cpu", max_positions=512, seed=11)
+    forced = cpu_linear.Plan(((1 << 30, "block_gemm"),), {})
+    monkeypatch.setattr(cpu_linear, "cached_plan", lambda *a, **k: forced)
+    model.specialize_cpu(storage)
+    model.set_decode_kernel(paged_decode_cpu)
+    assert decode_stack.install(model)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    mod = decode_stack.module()
+    try:
+        seqs = 16
+        kv = KVCache.allocate(spec.num_layers, 20 * seqs, BLOCK, spec.num_kv_heads,
+                              spec.head_dim, pool_dtype, "cpu")
+        gen = torch.Generator().manual_seed(5)
+        free = torch.randperm(20 * seqs, generator=gen).tolist()
+        lens = [(3, 70, 129)[i % 3] + i for i in range(seqs)]   # 1 to 3 spans of 64 keys
+        tables = [[free.pop() for _ in range(n // BLOCK + 1)] for n in lens]
+        kv.pool.normal_(0, 1, generator=gen)                   # a context to attend to
+        decodes = [Seq(str(i), [int(3 + i)], lens[i], tables[i]) for i in range(seqs)]
+        before = kv.pool.clone()
+        for rows in (1, 3, 16):
+            step = decodes[:rows]
+            stack = model.decode_stacks.for_rows(rows)
+            assert model.decode_stacks.team_kernels[("block_gemm",) * 4]
+            served = stack.team_steps()
+            mod.use_team(True)
+            team = _hidden(model, kv, step, rows)
+            assert stack.team_steps() == served + 1
+            team_pool = kv.pool.clone()
+            kv.pool.copy_(before)
+            mod.use_team(False)
+            calls = _hidden(model, kv, step, rows)
+            assert stack.team_steps() == served + 1
+            assert torch.equal(team, calls)
+            assert torch.equal(team_pool, kv.pool)
+            kv.pool.copy_(before)
+        # Without the attention's vector path there is no team kernel: the per-call path.
+        mod.use_team(True)
+        load_cpu_decode_kernel().use_vector_path(False)
+        try:
+            served = stack.team_steps()
+            _hidden(model, kv, decodes[:16], 16)
+            assert stack.team_steps() == served
+        finally:
+            load_cpu_decode_kernel().use_vector_path(True)
+    finally:
+        mod.use_team(True)
+        torch.set_num_threads(threads)
