@@ -98,14 +98,18 @@ def _args(lin, name: str) -> tuple[int, list[torch.Tensor]] | None:
 
 def _enable_team(stack) -> bool:
     """Let `stack` run its decode-only steps in one OpenMP team (csrc/team.h) where its
-    kernels allow: every projection in packed q4 / q8 blocks, the vector decode attention.
+    kernels allow: every projection packed q4 / q8 blocks (fp32 activations), rows
+    (small_gemm, small_gemm_strips) or an FMA tile kernel, and the vector decode attention.
     Bit-identical to the per-call path, without a fork and join of the team per kernel."""
     from tokenloom.kernels.cpu.attention import load_cpu_decode_kernel
 
-    blocks, attention = cpu_linear.block_gemm_module(), load_cpu_decode_kernel()
-    if blocks is None or attention is None:
+    attention = load_cpu_decode_kernel()
+    if attention is None:
         return False
-    return bool(stack.enable_team(blocks.team_factory(), attention.team_factory()))
+    factories = [m.team_factory() if m is not None else None
+                 for m in (cpu_linear.block_gemm_module(), cpu_linear.small_gemm_module(),
+                           cpu_linear.tile_gemm_module())]
+    return bool(stack.enable_team(*factories, attention.team_factory()))
 
 
 class DecodeStacks:

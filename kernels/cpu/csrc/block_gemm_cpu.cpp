@@ -504,6 +504,40 @@ inline void tile_rows(int64_t rm, const uint8_t* q, int64_t q_row, const uint16_
   }
 }
 
+// Tiles [begin, end) of y. Not inlined: the operator's threads and the decode stack's team
+// (team.h) run this one compiled body, so that their results are bit-identical (-ffast-math
+// lets two inlined copies order a sum differently).
+template <Fmt F, int RN, int RMAX>
+__attribute__((noinline)) void vnni_tiles(const VnniX& x, const uint8_t* q, const uint16_t* d,
+                                      const uint16_t* mn, const float* bias, float* y, int64_t N,
+                                      int64_t begin, int64_t end) {
+  const int64_t M = x.M, nb = x.nb, q_row = F == Fmt::Q4 ? x.K / 2 : x.K;
+  float out[RN * RMAX];
+  for (int64_t t = begin; t < end; ++t) {
+    const int64_t n0 = t * RN;
+    const int64_t rn = std::min<int64_t>(RN, N - n0);
+    const uint8_t* qn = q + n0 * q_row;
+    const uint16_t* dn = d + n0 * nb;
+    const uint16_t* mnn = mn ? mn + n0 * nb : nullptr;
+    for (int64_t m0 = 0; m0 < M; m0 += RMAX) {
+      const int64_t rm = std::min<int64_t>(RMAX, M - m0);
+      if (rn == RN) {
+        tile_rows<F, RN, RMAX>(rm, qn, q_row, dn, mnn, nb, x, m0, out);
+      } else {   // the last rows of an N that is not a multiple of RN, one at a time
+        for (int64_t n = 0; n < rn; ++n) {
+          float one[RMAX];
+          tile_rows<F, 1, RMAX>(rm, qn + n * q_row, q_row, dn + n * nb,
+                                mnn ? mnn + n * nb : nullptr, nb, x, m0, one);
+          for (int64_t m = 0; m < rm; ++m) out[m * rn + n] = one[m];
+        }
+      }
+      for (int64_t m = 0; m < rm; ++m)
+        for (int64_t n = 0; n < rn; ++n)
+          y[(m0 + m) * N + n0 + n] = out[m * rn + n] + (bias ? bias[n0 + n] : 0.f);
+    }
+  }
+}
+
 // Tiles of RN weight rows x up to RMAX activation rows; each thread takes a range of tiles
 // and runs every activation row through a tile while its weights are in L1. parts == 0:
 // at::parallel_for over all tiles; else share `part` of `parts` on this thread (a caller's
@@ -511,33 +545,9 @@ inline void tile_rows(int64_t rm, const uint8_t* q, int64_t q_row, const uint16_
 template <Fmt F, int RN, int RMAX>
 void drive(const VnniX& x, const uint8_t* q, const uint16_t* d, const uint16_t* mn,
            const float* bias, float* y, int64_t N, int part = 0, int parts = 0) {
-  const int64_t M = x.M, nb = x.nb, q_row = F == Fmt::Q4 ? x.K / 2 : x.K;
   const int64_t tiles = (N + RN - 1) / RN;
   auto go = [&](int64_t begin, int64_t end) {
-    float out[RN * RMAX];
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n0 = t * RN;
-      const int64_t rn = std::min<int64_t>(RN, N - n0);
-      const uint8_t* qn = q + n0 * q_row;
-      const uint16_t* dn = d + n0 * nb;
-      const uint16_t* mnn = mn ? mn + n0 * nb : nullptr;
-      for (int64_t m0 = 0; m0 < M; m0 += RMAX) {
-        const int64_t rm = std::min<int64_t>(RMAX, M - m0);
-        if (rn == RN) {
-          tile_rows<F, RN, RMAX>(rm, qn, q_row, dn, mnn, nb, x, m0, out);
-        } else {   // the last rows of an N that is not a multiple of RN, one at a time
-          for (int64_t n = 0; n < rn; ++n) {
-            float one[RMAX];
-            tile_rows<F, 1, RMAX>(rm, qn + n * q_row, q_row, dn + n * nb,
-                                  mnn ? mnn + n * nb : nullptr, nb, x, m0, one);
-            for (int64_t m = 0; m < rm; ++m) out[m * rn + n] = one[m];
-          }
-        }
-        for (int64_t m = 0; m < rm; ++m)
-          for (int64_t n = 0; n < rn; ++n)
-            y[(m0 + m) * N + n0 + n] = out[m * rn + n] + (bias ? bias[n0 + n] : 0.f);
-      }
-    }
+    vnni_tiles<F, RN, RMAX>(x, q, d, mn, bias, y, N, begin, end);
   };
   // 32 weight rows per task at least: enough to balance a few dozen threads.
   if (parts == 0) at::parallel_for(0, tiles, (32 + RN - 1) / RN, go);
@@ -835,37 +845,45 @@ inline void tile_rows_avx2(int64_t rm, const uint8_t* q, int64_t q_row, const ui
   }
 }
 
+// Tiles [begin, end) of y, out of line as vnni_tiles.
+template <Fmt F, int RN, int RMAX>
+__attribute__((noinline)) void avx2_tiles(const Avx2X& x, const uint8_t* q, const uint16_t* d,
+                                      const uint16_t* mn, const float* bias, float* y, int64_t N,
+                                      int64_t begin, int64_t end) {
+  const int64_t M = x.M, nb = x.nb, q_row = F == Fmt::Q4 ? x.K / 2 : x.K;
+  float out[RN * RMAX];
+  for (int64_t t = begin; t < end; ++t) {
+    const int64_t n0 = t * RN;
+    const int64_t rn = std::min<int64_t>(RN, N - n0);
+    const uint8_t* qn = q + n0 * q_row;
+    const uint16_t* dn = d + n0 * nb;
+    const uint16_t* mnn = mn ? mn + n0 * nb : nullptr;
+    for (int64_t m0 = 0; m0 < M; m0 += RMAX) {
+      const int64_t rm = std::min<int64_t>(RMAX, M - m0);
+      if (rn == RN) {
+        tile_rows_avx2<F, RN, RMAX>(rm, qn, q_row, dn, mnn, nb, x, m0, out);
+      } else {   // the last rows of an N that is not a multiple of RN, one at a time
+        for (int64_t n = 0; n < rn; ++n) {
+          float one[RMAX];
+          tile_rows_avx2<F, 1, RMAX>(rm, qn + n * q_row, q_row, dn + n * nb,
+                                     mnn ? mnn + n * nb : nullptr, nb, x, m0, one);
+          for (int64_t m = 0; m < rm; ++m) out[m * rn + n] = one[m];
+        }
+      }
+      for (int64_t m = 0; m < rm; ++m)
+        for (int64_t n = 0; n < rn; ++n)
+          y[(m0 + m) * N + n0 + n] = out[m * rn + n] + (bias ? bias[n0 + n] : 0.f);
+    }
+  }
+}
+
 // parts: as drive's.
 template <Fmt F, int RN, int RMAX>
 void drive_avx2(const Avx2X& x, const uint8_t* q, const uint16_t* d, const uint16_t* mn,
                 const float* bias, float* y, int64_t N, int part = 0, int parts = 0) {
-  const int64_t M = x.M, nb = x.nb, q_row = F == Fmt::Q4 ? x.K / 2 : x.K;
   const int64_t tiles = (N + RN - 1) / RN;
   auto go = [&](int64_t begin, int64_t end) {
-    float out[RN * RMAX];
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n0 = t * RN;
-      const int64_t rn = std::min<int64_t>(RN, N - n0);
-      const uint8_t* qn = q + n0 * q_row;
-      const uint16_t* dn = d + n0 * nb;
-      const uint16_t* mnn = mn ? mn + n0 * nb : nullptr;
-      for (int64_t m0 = 0; m0 < M; m0 += RMAX) {
-        const int64_t rm = std::min<int64_t>(RMAX, M - m0);
-        if (rn == RN) {
-          tile_rows_avx2<F, RN, RMAX>(rm, qn, q_row, dn, mnn, nb, x, m0, out);
-        } else {   // the last rows of an N that is not a multiple of RN, one at a time
-          for (int64_t n = 0; n < rn; ++n) {
-            float one[RMAX];
-            tile_rows_avx2<F, 1, RMAX>(rm, qn + n * q_row, q_row, dn + n * nb,
-                                       mnn ? mnn + n * nb : nullptr, nb, x, m0, one);
-            for (int64_t m = 0; m < rm; ++m) out[m * rn + n] = one[m];
-          }
-        }
-        for (int64_t m = 0; m < rm; ++m)
-          for (int64_t n = 0; n < rn; ++n)
-            y[(m0 + m) * N + n0 + n] = out[m * rn + n] + (bias ? bias[n0 + n] : 0.f);
-      }
-    }
+    avx2_tiles<F, RN, RMAX>(x, q, d, mn, bias, y, N, begin, end);
   };
   if (parts == 0) at::parallel_for(0, tiles, (32 + RN - 1) / RN, go);
   else go(tiles * part / parts, tiles * (part + 1) / parts);
@@ -949,7 +967,7 @@ torch::Tensor finish(const torch::Tensor& x, torch::Tensor y) {
 // quantized once into buffers kept for the step, the tiles split by part, with the path
 // and tile shapes the operator would take.
 template <Fmt F>
-class TeamBlockCall final : public tl_team::BlockCall {
+class TeamBlockCall final : public tl_team::Projection {
  public:
   TeamBlockCall(int64_t M, int64_t K) {
     const int64_t groups = K / kBlock / 16;
@@ -962,17 +980,22 @@ class TeamBlockCall final : public tl_team::BlockCall {
 #endif
     ax_ = alloc_avx2(M, K, groups);
   }
-  void prepare(const float* x) override {
+  void prepare(const void* xv) override {
+    const float* x = static_cast<const float*>(xv);
 #if defined(TL_VNNI)
     if (vnni_) return quantize_vnni_into<F>(vx_, x);
 #endif
     quantize_avx2_into(ax_, x, F == Fmt::Q4);
   }
-  void rows(const tl_team::BlockWeights& w, float* y, int part, int parts) const override {
+  void rows(const tl_team::Weights& w, void* yv, int part, int parts) const override {
+    float* y = static_cast<float*>(yv);
+    const auto* q = static_cast<const uint8_t*>(w.data);
+    const auto* d = static_cast<const uint16_t*>(w.scales);
+    const auto* mn = static_cast<const uint16_t*>(w.mins);
 #if defined(TL_VNNI)
-    if (vnni_) return drive_vnni<F>(vx_, w.q, w.d, w.mn, w.bias, y, w.n, part, parts);
+    if (vnni_) return drive_vnni<F>(vx_, q, d, mn, w.bias, y, w.n, part, parts);
 #endif
-    drive_avx2_packed<F>(ax_, w.q, w.d, w.mn, w.bias, y, w.n, part, parts);
+    drive_avx2_packed<F>(ax_, q, d, mn, w.bias, y, w.n, part, parts);
   }
 
  private:
@@ -984,13 +1007,14 @@ class TeamBlockCall final : public tl_team::BlockCall {
 };
 #endif
 
-tl_team::BlockCall* make_team_block_call(int fmt, int64_t M, int64_t K) {
+// fp32 activations only (the q4 and q8 modes').
+tl_team::Projection* make_team_block_call(int kind, int, int64_t M, int64_t K, bool bf16) {
 #if defined(TL_AVX2)
-  if (M <= 0 || K % kBlock != 0) return nullptr;
-  if (fmt == 0) return new TeamBlockCall<Fmt::Q4>(M, K);
-  if (fmt == 1) return new TeamBlockCall<Fmt::Q8>(M, K);
+  if (bf16 || M <= 0 || K % kBlock != 0) return nullptr;
+  if (kind == tl_team::kQ4Packed) return new TeamBlockCall<Fmt::Q4>(M, K);
+  if (kind == tl_team::kQ8Packed) return new TeamBlockCall<Fmt::Q8>(M, K);
 #endif
-  (void)fmt; (void)M; (void)K;
+  (void)kind; (void)M; (void)K; (void)bf16;
   return nullptr;
 }
 

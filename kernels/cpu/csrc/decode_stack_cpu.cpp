@@ -73,7 +73,9 @@ c10::TypedOperatorHandle<Q8Op> op4(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Q8Op>();
 }
 
-// The small ops per activation dtype. fp32: one pass each, as the C++ layer ops do.
+// The small ops per activation dtype. fp32: one pass each, as the C++ layer ops do. Not
+// inlined: the per-call path and the team path run one compiled body of each, so that their
+// results are bit-identical (-ffast-math lets two inlined copies fuse or order differently).
 // bf16: rounded to bf16 where the module forward's torch ops round (each op's result), so
 // that a bf16 step matches it as closely as fp32 does: residual + x; the norm computed in
 // fp32, rounded, then times the bf16 weight; RoPE's two products and their sum; SiLU, then
@@ -83,12 +85,12 @@ struct Ops;
 
 template <>
 struct Ops<float> {
-  static void norm(float* x, float* residual, const float* w, float* y, int64_t rows,
+  __attribute__((noinline)) static void norm(float* x, float* residual, const float* w, float* y, int64_t rows,
                    int64_t n, double eps) {
     tl_rows::norm_rows(x, residual, w, y, rows, n, eps);
   }
   // Rotate-half RoPE of one head in place: x[j] * cos[j] -/+ x[j +/- half] * sin[j].
-  static void rope(float* x, const float* cos, const float* sin, int64_t d) {
+  __attribute__((noinline)) static void rope(float* x, const float* cos, const float* sin, int64_t d) {
     const int64_t half = d / 2;
     for (int64_t j = 0; j < half; ++j) {
       const float a = x[j], b = x[j + half];
@@ -96,7 +98,7 @@ struct Ops<float> {
       x[j + half] = b * cos[j + half] + a * sin[j + half];
     }
   }
-  static void silu_mul(const float* g, float* y, int64_t rows, int64_t inter) {
+  __attribute__((noinline)) static void silu_mul(const float* g, float* y, int64_t rows, int64_t inter) {
     tl_rows::silu_mul_rows(g, y, rows, inter);
   }
 };
@@ -105,7 +107,7 @@ using bf16 = c10::BFloat16;
 
 template <>
 struct Ops<bf16> {
-  static void norm(bf16* x, bf16* residual, const bf16* w, bf16* y, int64_t rows, int64_t n,
+  __attribute__((noinline)) static void norm(bf16* x, bf16* residual, const bf16* w, bf16* y, int64_t rows, int64_t n,
                    double eps) {
     for (int64_t r = 0; r < rows; ++r) {
       bf16* src = x + r * n;
@@ -121,7 +123,7 @@ struct Ops<bf16> {
       for (int64_t j = 0; j < n; ++j) yr[j] = bf16(float(w[j]) * float(bf16(float(src[j]) * inv)));
     }
   }
-  static void rope(bf16* x, const bf16* cos, const bf16* sin, int64_t d) {
+  __attribute__((noinline)) static void rope(bf16* x, const bf16* cos, const bf16* sin, int64_t d) {
     const int64_t half = d / 2;
     for (int64_t j = 0; j < half; ++j) {
       const float a = x[j], b = x[j + half];
@@ -130,7 +132,7 @@ struct Ops<bf16> {
                          float(bf16(a * float(sin[j + half]))));
     }
   }
-  static void silu_mul(const bf16* g, bf16* y, int64_t rows, int64_t inter) {
+  __attribute__((noinline)) static void silu_mul(const bf16* g, bf16* y, int64_t rows, int64_t inter) {
     for (int64_t r = 0; r < rows; ++r) {
       const bf16* gr = g + r * 2 * inter;
       const bf16* ur = gr + inter;
@@ -164,47 +166,110 @@ class DecodeStack {
   int64_t num_layers() const { return static_cast<int64_t>(norms_.size() / 2); }
   int64_t team_steps() const { return team_steps_.load(std::memory_order_relaxed); }
 
-  // Take the team path (team.h) where it applies: every projection packed q4 / q8 blocks of
-  // the model's shapes, fp32 norms and biases. block / attention: the kernel modules'
-  // team_factory() capsules. Returns whether it will be used.
-  bool enable_team(pybind11::capsule block, pybind11::capsule attention) {
+  // Take the team path (team.h) where it applies: every projection packed q4 / q8 blocks
+  // (block_gemm, fp32 activations), rows of fp32, bf16 or int8 (small_gemm,
+  // small_gemm_strips) or the tile kernels' FMA body (tile_gemm_f32, tile_gemm, including
+  // over a q4 / q8 model's bf16 copy, tile_gemm_int8) of the model's shapes. The arguments:
+  // the kernel modules' team_factory() capsules (None: a module not built). Returns whether
+  // it will be used; a step whose kernels have no team body at its activations' dtype still
+  // takes the per-call path.
+  bool enable_team(pybind11::object block, pybind11::object small, pybind11::object tile,
+                   pybind11::object attention) {
     team_ = false;
-    if (std::string(block.name()) != tl_team::kBlockCapsule ||
-        std::string(attention.name()) != tl_team::kAttentionCapsule)
-      return false;
-    make_block_ = reinterpret_cast<tl_team::MakeBlockCall>(block.get_pointer());
-    make_attention_ = reinterpret_cast<tl_team::MakeDecodeAttention>(attention.get_pointer());
+    auto factory = [](pybind11::object o, const char* name) -> void* {
+      if (o.is_none()) return nullptr;
+      auto c = o.cast<pybind11::capsule>();
+      return std::string(c.name()) == name ? c.get_pointer() : nullptr;
+    };
+    make_[0] = reinterpret_cast<tl_team::MakeProjection>(factory(block, tl_team::kBlockCapsule));
+    make_[1] = reinterpret_cast<tl_team::MakeProjection>(factory(small, tl_team::kSmallCapsule));
+    make_[2] = reinterpret_cast<tl_team::MakeProjection>(factory(tile, tl_team::kTileCapsule));
+    make_attention_ = reinterpret_cast<tl_team::MakeDecodeAttention>(
+        factory(attention, tl_team::kAttentionCapsule));
+    if (make_attention_ == nullptr) return false;
     const int64_t E = norms_[0].numel(), Q = H_ * D_, KV = KVH_ * D_;
+    const bool bf16_act = norms_[0].scalar_type() == at::kBFloat16;
     weights_.clear();
+    team_kinds_.clear();
+    team_elems_.clear();
+    biases_.clear();
     int64_t inter = -1;
+    auto panels = [](const Tensor& t, at::ScalarType dt) {
+      return t.dim() == 3 && t.is_contiguous() && t.size(2) == 16 && t.scalar_type() == dt;
+    };
+    auto fp32_vector = [](const Tensor& t, int64_t n) {
+      return t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == n;
+    };
     for (size_t i = 0; i < projs_.size(); ++i) {
       const auto& p = projs_[i];
-      if (p.kind != kQ4Packed && p.kind != kQ8Packed) return false;
-      const bool q4 = p.kind == kQ4Packed;
-      const Tensor& qs = p.args[0];
-      const Tensor& d = p.args[1];
-      const Tensor& bias = p.args[q4 ? 3 : 2];
-      if (!qs.is_contiguous() || !d.is_contiguous() ||
-          (q4 && !p.args[2].is_contiguous()) ||
-          (bias.numel() > 0 && (bias.scalar_type() != at::kFloat || !bias.is_contiguous())))
+      const auto& a = p.args;
+      int kind, elem = tl_team::kElemF32;
+      int64_t n, k;
+      tl_team::Weights w{};
+      if (p.kind == kQ4Packed || p.kind == kQ8Packed) {
+        const bool q4 = p.kind == kQ4Packed;
+        kind = q4 ? tl_team::kQ4Packed : tl_team::kQ8Packed;
+        if (!a[0].is_contiguous() || !a[1].is_contiguous() || (q4 && !a[2].is_contiguous()))
+          return false;
+        n = a[0].size(0);
+        k = q4 ? a[0].size(1) * 2 : a[0].size(1);
+        if (a[1].size(1) * 32 != k) return false;
+        w = {a[0].data_ptr(), a[1].data_ptr(), q4 ? a[2].data_ptr() : nullptr, nullptr, n};
+      } else if ((p.kind == kSmall || p.kind == kStrips) && a[0].dim() == 2 &&
+                 a[0].is_contiguous()) {
+        kind = p.kind == kSmall ? tl_team::kSmallRows : tl_team::kSmallStrips;
+        n = a[0].size(0);
+        k = a[0].size(1);
+        const auto wt = a[0].scalar_type();
+        if (wt == at::kFloat || wt == at::kBFloat16) {
+          if (a[1].numel() != 0) return false;
+          elem = wt == at::kFloat ? tl_team::kElemF32 : tl_team::kElemBf16;
+          w = {a[0].data_ptr(), nullptr, nullptr, nullptr, n};
+        } else if (wt == at::kChar && fp32_vector(a[1], n)) {
+          elem = tl_team::kElemInt8;
+          w = {a[0].data_ptr(), a[1].data_ptr(), nullptr, nullptr, n};
+        } else {
+          return false;
+        }
+      } else if ((p.kind == kTile && panels(a[0], at::kShort)) ||
+                 (p.kind == kTileF32 && panels(a[0], at::kFloat))) {
+        kind = p.kind == kTile ? tl_team::kTileBf16 : tl_team::kTileF32;
+        n = a[0].size(0) * 16;
+        k = a[0].size(1);
+        w = {a[0].data_ptr(), nullptr, nullptr, nullptr, n};
+      } else if (p.kind == kTileInt8 && panels(a[0], at::kChar) &&
+                 fp32_vector(a[1], a[0].size(0) * 16)) {
+        kind = tl_team::kTileInt8;
+        n = a[0].size(0) * 16;
+        k = a[0].size(1);
+        w = {a[0].data_ptr(), a[1].data_ptr(), nullptr, nullptr, n};
+      } else {
         return false;
-      const int64_t n = qs.size(0), k = q4 ? qs.size(1) * 2 : qs.size(1);
+      }
+      const Tensor& bias = a.back();
+      if (bias.numel() > 0) {   // in fp32, as every kernel widens it per call
+        if (bias.numel() != n) return false;
+        biases_.push_back(bias.to(at::kFloat).contiguous());
+        w.bias = biases_.back().data_ptr<float>();
+      }
+      // The module must be there and serve this kind at these activations with the body
+      // the operator takes (a vdpbf16ps build's bf16 tiles: not).
+      const auto make = make_[tl_team::module_of(kind)];
+      if (make == nullptr) return false;
+      std::unique_ptr<tl_team::Projection> probe(make(kind, elem, 1, k, bf16_act));
+      if (!probe) return false;
       if (i % 4 == 2) {
         if (inter < 0) inter = n / 2;
         if (n != 2 * inter) return false;
       }
       const int64_t want_n[4] = {Q + 2 * KV, E, 2 * inter, E};
       const int64_t want_k[4] = {E, Q, E, inter};
-      if (n != want_n[i % 4] || k != want_k[i % 4] || d.size(1) * 32 != k) return false;
-      weights_.push_back(tl_team::BlockWeights{
-          reinterpret_cast<const uint8_t*>(qs.data_ptr()),
-          reinterpret_cast<const uint16_t*>(d.data_ptr()),
-          q4 ? reinterpret_cast<const uint16_t*>(p.args[2].data_ptr()) : nullptr,
-          bias.numel() > 0 ? bias.data_ptr<float>() : nullptr, n});
+      if (n != want_n[i % 4] || k != want_k[i % 4]) return false;
+      weights_.push_back(w);
+      team_kinds_.push_back(kind);
+      team_elems_.push_back(elem);
     }
-    for (auto& n : norms_)
-      if (n.scalar_type() != at::kFloat) return false;
-    team_ = make_block_ != nullptr && make_attention_ != nullptr;
+    team_ = true;
     return team_;
   }
 
@@ -272,11 +337,9 @@ class DecodeStack {
       covered += seg[3 * i + 1];
     }
     TORCH_CHECK(covered == B, "decode_stack: decode rows and chunks cover the step's rows");
-    if constexpr (std::is_same_v<T, float>) {
-      if (S == 0 && team_ && g_team && at::get_num_threads() > 1) {
-        Tensor out = run_team<C>(h, cp, sp, slot, pool, tables, lens);
-        if (out.defined()) return out;
-      }
+    if (S == 0 && team_ && g_team && at::get_num_threads() > 1) {
+      Tensor out = run_team<T, C>(h, cp, sp, slot, pool, tables, lens);
+      if (out.defined()) return out;
     }
     Tensor x = at::empty({B, E}, h.options());
     std::vector<T> krow(KV);   // a key row rotated in the activations' dtype, then stored
@@ -349,13 +412,15 @@ class DecodeStack {
     return h;
   }
 
-  // The team path (team.h): a decode-only step of fp32 activations whose projections are
-  // all packed q4 / q8 blocks runs its layers in one OpenMP parallel region. h: the step's
-  // residual stream (a copy, updated in place and returned); undefined when the attention
-  // has no team kernel for this pool (the caller takes the per-call path).
-  template <typename C>
-  Tensor run_team(Tensor h, const float* cp, const float* sp, const int64_t* slot,
-                  const Tensor& pool, const Tensor& tables_in, const Tensor& lens_in) const {
+  // The team path (team.h): a decode-only step whose projections all have a team kernel
+  // (enable_team) runs its layers in one OpenMP parallel region, with the small ops of the
+  // per-call path (Ops<T>, the same K/V rounding). h: the step's residual stream (a copy,
+  // updated in place and returned); undefined when a kernel has no team body for this step
+  // (the caller takes the per-call path).
+  template <typename T, typename C>
+  Tensor run_team(Tensor h, const T* cp, const T* sp, const int64_t* slot, const Tensor& pool,
+                  const Tensor& tables_in, const Tensor& lens_in) const {
+    constexpr bool kBf16 = std::is_same_v<T, bf16>;
     const int64_t B = h.size(0), E = h.size(1), Q = H_ * D_, KV = KVH_ * D_;
     const int64_t L = num_layers(), BS = pool.size(3);
     const int64_t layer_stride = pool[0].numel(), side = layer_stride / 2;
@@ -367,52 +432,61 @@ class DecodeStack {
     for (int64_t b = 0; b < B; ++b)   // checked here: nothing may throw inside the region
       TORCH_CHECK(slot[b] < slots_per_layer, "decode_stack: slot out of range");
     const int nt = at::get_num_threads();
-    tl_team::AttentionShape shape{std::is_same_v<C, float> ? 0 : std::is_same_v<C, bf16> ? 1 : 2,
+    tl_team::AttentionShape shape{kBf16 ? 1 : 0,
+                                  std::is_same_v<C, float> ? 0 : std::is_same_v<C, bf16> ? 1 : 2,
                                   tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), B, H_,
                                   KVH_, D_, BS, tables.size(1), BS * KV, KV,
                                   static_cast<float>(scale_), nt};
     std::unique_ptr<tl_team::DecodeAttention> attn(make_attention_(shape));
     if (!attn) return Tensor();
-    // One quantized-activation buffer per projection position and format.
+    // One kernel object (its activation buffers) per projection position and kind.
     const int64_t inter = weights_[2].n / 2;
     const int64_t widths[4] = {E, Q, E, inter};
-    std::unique_ptr<tl_team::BlockCall> calls[4][2];
+    std::unique_ptr<tl_team::Projection> calls[4][tl_team::kProjectionKinds];
     for (int64_t i = 0; i < 4 * L; ++i) {
-      auto& c = calls[i % 4][projs_[i].kind == kQ8Packed];
-      if (!c) c.reset(make_block_(projs_[i].kind == kQ8Packed, B, widths[i % 4]));
+      const int kind = team_kinds_[i];
+      auto& c = calls[i % 4][kind];
+      if (!c) c.reset(make_[tl_team::module_of(kind)](kind, team_elems_[i], B, widths[i % 4],
+                                                       kBf16));
       if (!c) return Tensor();
     }
-    auto call = [&](int64_t l, int pos) { return calls[pos][projs_[4 * l + pos].kind == kQ8Packed].get(); };
+    auto call = [&](int64_t l, int pos) { return calls[pos][team_kinds_[4 * l + pos]].get(); };
     auto opts = h.options();
     Tensor x = at::empty({B, E}, opts), qkv = at::empty({B, Q + 2 * KV}, opts);
     Tensor q = at::empty({B, Q}, opts), o = at::empty({B, Q}, opts), a = at::empty({B, E}, opts);
     Tensor gu = at::empty({B, 2 * inter}, opts), y = at::empty({B, inter}, opts);
     Tensor m = at::empty({B, E}, opts);
-    float *hp = h.data_ptr<float>(), *xp = x.data_ptr<float>(), *qkvp = qkv.data_ptr<float>();
-    float *qp = q.data_ptr<float>(), *op = o.data_ptr<float>(), *ap = a.data_ptr<float>();
-    float *gup = gu.data_ptr<float>(), *yp = y.data_ptr<float>(), *mp = m.data_ptr<float>();
+    T *hp = h.data_ptr<T>(), *xp = x.data_ptr<T>(), *qkvp = qkv.data_ptr<T>();
+    T *qp = q.data_ptr<T>(), *op = o.data_ptr<T>(), *ap = a.data_ptr<T>();
+    T *gup = gu.data_ptr<T>(), *yp = y.data_ptr<T>(), *mp = m.data_ptr<T>();
     C* poolp = reinterpret_cast<C*>(pool.data_ptr());
-    std::vector<const float*> norm_w;
-    for (auto& n : norms_) norm_w.push_back(n.data_ptr<float>());
+    std::vector<const T*> norm_w;
+    for (auto& n : norms_) norm_w.push_back(n.data_ptr<T>());
     const double eps = eps_;
-    // Serial steps between the kernels (run by the last thread to reach each barrier).
+    // Serial steps between the kernels (run by the last thread to reach each barrier): the
+    // per-call path's RoPE and K/V store (run_t), then the attention pointed at the layer.
     auto rope_store = [&](int64_t l) {
       C* kp = poolp + l * layer_stride;
       C* vp = kp + side;
-      std::vector<float> krow(KV);
+      std::vector<T> krow(KV);
       for (int64_t b = 0; b < B; ++b) {
-        const float* row = qkvp + b * (Q + 2 * KV);
-        const float* c = cp + b * D_;
-        const float* s = sp + b * D_;
-        float* qb = qp + b * Q;
+        const T* row = qkvp + b * (Q + 2 * KV);
+        const T* c = cp + b * D_;
+        const T* s = sp + b * D_;
+        T* qb = qp + b * Q;
         std::copy(row, row + Q, qb);
-        for (int64_t hh = 0; hh < H_; ++hh) Ops<float>::rope(qb + hh * D_, c, s, D_);
+        for (int64_t hh = 0; hh < H_; ++hh) Ops<T>::rope(qb + hh * D_, c, s, D_);
         if (slot[b] < 0) continue;
         C* kd = kp + slot[b] * KV;
-        std::copy(row + Q, row + Q + KV, krow.begin());
-        for (int64_t hh = 0; hh < KVH_; ++hh) Ops<float>::rope(krow.data() + hh * D_, c, s, D_);
-        for (int64_t i = 0; i < KV; ++i) kd[i] = tl_rows::to_pool<C>(krow[i]);
-        const float* vsrc = row + Q + KV;
+        if constexpr (std::is_same_v<T, C>) {   // rotated in place in the pool
+          std::copy(row + Q, row + Q + KV, kd);
+          for (int64_t hh = 0; hh < KVH_; ++hh) Ops<T>::rope(kd + hh * D_, c, s, D_);
+        } else {
+          std::copy(row + Q, row + Q + KV, krow.begin());
+          for (int64_t hh = 0; hh < KVH_; ++hh) Ops<T>::rope(krow.data() + hh * D_, c, s, D_);
+          for (int64_t i = 0; i < KV; ++i) kd[i] = tl_rows::to_pool<C>(krow[i]);
+        }
+        const T* vsrc = row + Q + KV;
         C* vd = vp + slot[b] * KV;
         for (int64_t i = 0; i < KV; ++i) vd[i] = tl_rows::to_pool<C>(vsrc[i]);
       }
@@ -429,11 +503,11 @@ class DecodeStack {
         short_team = true;
       } else {
         bar.arrive([&] {
-          Ops<float>::norm(hp, nullptr, norm_w[0], xp, B, E, eps);
+          Ops<T>::norm(hp, nullptr, norm_w[0], xp, B, E, eps);
           call(0, 0)->prepare(xp);
         });
         for (int64_t l = 0; l < L; ++l) {
-          const tl_team::BlockWeights* w = &weights_[4 * l];
+          const tl_team::Weights* w = &weights_[4 * l];
           call(l, 0)->rows(w[0], qkvp, part, parts);
           bar.arrive([&] { rope_store(l); });
           attn->items(part);
@@ -443,21 +517,21 @@ class DecodeStack {
           });
           call(l, 1)->rows(w[1], ap, part, parts);
           bar.arrive([&] {
-            Ops<float>::norm(ap, hp, norm_w[2 * l + 1], xp, B, E, eps);
+            Ops<T>::norm(ap, hp, norm_w[2 * l + 1], xp, B, E, eps);
             call(l, 2)->prepare(xp);
           });
           call(l, 2)->rows(w[2], gup, part, parts);
           bar.arrive([&] {
-            Ops<float>::silu_mul(gup, yp, B, inter);
+            Ops<T>::silu_mul(gup, yp, B, inter);
             call(l, 3)->prepare(yp);
           });
           call(l, 3)->rows(w[3], mp, part, parts);
           bar.arrive([&] {
             if (l + 1 < L) {
-              Ops<float>::norm(mp, hp, norm_w[2 * l + 2], xp, B, E, eps);
+              Ops<T>::norm(mp, hp, norm_w[2 * l + 2], xp, B, E, eps);
               call(l + 1, 0)->prepare(xp);
-            } else {
-              for (int64_t i = 0; i < B * E; ++i) hp[i] += mp[i];
+            } else {   // h + m (bf16: rounded once, as add_ rounds)
+              for (int64_t i = 0; i < B * E; ++i) hp[i] = T(float(hp[i]) + float(mp[i]));
             }
           });
         }
@@ -540,9 +614,12 @@ class DecodeStack {
   std::vector<Tensor> norms_;
   std::vector<Proj> projs_;
   bool team_ = false;
-  tl_team::MakeBlockCall make_block_ = nullptr;
+  tl_team::MakeProjection make_[3] = {nullptr, nullptr, nullptr};   // by tl_team::module_of
   tl_team::MakeDecodeAttention make_attention_ = nullptr;
-  std::vector<tl_team::BlockWeights> weights_;   // the projections' blocks (team path)
+  std::vector<tl_team::Weights> weights_;   // the projections' weights (team path)
+  std::vector<int> team_kinds_;             // and their tl_team::ProjectionKind,
+  std::vector<int> team_elems_;             // tl_team::WeightElem
+  std::vector<Tensor> biases_;              // fp32 copies the weights' bias pointers read
   mutable std::atomic<int64_t> team_steps_{0};    // steps the team path served
   int64_t H_, KVH_, D_;
   double eps_, scale_;

@@ -394,9 +394,12 @@ class SpanItems {
           qb(KVH * ((G + 3) / 4 * 4) * D, 0) {}
   };
 
-  // Takes items from the shared counter until none is left (every thread of a call).
+  // Takes items from the shared counter until none is left (every thread of a call). Not
+  // inlined (nor merge): paged_decode's threads and the decode stack's team (team.h) run
+  // one compiled body with one item functor type, so that their results are bit-identical
+  // (-ffast-math lets two inlined copies order a sum differently).
   template <typename Item>
-  void run(const T* q, const int64_t* tables, int64_t max_blocks, Scratch& s,
+  __attribute__((noinline)) void run(const T* q, const int64_t* tables, int64_t max_blocks, Scratch& s,
            const Item& item_fn) {
     const int64_t H = H_, D = D_, G = G_, QH = (G + 3) / 4 * 4;
     int64_t item;
@@ -425,7 +428,7 @@ class SpanItems {
   }
 
   // Each (sequence, head)'s spans merged into out [B, H, D].
-  void merge(T* out) const {
+  __attribute__((noinline)) void merge(T* out) const {
     const int64_t H = H_, D = D_;
     at::parallel_for(0, B_, 16, [&](int64_t begin, int64_t end) {
       std::vector<float> o(D);
@@ -494,6 +497,23 @@ static inline void item_avx512(const float* qf, const uint16_t* qb, const C* kc,
   }
 }
 
+// One item of a query of T over a cache of C (the functor SpanItems::run calls).
+template <typename C, bool QB>
+struct ItemAvx512 {
+  const C* kc;
+  const C* vc;
+  int64_t KVH, G, D, BS, blk_stride, row_stride;
+  float scale;
+  const float* ks;
+  const float* vs;
+  void operator()(const float* qf, const uint16_t* qb, const int64_t* table, int64_t ctx,
+                  int64_t t0, int64_t t1, float* scores, float* pa, float* pm,
+                  float* ps) const {
+    item_avx512<C, QB>(qf, qb, kc, vc, table, ctx, t0, t1, KVH, G, D, BS, blk_stride,
+                       row_stride, scale, scores, pa, pm, ps, ks, vs);
+  }
+};
+
 // C: the cache's element (T; a Code of a quantized cache with its scales ks / vs; or bf16
 // or fp16 under an fp32 query, cache.kv_dtype bf16 / fp16).
 template <typename T, typename C = T>
@@ -502,15 +522,10 @@ static void decode_kernel_avx512(const T* q, const C* kc, const C* vc, const int
                                  int64_t D, int64_t BS, int64_t max_blocks, int64_t blk_stride,
                                  int64_t row_stride, float scale, const float* ks = nullptr,
                                  const float* vs = nullptr) {
-  const int64_t G = H / KVH;
   constexpr bool QB = std::is_same_v<T, c10::BFloat16>;   // the query in bf16 (qb filled)
-  decode_spans_vec<T>(
-      q, tables, lens, out, B, H, KVH, D, max_blocks,
-      [&](const float* qf, const uint16_t* qb, const int64_t* table, int64_t ctx, int64_t t0,
-          int64_t t1, float* scores, float* pa, float* pm, float* ps) {
-        item_avx512<C, QB>(qf, qb, kc, vc, table, ctx, t0, t1, KVH, G, D, BS, blk_stride,
-                           row_stride, scale, scores, pa, pm, ps, ks, vs);
-      });
+  decode_spans_vec<T>(q, tables, lens, out, B, H, KVH, D, max_blocks,
+                      ItemAvx512<C, QB>{kc, vc, KVH, H / KVH, D, BS, blk_stride, row_stride,
+                                        scale, ks, vs});
 }
 #endif  // TL_DECODE_AVX512
 
@@ -689,66 +704,71 @@ static void decode_item_avx2(const float* qf, const T* kc, const T* vc, const in
   }
 }
 
+// One item over a cache of C (the functor SpanItems::run calls).
+template <typename C>
+struct ItemAvx2 {
+  const C* kc;
+  const C* vc;
+  int64_t KVH, G, D, BS, blk_stride, row_stride;
+  float scale;
+  void operator()(const float* qf, const uint16_t*, const int64_t* table, int64_t ctx,
+                  int64_t t0, int64_t t1, float* scores, float* pa, float* pm,
+                  float* ps) const {
+    decode_item_avx2<C>(qf, kc, vc, table, ctx, t0, t1, KVH, G, D, BS, blk_stride, row_stride,
+                        scale, scores, pa, pm, ps);
+  }
+};
+
 template <typename T, typename C = T>
 static void decode_kernel_avx2(const T* q, const C* kc, const C* vc, const int64_t* tables,
                                const int64_t* lens, T* out, int64_t B, int64_t H, int64_t KVH,
                                int64_t D, int64_t BS, int64_t max_blocks, int64_t blk_stride,
                                int64_t row_stride, float scale) {
-  const int64_t G = H / KVH;
-  decode_spans_vec<T>(
-      q, tables, lens, out, B, H, KVH, D, max_blocks,
-      [&](const float* qf, const uint16_t*, const int64_t* table, int64_t ctx, int64_t t0,
-          int64_t t1, float* scores, float* pa, float* pm, float* ps) {
-        decode_item_avx2<C>(qf, kc, vc, table, ctx, t0, t1, KVH, G, D, BS, blk_stride,
-                            row_stride, scale, scores, pa, pm, ps);
-      });
+  decode_spans_vec<T>(q, tables, lens, out, B, H, KVH, D, max_blocks,
+                      ItemAvx2<C>{kc, vc, KVH, H / KVH, D, BS, blk_stride, row_stride, scale});
 }
 #endif  // TL_DECODE_AVX2
 
-// The vector path for the decode stack's team (team.h): an fp32 query over a pool of C,
-// the same items and merge as paged_decode's call, the items shared by the team's threads.
-template <typename C>
+// The vector path for the decode stack's team (team.h): a query of T (fp32 or bf16) over a
+// pool of C, the same items and merge as paged_decode's call, the items shared by the
+// team's threads.
+template <typename T, typename C>
 class TeamDecodeAttention final : public tl_team::DecodeAttention {
  public:
   explicit TeamDecodeAttention(const tl_team::AttentionShape& a)
       : a_(a), spans_(a.lens, a.b, a.h, a.kvh, a.d) {
     for (int p = 0; p < a.parts; ++p) scratch_.emplace_back(a.kvh, a.h / a.kvh, a.d);
   }
-  void bind(const float* q, const void* kc, const void* vc, float* out) override {
-    q_ = q;
+  void bind(const void* q, const void* kc, const void* vc, void* out) override {
+    q_ = static_cast<const T*>(q);
     kc_ = static_cast<const C*>(kc);
     vc_ = static_cast<const C*>(vc);
-    out_ = out;
+    out_ = static_cast<T*>(out);
     spans_.reset();
   }
   void items(int part) override {
     const auto& a = a_;
-    const C* kc = kc_;
-    const C* vc = vc_;
     const int64_t G = a.h / a.kvh;
-    spans_.run(q_, a.tables, a.max_blocks, scratch_[part],
-               [&](const float* qf, const uint16_t* qb, const int64_t* table, int64_t ctx,
-                   int64_t t0, int64_t t1, float* scores, float* pa, float* pm, float* ps) {
 #ifdef TL_DECODE_AVX512
-      item_avx512<C, false>(qf, qb, kc, vc, table, ctx, t0, t1, a.kvh, G, a.d, a.block_size,
-                            a.blk_stride, a.row_stride, a.scale, scores, pa, pm, ps);
+    const ItemAvx512<C, std::is_same_v<T, c10::BFloat16>> item{
+        kc_, vc_, a.kvh, G, a.d, a.block_size, a.blk_stride, a.row_stride, a.scale,
+        nullptr, nullptr};
 #else
-      (void)qb;
-      decode_item_avx2<C>(qf, kc, vc, table, ctx, t0, t1, a.kvh, G, a.d, a.block_size,
-                          a.blk_stride, a.row_stride, a.scale, scores, pa, pm, ps);
+    const ItemAvx2<C> item{kc_, vc_, a.kvh, G, a.d, a.block_size, a.blk_stride, a.row_stride,
+                           a.scale};
 #endif
-    });
+    spans_.run(q_, a.tables, a.max_blocks, scratch_[part], item);
   }
   void merge() override { spans_.merge(out_); }
 
  private:
   tl_team::AttentionShape a_;
-  SpanItems<float> spans_;
-  std::vector<SpanItems<float>::Scratch> scratch_;
-  const float* q_ = nullptr;
+  SpanItems<T> spans_;
+  std::vector<typename SpanItems<T>::Scratch> scratch_;
+  const T* q_ = nullptr;
   const C* kc_ = nullptr;
   const C* vc_ = nullptr;
-  float* out_ = nullptr;
+  T* out_ = nullptr;
 };
 #endif
 
@@ -761,10 +781,12 @@ static tl_team::DecodeAttention* make_team_decode_attention(const tl_team::Atten
   const bool shaped = a.d % 8 == 0 && a.d <= 256;
 #endif
   if (!g_vector_path || !shaped || a.parts < 1 || a.kvh < 1 || a.h % a.kvh != 0) return nullptr;
+  if (a.query == 1)   // bf16 activations: a bf16 pool (paged_decode's only bf16 pairing)
+    return a.pool == 1 ? new TeamDecodeAttention<c10::BFloat16, c10::BFloat16>(a) : nullptr;
   switch (a.pool) {
-    case 0: return new TeamDecodeAttention<float>(a);
-    case 1: return new TeamDecodeAttention<c10::BFloat16>(a);
-    case 2: return new TeamDecodeAttention<c10::Half>(a);
+    case 0: return new TeamDecodeAttention<float, float>(a);
+    case 1: return new TeamDecodeAttention<float, c10::BFloat16>(a);
+    case 2: return new TeamDecodeAttention<float, c10::Half>(a);
   }
 #endif
   (void)a;

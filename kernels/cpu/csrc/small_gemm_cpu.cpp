@@ -19,6 +19,8 @@
 #include <string>
 #include <type_traits>
 #include <vector>
+
+#include "team.h"
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define TL_AVX512 1
@@ -292,51 +294,141 @@ inline void dispatch(int rows, int64_t ms, const char* w, int64_t wb, const XTyp
 // read 55-60 GB/s (a Zen 4; ~0.95x at 33 GB/s): the weights come from DRAM, and a
 // row of 576 fp32 weights lasts ~80 ns a thread, so a few dozen instructions between rows
 // are not free.
+// Rows [begin, end) of y. Not inlined: the operator's threads and the decode stack's team
+// (team.h) run this one compiled body, so that their results are bit-identical (-ffast-math
+// lets two inlined copies order a sum differently).
+template <WType WT, int MS, typename YT>
+__attribute__((noinline)) void rows_range(const XType<WT>* x, const char* w, const float* scale,
+                                          const float* bias, YT* y, int64_t N, int64_t K,
+                                          int64_t w_row_bytes, int64_t begin, int64_t end) {
+  for (int64_t n = begin; n < end; ++n) {
+    float acc[kStrip][kMRows];
+    dot<WT, 1, MS>(w + n * w_row_bytes, w_row_bytes, x, K, acc);
+    const float sc = scale ? scale[n] : 1.f;
+    const float b = bias ? bias[n] : 0.f;
+    for (int m = 0; m < MS; ++m) y[m * N + n] = YT(acc[0][m] * sc + b);
+  }
+}
+
+// parts == 0: at::parallel_for over the rows; else share `part` of `parts` on this thread
+// (the decode stack's one OpenMP team per step, team.h).
 template <WType WT, int MS, typename YT>
 void rows_one_at_a_time(const XType<WT>* x, const char* w, const float* scale,
-                        const float* bias, YT* y, int64_t N, int64_t K, int64_t w_row_bytes) {
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      float acc[kStrip][kMRows];
-      dot<WT, 1, MS>(w + n * w_row_bytes, w_row_bytes, x, K, acc);
-      const float sc = scale ? scale[n] : 1.f;
-      const float b = bias ? bias[n] : 0.f;
-      for (int m = 0; m < MS; ++m) y[m * N + n] = YT(acc[0][m] * sc + b);
+                        const float* bias, YT* y, int64_t N, int64_t K, int64_t w_row_bytes,
+                        int part, int parts) {
+  auto go = [&](int64_t begin, int64_t end) {
+    rows_range<WT, MS, YT>(x, w, scale, bias, y, N, K, w_row_bytes, begin, end);
+  };
+  if (parts == 0) at::parallel_for(0, N, 64, go);
+  else go(N * part / parts, N * (part + 1) / parts);
+}
+
+// Strips [begin, end) of y (kept out of line as rows_range).
+template <WType WT, typename YT>
+__attribute__((noinline)) void strips_range(const XType<WT>* x, const char* w,
+                                            const float* scale, const float* bias, YT* y,
+                                            int64_t M, int64_t N, int64_t K,
+                                            int64_t w_row_bytes, int64_t strip, int64_t begin,
+                                            int64_t end) {
+  float acc[kStrip][kMRows];
+  for (int64_t s = begin; s < end; ++s) {
+    const int64_t n0 = s * strip;
+    const int rows = static_cast<int>(std::min<int64_t>(strip, N - n0));
+    const char* ws = w + n0 * w_row_bytes;
+    for (int64_t m0 = 0; m0 < M; m0 += kMRows) {
+      const int64_t ms = std::min<int64_t>(kMRows, M - m0);
+      dispatch<WT>(rows, ms, ws, w_row_bytes, x + m0 * K, K, acc);
+      for (int r = 0; r < rows; ++r) {
+        const float sc = scale ? scale[n0 + r] : 1.f;
+        const float b = bias ? bias[n0 + r] : 0.f;
+        for (int m = 0; m < ms; ++m) y[(m0 + m) * N + n0 + r] = YT(acc[r][m] * sc + b);
+      }
     }
-  });
+  }
 }
 
 template <WType WT, typename YT>
 void run(const XType<WT>* x, const char* w, const float* scale, const float* bias, YT* y,
-         int64_t M, int64_t N, int64_t K, int64_t w_elem, int64_t strip) {
+         int64_t M, int64_t N, int64_t K, int64_t w_elem, int64_t strip, int part = 0,
+         int parts = 0) {
   const int64_t w_row_bytes = K * w_elem;
   if (strip == 1 && M <= kMRows) {
     switch (M) {
-      case 1: return rows_one_at_a_time<WT, 1, YT>(x, w, scale, bias, y, N, K, w_row_bytes);
-      case 2: return rows_one_at_a_time<WT, 2, YT>(x, w, scale, bias, y, N, K, w_row_bytes);
-      case 3: return rows_one_at_a_time<WT, 3, YT>(x, w, scale, bias, y, N, K, w_row_bytes);
-      default: return rows_one_at_a_time<WT, 4, YT>(x, w, scale, bias, y, N, K, w_row_bytes);
+      case 1:
+        return rows_one_at_a_time<WT, 1, YT>(x, w, scale, bias, y, N, K, w_row_bytes, part,
+                                             parts);
+      case 2:
+        return rows_one_at_a_time<WT, 2, YT>(x, w, scale, bias, y, N, K, w_row_bytes, part,
+                                             parts);
+      case 3:
+        return rows_one_at_a_time<WT, 3, YT>(x, w, scale, bias, y, N, K, w_row_bytes, part,
+                                             parts);
+      default:
+        return rows_one_at_a_time<WT, 4, YT>(x, w, scale, bias, y, N, K, w_row_bytes, part,
+                                             parts);
     }
   }
   const int64_t strips = (N + strip - 1) / strip;
+  auto go = [&](int64_t begin, int64_t end) {
+    strips_range<WT, YT>(x, w, scale, bias, y, M, N, K, w_row_bytes, strip, begin, end);
+  };
   // ~64 weight rows per task: enough to balance two to a few dozen threads.
-  at::parallel_for(0, strips, 64 / strip, [&](int64_t begin, int64_t end) {
-    float acc[kStrip][kMRows];
-    for (int64_t s = begin; s < end; ++s) {
-      const int64_t n0 = s * strip;
-      const int rows = static_cast<int>(std::min<int64_t>(strip, N - n0));
-      const char* ws = w + n0 * w_row_bytes;
-      for (int64_t m0 = 0; m0 < M; m0 += kMRows) {
-        const int64_t ms = std::min<int64_t>(kMRows, M - m0);
-        dispatch<WT>(rows, ms, ws, w_row_bytes, x + m0 * K, K, acc);
-        for (int r = 0; r < rows; ++r) {
-          const float sc = scale ? scale[n0 + r] : 1.f;
-          const float b = bias ? bias[n0 + r] : 0.f;
-          for (int m = 0; m < ms; ++m) y[(m0 + m) * N + n0 + r] = YT(acc[r][m] * sc + b);
-        }
-      }
+  if (parts == 0) at::parallel_for(0, strips, 64 / strip, go);
+  else go(strips * part / parts, strips * (part + 1) / parts);
+}
+
+// small_gemm / small_gemm_strips for the decode stack's team (team.h): the rows (strip 1)
+// or strips (kStrip) loop the operator runs for this weight element, split by part. Y: the
+// result's element (float, or c10::BFloat16 for bf16 activations, which are widened to
+// fp32 once, as the operator does).
+template <typename Y>
+class TeamSmall final : public tl_team::Projection {
+ public:
+  TeamSmall(int elem, int64_t M, int64_t K, int64_t strip)
+      : elem_(elem), M_(M), K_(K), strip_(strip) {
+    if constexpr (!std::is_same_v<Y, float>) xf_.resize(M * K);
+  }
+  void prepare(const void* x) override {
+    if constexpr (std::is_same_v<Y, float>) {
+      x_ = static_cast<const float*>(x);
+    } else {
+      const auto* xb = static_cast<const c10::BFloat16*>(x);
+      for (int64_t i = 0; i < M_ * K_; ++i) xf_[i] = static_cast<float>(xb[i]);
+      x_ = xf_.data();
     }
-  });
+  }
+  void rows(const tl_team::Weights& w, void* yv, int part, int parts) const override {
+    const char* wp = static_cast<const char*>(w.data);
+    const float* sp = static_cast<const float*>(w.scales);
+    Y* y = static_cast<Y*>(yv);
+    switch (elem_) {
+      case tl_team::kElemF32:
+        return run<WType::F32, Y>(x_, wp, sp, w.bias, y, M_, w.n, K_, 4, strip_, part, parts);
+      case tl_team::kElemBf16:
+        return run<WType::BF16, Y>(x_, wp, sp, w.bias, y, M_, w.n, K_, 2, strip_, part, parts);
+      default:
+        return run<WType::I8, Y>(x_, wp, sp, w.bias, y, M_, w.n, K_, 1, strip_, part, parts);
+    }
+  }
+
+ private:
+  int elem_;
+  int64_t M_, K_, strip_;
+  std::vector<float> xf_;
+  const float* x_ = nullptr;
+};
+
+tl_team::Projection* make_team_projection(int kind, int elem, int64_t M, int64_t K,
+                                          bool bf16) {
+  if (M <= 0 || K <= 0 || elem < tl_team::kElemF32 || elem > tl_team::kElemInt8) return nullptr;
+  if (kind != tl_team::kSmallRows && kind != tl_team::kSmallStrips) return nullptr;
+#ifdef TL_BF16_DOT
+  // bf16 x bf16 takes vdpbf16ps on bf16 x there: not this loop.
+  if (bf16 && elem == tl_team::kElemBf16) return nullptr;
+#endif
+  const int64_t strip = kind == tl_team::kSmallRows ? 1 : kStrip;
+  if (bf16) return new TeamSmall<c10::BFloat16>(elem, M, K, strip);
+  return new TeamSmall<float>(elem, M, K, strip);
 }
 
 // x: [M, K] fp32 or bf16; w: [N, K] fp32, bf16 or int8 (contiguous); scale: [N] fp32 (int8
@@ -445,6 +537,10 @@ TORCH_LIBRARY_IMPL(tokenloom, CPU, m) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("team_factory", []() {
+    return pybind11::capsule(reinterpret_cast<void*>(&make_team_projection),
+                             tl_team::kSmallCapsule);
+  }, "fp32 kernels for the decode stack's one OpenMP team per step (team.h)");
   m.def("small_gemm", &small_gemm, "decode-sized x . W^T with fp32/bf16/int8 weights");
   m.def("small_gemm_strips", &small_gemm_strips, "small_gemm, kStrip weight rows at a time");
   m.def("avx512_build", &avx512_build, "whether the AVX-512 path was compiled");

@@ -8,8 +8,8 @@
 // two kernels (norms, RoPE and the KV store, SiLU, quantizing the next activations) runs on
 // the last thread to arrive, so a layer costs 5 meetings.
 //
-// The kernels live in their own extension modules (block_gemm_cpu.cpp,
-// paged_decode_cpu.cpp); each exports a factory (a capsule) that makes the objects below,
+// The kernels live in their own extension modules (block_gemm_cpu.cpp, small_gemm_cpu.cpp,
+// tile_gemm_cpu.cpp, paged_decode_cpu.cpp); each exports a factory (a capsule) that makes the objects below,
 // whose work is split by (part, parts): the same tiles and the same sums as the kernel's
 // operator, so a team step's output is bit-identical to the per-call one.
 #pragma once
@@ -22,44 +22,61 @@
 
 namespace tl_team {
 
-// A block projection (block_gemm_cpu.cpp's packed q4 / q8 kernels) for M activation rows of
-// width K: prepare() quantizes them (one thread), rows() computes share `part` of `parts` of
-// y = x . W^T + bias.
-struct BlockWeights {
-  const uint8_t* q;
-  const uint16_t* d;
-  const uint16_t* mn;   // q4's mins (null for q8)
-  const float* bias;    // or null
+// A projection's kernel for M activation rows of width K, in the activations' dtype (fp32,
+// or bf16: results rounded to bf16 as the operator rounds them): prepare() readies the
+// activations (one thread: q4 / q8 quantize them to int8 blocks, others widen bf16 or keep
+// the pointer), rows() computes share `part` of `parts` of y = x . W^T (* scale) + bias.
+struct Weights {
+  const void* data;     // q4 nibbles / q8 codes (packed layout), rows [n, K] (small_gemm),
+                        // or tile panels [n / 16, K, 16]
+  const void* scales;   // q4 / q8: fp16 block scales; int8 rows: fp32 per row; else null
+  const void* mins;     // q4: fp16 block mins; else null
+  const float* bias;    // fp32, or null
   int64_t n;            // weight rows (y's width)
 };
 
-class BlockCall {
+class Projection {
  public:
-  virtual ~BlockCall() = default;
-  virtual void prepare(const float* x) = 0;
-  virtual void rows(const BlockWeights& w, float* y, int part, int parts) const = 0;
+  virtual ~Projection() = default;
+  virtual void prepare(const void* x) = 0;
+  virtual void rows(const Weights& w, void* y, int part, int parts) const = 0;
 };
 
-// fmt: 0 q4, 1 q8 (the packed layout). Null when this build has no packed kernels.
-using MakeBlockCall = BlockCall* (*)(int fmt, int64_t m, int64_t k);
-constexpr const char* kBlockCapsule = "tokenloom.team.block_call";
+// The kernels a module makes (each module's factory takes its own): block_gemm_cpu.cpp
+// kQ4Packed / kQ8Packed; small_gemm_cpu.cpp kSmallRows (small_gemm) / kSmallStrips
+// (small_gemm_strips); tile_gemm_cpu.cpp's FMA body kTileF32, kTileBf16 (tile_gemm; fp32
+// x rounded to bf16 first), kTileInt8 (tile_gemm_int8, fp32 scales per output row).
+enum ProjectionKind : int {
+  kQ4Packed = 0, kQ8Packed = 1, kSmallRows = 2, kSmallStrips = 3, kTileF32 = 4,
+  kTileBf16 = 5, kTileInt8 = 6, kProjectionKinds = 7
+};
+// A weight's element where the kind takes several (small_gemm): fp32, bf16, int8.
+enum WeightElem : int { kElemF32 = 0, kElemBf16 = 1, kElemInt8 = 2 };
+// The module whose factory makes a kind: 0 block_gemm, 1 small_gemm, 2 tile_gemm.
+inline int module_of(int kind) { return kind <= kQ8Packed ? 0 : kind <= kSmallStrips ? 1 : 2; }
+// Null when this build would not serve the operator's call with this body (then the stack
+// takes the per-call path).
+using MakeProjection = Projection* (*)(int kind, int elem, int64_t m, int64_t k, bool bf16);
+constexpr const char* kBlockCapsule = "tokenloom.team.block_gemm";
+constexpr const char* kSmallCapsule = "tokenloom.team.small_gemm";
+constexpr const char* kTileCapsule = "tokenloom.team.tile_gemm";
 
 // The paged decode attention's vector path (paged_decode_cpu.cpp) for one step's decode
-// rows: bind() (one thread, per layer) points it at a layer's query, cache and output;
+// rows (query and output in the activations' dtype): bind() (one thread, per layer) points it at a layer's query, cache and output;
 // items() is run by every thread (each takes spans from a shared counter); merge() (one
 // thread) combines the spans into the output.
 class DecodeAttention {
  public:
   virtual ~DecodeAttention() = default;
-  virtual void bind(const float* q, const void* kc, const void* vc, float* out) = 0;
+  virtual void bind(const void* q, const void* kc, const void* vc, void* out) = 0;
   virtual void items(int part) = 0;
   virtual void merge() = 0;
 };
 
-// pool: 0 fp32, 1 bf16, 2 fp16 (under an fp32 query). Null when there is no vector path
-// for it (or it is turned off).
+// query: 0 fp32, 1 bf16; pool: 0 fp32, 1 bf16, 2 fp16 (under an fp32 query). Null when
+// there is no vector path for it (or it is turned off).
 struct AttentionShape {
-  int pool;
+  int query, pool;
   const int64_t* tables;
   const int64_t* lens;
   int64_t b, h, kvh, d, block_size, max_blocks, blk_stride, row_stride;

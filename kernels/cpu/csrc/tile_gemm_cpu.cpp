@@ -46,6 +46,9 @@
 #include <string>
 #include <type_traits>
 #include <vector>
+#include <omp.h>
+
+#include "team.h"
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
     defined(__AVX512VL__)
 #define TL_TILE_DPBF16 1
@@ -275,24 +278,31 @@ static void pack_rows8(const uint16_t* xb, const float* xf, bool round, int64_t 
   }
 }
 
-// Panels split between threads, each walking every row tile over its panel.
-template <typename Micro, typename Store>
-static void run_panels(int64_t M, int64_t P, Micro&& micro, Store&& store) {
-  const int64_t tiles = (M + kMR8 - 1) / kMR8;
-#pragma omp parallel for schedule(static)
-  for (int64_t p = 0; p < P; ++p) {
+// Panels [p0, p1) of y (16 outputs each), every row tile of x (a, from pack_rows8) through
+// each panel while it is in L1/L2. Not inlined: the operator's threads and the decode
+// stack's team (team.h) run this one compiled body, so that their results are
+// bit-identical (-ffast-math lets two inlined copies order a sum differently).
+template <typename Wd, typename Y>
+__attribute__((noinline)) static void fma_panels(const float* a, int64_t M, int64_t K,
+                                                 const typename Wd::W* wp, const float* scale,
+                                                 const float* bias, Y* y, int64_t n, int64_t p0,
+                                                 int64_t p1) {
+  const int64_t tiles = (M + kMR8 - 1) / kMR8, tile_floats = K * kMR8;
+  for (int64_t p = p0; p < p1; ++p) {
     __m256 acc[kMR8][2];
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t rows = std::min<int64_t>(kMR8, M - t * kMR8);
-      by_rows(rows, [&](auto R) { micro(R, p, t, acc); });
-      store(acc, rows, p, t);
+      by_rows(rows, [&](auto R) {
+        micro_fma<Wd, decltype(R)::value>(a + t * tile_floats, wp + p * K * kPW, K, acc);
+      });
+      store_tile8(acc, rows, p * kPW, n, scale, bias, y, t * kMR8);
     }
   }
 }
 
 // y = x . W^T (* scale) (+ bias) on the FMA body for weight format Wd: x (bf16 `xb` or fp32
 // `xf`; `round`: fp32 x rounded to bf16 first) widened into row tiles kept between calls,
-// then the panels; y bf16 (`yb`) or fp32 (`yf`).
+// then the panels split between threads; y bf16 (`yb`) or fp32 (`yf`).
 template <typename Wd>
 static void run_fma(const uint16_t* xb, const float* xf, bool round, int64_t M, int64_t K,
                     int64_t P, const typename Wd::W* wp, const float* scale, const float* bias,
@@ -302,17 +312,61 @@ static void run_fma(const uint16_t* xb, const float* xf, bool round, int64_t M, 
   if (static_cast<int64_t>(abuf.size()) < tiles * tile_floats) abuf.resize(tiles * tile_floats);
   float* ap = abuf.data();
   pack_rows8(xb, xf, round, M, K, ap);
-  run_panels(
-      M, P,
-      [&](auto R, int64_t p, int64_t t, __m256 (&acc)[kMR8][2]) {
-        micro_fma<Wd, decltype(R)::value>(ap + t * tile_floats, wp + p * K * kPW, K, acc);
-      },
-      [&](const __m256 (&acc)[kMR8][2], int64_t rows, int64_t p, int64_t t) {
-        if (yf != nullptr) store_tile8(acc, rows, p * kPW, n, scale, bias, yf, t * kMR8);
-        else store_tile8(acc, rows, p * kPW, n, scale, bias, yb, t * kMR8);
-      });
+#pragma omp parallel
+  {
+    const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
+    const int64_t p0 = P * id / nt, p1 = P * (id + 1) / nt;
+    if (yf != nullptr) fma_panels<Wd, float>(ap, M, K, wp, scale, bias, yf, n, p0, p1);
+    else fma_panels<Wd, uint16_t>(ap, M, K, wp, scale, bias, yb, n, p0, p1);
+  }
 }
+
+// The FMA body for the decode stack's team (team.h): x (fp32, or bf16 for bf16
+// activations, whose results are rounded to bf16) widened into row tiles kept by the
+// object, the panels split by part (the tiles and sums run_fma's threads compute). Wd:
+// WidenF32 (tile_gemm_f32), WidenBf16 (tile_gemm; fp32 x rounded to bf16 first),
+// WidenInt8 (tile_gemm_int8, per-output scales).
+template <typename Wd>
+class TeamTile final : public tl_team::Projection {
+ public:
+  TeamTile(int64_t M, int64_t K, bool round, bool bf16)
+      : M_(M), K_(K), round_(round), bf16_(bf16), a_(((M + kMR8 - 1) / kMR8) * K * kMR8) {}
+  void prepare(const void* x) override {
+    if (bf16_) pack_rows8(static_cast<const uint16_t*>(x), nullptr, false, M_, K_, a_.data());
+    else pack_rows8(nullptr, static_cast<const float*>(x), round_, M_, K_, a_.data());
+  }
+  void rows(const tl_team::Weights& w, void* y, int part, int parts) const override {
+    const int64_t P = w.n / kPW, p0 = P * part / parts, p1 = P * (part + 1) / parts;
+    const auto* wp = static_cast<const typename Wd::W*>(w.data);
+    const auto* scale = static_cast<const float*>(w.scales);
+    if (bf16_)
+      fma_panels<Wd, uint16_t>(a_.data(), M_, K_, wp, scale, w.bias, static_cast<uint16_t*>(y),
+                               w.n, p0, p1);
+    else
+      fma_panels<Wd, float>(a_.data(), M_, K_, wp, scale, w.bias, static_cast<float*>(y), w.n,
+                            p0, p1);
+  }
+
+ private:
+  int64_t M_, K_;
+  bool round_, bf16_;
+  std::vector<float> a_;
+};
 #endif
+
+// Null where the kernel would not take the FMA body (a vdpbf16ps build's bf16 panels).
+tl_team::Projection* make_team_projection(int kind, int, int64_t M, int64_t K, bool bf16) {
+#if TL_TILE_FMA
+  if (M <= 0 || K <= 0) return nullptr;
+  if (kind == tl_team::kTileF32 && !bf16) return new TeamTile<WidenF32>(M, K, false, false);
+  if (kind == tl_team::kTileInt8) return new TeamTile<WidenInt8>(M, K, false, bf16);
+#if !TL_TILE_DPBF16
+  if (kind == tl_team::kTileBf16) return new TeamTile<WidenBf16>(M, K, true, bf16);
+#endif
+#endif
+  (void)kind; (void)M; (void)K; (void)bf16;
+  return nullptr;
+}
 
 // x [M, K] bf16 or fp32; packed from tile_gemm_pack of an [n, K] weight; bias [n] (bf16 or
 // fp32) or empty -> [M, n] in x's dtype.
@@ -490,6 +544,10 @@ TORCH_LIBRARY_IMPL(tokenloom, CPU, m) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("team_factory", []() {
+    return pybind11::capsule(reinterpret_cast<void*>(&make_team_projection),
+                             tl_team::kTileCapsule);
+  }, "the FMA tile kernels for the decode stack's one OpenMP team per step (team.h)");
   m.def("tile_gemm", &tile_gemm, "x . W^T (+ bias) over a packed bf16 weight");
   m.def("tile_gemm_pack", &tile_gemm_pack, "a [N, K] bf16 weight into tile_gemm's panels");
   m.def("tile_gemm_built", &tile_gemm_built, "whether tile_gemm has a body for this CPU");

@@ -231,17 +231,37 @@ def test_a_kernel_the_stack_cannot_call_leaves_the_module_forward():
     assert model.decode_stacks.steps == 1
 
 
-@pytest.mark.parametrize("storage", ["q4", "q8"])
-@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_one_openmp_team_per_step_is_bit_identical_to_a_team_per_kernel(storage, pool_dtype,
+F32_POOLS = (torch.float32, torch.bfloat16, torch.float16)
+TEAM_CASES = [   # (weights, kernel, activations, pool)
+    *[(storage, kernel, torch.float32, pool) for storage, kernel in [
+        ("q4", "block_gemm"), ("q8", "block_gemm"), ("float", "small_gemm"),
+        ("float", "small_gemm_strips"), ("float", "tile_gemm_f32"), ("q4", "copy_tile_bf16"),
+        ("int8", "tile_gemm_int8"), ("int8", "small_gemm_int8")] for pool in F32_POOLS],
+    *[(storage, kernel, torch.bfloat16, torch.bfloat16) for storage, kernel in [
+        ("float", "small_gemm"), ("float", "small_gemm_strips"), ("float", "tile_gemm"),
+        ("int8", "small_gemm_int8"), ("int8", "tile_gemm_int8")]],
+]
+
+
+@pytest.mark.parametrize("storage,kernel,dtype,pool_dtype", TEAM_CASES)
+def test_one_openmp_team_per_step_is_bit_identical_to_a_team_per_kernel(storage, kernel, dtype,
+                                                                         pool_dtype,
                                                                          monkeypatch):
     """The team path (csrc/team.h) splits the same tiles and attention spans over one
     parallel region: the residual stream and the pool come out bit-identical to the
     per-call path's, at decode row counts 1, 3 and 16, on the default model's widths (the
-    packed layout's groups of 16 blocks and its tail)."""
+    packed layout's groups of 16 blocks and its tail), in fp32 and bf16 activations."""
     spec = dataclasses.replace(SHAPES["smollm2-135m"], num_layers=2, vocab_size=256)
-    model = random_model(spec, torch.float32, "cpu", max_positions=512, seed=11)
-    forced = cpu_linear.Plan(((1 << 30, "block_gemm"),), {})
+    if "tile" in kernel and not cpu_linear._available(kernel):
+        pytest.skip("tile_gemm not built here (no AVX2 + FMA)")
+    bf16_tiles = kernel in ("copy_tile_bf16", "tile_gemm")
+    if bf16_tiles and cpu_linear.tile_gemm_module().tile_gemm_path() != "fma":
+        pytest.skip("bf16 tiles run vdpbf16ps here: no team kernel (the per-call path)")
+    if (dtype == torch.bfloat16 and storage == "float"
+            and cpu_linear.small_gemm_module().bf16_dot_build()):
+        pytest.skip("bf16 x bf16 runs vdpbf16ps here: no team kernel (the per-call path)")
+    model = random_model(spec, dtype, "cpu", max_positions=512, seed=11)
+    forced = cpu_linear.Plan(((1 << 30, kernel),), {})
     monkeypatch.setattr(cpu_linear, "cached_plan", lambda *a, **k: forced)
     model.specialize_cpu(storage)
     model.set_decode_kernel(paged_decode_cpu)
@@ -263,7 +283,7 @@ def test_one_openmp_team_per_step_is_bit_identical_to_a_team_per_kernel(storage,
         for rows in (1, 3, 16):
             step = decodes[:rows]
             stack = model.decode_stacks.for_rows(rows)
-            assert model.decode_stacks.team_kernels[("block_gemm",) * 4]
+            assert model.decode_stacks.team_kernels[(kernel,) * 4]
             served = stack.team_steps()
             mod.use_team(True)
             team = _hidden(model, kv, step, rows)
