@@ -6,15 +6,16 @@ with a fork and join of the OpenMP team around every projection and attention ca
 per-call path, `use_team(False)`). Both compute the same tiles and sums: the outputs are
 bit-identical, and this script checks that the greedy tokens are too.
 
-For each mode the offline engine serves one greedy request at ~`--context` tokens of
-prompt, `--tokens` tokens long, alternating the two paths in the same process for
-`--rounds` rounds; the figure is the request's median inter-token latency (the engine's
-token timestamps: the whole step, Python included). Prints each mode's best and median
-per path and their ratio (per-call / team: > 1 is the team faster) and writes
-benchmarks/results/decode_team.json.
+For each mode the offline engine serves `--streams` concurrent greedy requests (1: batch-1
+decode) at ~`--context` tokens of prompt, `--tokens` tokens long, alternating the two
+paths in the same process for `--rounds` rounds; the figure is the median inter-token
+latency (the engine's token timestamps: the whole step, Python included). Prints each
+mode's best and median per path and their ratio (per-call / team: > 1 is the team faster)
+and writes benchmarks/results/decode_team.json.
 
     python benchmarks/decode_team.py                      # make serve's mode, 3 rounds
     python benchmarks/decode_team.py --modes q4-kv16 fp32-kv16 bf16 int8 --context 1100
+    python benchmarks/decode_team.py --modes bf16 int8 --streams 16 --context 32 --tokens 64
 """
 
 from __future__ import annotations
@@ -35,9 +36,13 @@ MODES = {
 }
 
 
-def itl_ms(output) -> float:
-    times = output.outputs[0].timings.token_times
-    return statistics.median(b - a for a, b in zip(times, times[1:])) * 1e3
+def itl_ms(outputs) -> float:
+    """The median over requests of each request's median gap between tokens."""
+    per_request = []
+    for out in outputs:
+        times = out.outputs[0].timings.token_times
+        per_request.append(statistics.median(b - a for a, b in zip(times, times[1:])))
+    return statistics.median(per_request) * 1e3
 
 
 def run_mode(mode: str, args) -> dict:
@@ -46,7 +51,8 @@ def run_mode(mode: str, args) -> dict:
 
     llm = LLM(device="cpu", quiet=True, enable_prefix_caching=False, **MODES[mode])
     try:
-        prompt = [[1000 + (i * 7) % 3000 for i in range(args.context)]]
+        prompt = [[1000 + (i * 7 + j * 13) % 3000 for i in range(args.context)]
+                  for j in range(args.streams)]
         llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
         params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
         stacks = decode_stack.module()
@@ -56,9 +62,9 @@ def run_mode(mode: str, args) -> dict:
             for _ in range(args.rounds):
                 for path in ("team", "per_call"):
                     stacks.use_team(path == "team")
-                    out = llm.generate(prompt, params)[0]
-                    itl[path].append(itl_ms(out))
-                    tokens[path] = list(out.outputs[0].token_ids)
+                    outs = llm.generate(prompt, params)
+                    itl[path].append(itl_ms(outs))
+                    tokens[path] = [list(o.outputs[0].token_ids) for o in outs]
         finally:
             stacks.use_team(True)
     finally:
@@ -77,10 +83,13 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=300, help="prompt tokens")
     ap.add_argument("--tokens", type=int, default=200, help="tokens generated per request")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--streams", type=int, default=1,
+                    help="concurrent requests (decode rows a step)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "decode_team.json"))
     args = ap.parse_args()
     results = {}
-    print(f"batch-1 ITL at ~{args.context} tokens, {args.rounds} alternating rounds "
+    print(f"ITL at {args.streams} stream(s), ~{args.context} tokens of prompt, "
+          f"{args.rounds} alternating rounds "
           "(ms: best / median; ratio per-call / team, > 1: the team faster)")
     for mode in args.modes:
         r = results[mode] = run_mode(mode, args)
@@ -90,7 +99,7 @@ def main() -> None:
               f"ratio {r['best_ratio']:.3f} / {r['median_ratio']:.3f}   "
               f"same tokens: {r['same_tokens']}", flush=True)
     write_json(args.out, {"context": args.context, "tokens": args.tokens,
-                          "rounds": args.rounds, "modes": results})
+                          "streams": args.streams, "rounds": args.rounds, "modes": results})
 
 
 if __name__ == "__main__":
