@@ -337,7 +337,10 @@ class DecodeStack {
       covered += seg[3 * i + 1];
     }
     TORCH_CHECK(covered == B, "decode_stack: decode rows and chunks cover the step's rows");
-    if (S == 0 && team_ && g_team && at::get_num_threads() > 1) {
+    // Not with more threads than CPUs: a spin barrier waits on descheduled threads.
+    static const int cpus = tl_team::usable_cpus();
+    const int threads = at::get_num_threads();
+    if (S == 0 && team_ && g_team && threads > 1 && threads <= cpus) {
       Tensor out = run_team<T, C>(h, cp, sp, slot, pool, tables, lens);
       if (out.defined()) return out;
     }

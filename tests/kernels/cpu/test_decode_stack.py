@@ -6,6 +6,7 @@ row that writes nowhere); and the steps it cannot serve take the module forward.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -254,6 +255,8 @@ def test_one_openmp_team_per_step_is_bit_identical_to_a_team_per_kernel(storage,
     spec = dataclasses.replace(SHAPES["smollm2-135m"], num_layers=2, vocab_size=256)
     if "tile" in kernel and not cpu_linear._available(kernel):
         pytest.skip("tile_gemm not built here (no AVX2 + FMA)")
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("the team path needs 2 CPUs (it steps aside for more threads than CPUs)")
     bf16_tiles = kernel in ("copy_tile_bf16", "tile_gemm")
     if bf16_tiles and cpu_linear.tile_gemm_module().tile_gemm_path() != "fma":
         pytest.skip("bf16 tiles run vdpbf16ps here: no team kernel (the per-call path)")
@@ -305,6 +308,13 @@ def test_one_openmp_team_per_step_is_bit_identical_to_a_team_per_kernel(storage,
             assert stack.team_steps() == served
         finally:
             load_cpu_decode_kernel().use_vector_path(True)
+        # More threads than CPUs: a spin barrier would wait on descheduled threads, so the
+        # per-call path serves (4 threads on 2 cores made a team step 7x slower).
+        kv.pool.copy_(before)
+        torch.set_num_threads(len(os.sched_getaffinity(0)) + 1)
+        served = stack.team_steps()
+        _hidden(model, kv, decodes[:16], 16)
+        assert stack.team_steps() == served
     finally:
         mod.use_team(True)
         torch.set_num_threads(threads)
