@@ -25,11 +25,12 @@ time, the same token-id prompts, greedy, EOS ignored):
   of those samples, and each round at its own sample, for tokenloom and for llama.cpp: its
   GGUF's bytes and an f16 KV); and the int8 quality gate (agreement, KL) beside its speed.
 
-Prints one table of ratios (tokenloom / llama.cpp speed: > 1 is faster) and writes
-benchmarks/results/cpu_forward.json. `--rounds N` runs tokenloom and llama.cpp alternately N
-times per mode and reports each figure's median over the rounds (the JSON keeps every round
-and the spread, max / min): on a machine whose speed drifts by tens of percent within
-minutes, one tokenloom run then one llama.cpp run compares two different machines.
+Prints one table of ratios (tokenloom / llama.cpp speed: > 1 is faster) and records it
+(benchmarks/records.py; every figure of every round goes to benchmarks/raw/cpu_forward.json).
+`--rounds N` runs tokenloom and llama.cpp alternately N times per mode and reports each
+figure's median over the rounds (the raw JSON keeps every round and the spread, max / min):
+on a machine whose speed drifts by tens of percent within minutes, one tokenloom run then
+one llama.cpp run compares two different machines.
 
     python benchmarks/cpu_forward.py                 # everything (~10 min on 2 cores)
     python benchmarks/cpu_forward.py --modes fp32 --quick
@@ -53,8 +54,9 @@ import urllib.request
 from pathlib import Path
 
 import torch
+from records import read_bandwidth_gbs, record_run, write_raw
 
-from harness import PEERS, VOCAB_HI, VOCAB_LO, start_llama_server, write_json
+from harness import PEERS, VOCAB_HI, VOCAB_LO, start_llama_server
 
 GGUF = "SmolLM2-135M-Instruct.{}.gguf"
 MODES = {  # name: (LLM options, llama.cpp GGUF type, KV bytes per element)
@@ -70,22 +72,6 @@ MODES = {  # name: (LLM options, llama.cpp GGUF type, KV bytes per element)
     "q8-kv16": (dict(dtype="float32", weight_dtype="q8", kv_dtype="fp16"), "Q8_0", 2),
 }
 OUT = 64
-
-
-def read_bandwidth_gbs() -> float:
-    """Multi-threaded read bandwidth: sum a 1 GiB fp32 tensor (best of 5). In a child
-    process: OpenMP work on this thread would give the process a second OpenMP team beside
-    the engine's compute thread, and libgomp then stops busy-waiting
-    (actors/execution/compute_thread.py), doubling the engine's step time."""
-    code = ("import time, torch\n"
-            "a = torch.ones(256 * 1024 * 1024); a.sum()\n"
-            "best = float('inf')\n"
-            "for _ in range(5):\n"
-            "    t = time.perf_counter(); a.sum(); best = min(best, time.perf_counter() - t)\n"
-            "print(a.numel() * 4 / best / 1e9)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, timeout=300)
-    return float(out.stdout.strip().splitlines()[-1])
 
 
 def _timed(fn) -> float:
@@ -292,9 +278,68 @@ def _fraction_range(fr: list[float]) -> str:
     return f"; own rounds {min(fr):.0%}-{max(fr):.0%}"
 
 
+COLUMNS = ["mode (vs llama.cpp)", "figure", "tokenloom", "llama.cpp", "ratio",
+           "tokenloom roofline", "llama.cpp roofline"]
+KV_ELEMS = 30 * 2 * 3 * 64   # SmolLM2-135M: layers x (K, V) x kv heads x head dim
+
+
+def table_rows(out: dict) -> list[list[str]]:
+    """The report's table: one row per figure of each mode (and compiled variant)."""
+    gbs = out["read_bandwidth_gbs"]
+    rows = []
+    for (mode, r), variant in [(item, v) for item in out["modes"].items()
+                               for v in ("tokenloom", "tokenloom_compiled")]:
+        ours, peer = r.get(variant), r.get("llama")
+        if not ours or not peer:
+            continue
+        kvb = KV_ELEMS * MODES[mode][2]
+        label = f"{mode}{' compiled' if variant.endswith('compiled') else ''} (vs {MODES[mode][1]})"
+        for ctx in (300, 1100):
+            k = f"decode_{ctx}_ms"
+            roof = roofline_ms(ours["weight_bytes"], kvb, ctx, gbs)
+            mine = _fraction_range(round_fractions(ours, ours["weight_bytes"], kvb, ctx))
+            theirs = ""
+            if peer.get("gguf_bytes"):
+                peer_roof = roofline_ms(peer["gguf_bytes"], KV_ELEMS * 2, ctx, gbs)
+                theirs = (f"at {peer_roof / peer[k]:.0%}" + _fraction_range(
+                    round_fractions(peer, peer["gguf_bytes"], KV_ELEMS * 2, ctx)))
+            rows.append([label, f"batch-1 decode, ~{ctx} ctx (ms/token)", f"{ours[k]:.2f}",
+                         f"{peer[k]:.2f}", f"{peer[k] / ours[k]:.2f}x",
+                         f"{roof:.2f} ms ({ours['weight_bytes'] / 1e6:.0f} MB + KV; at "
+                         f"{roof / ours[k]:.0%}{mine})", theirs])
+        rows.append([label, "prefill 1,024 tokens (tok/s)", f"{ours['prefill_1024_tok_s']:.0f}",
+                     f"{peer['prefill_1024_tok_s']:.0f}",
+                     f"{ours['prefill_1024_tok_s'] / peer['prefill_1024_tok_s']:.2f}x", "", ""])
+        rows.append([label, "batch-16 step / batch-1 step",
+                     f"{ours['batch16_step_ms']:.1f} / {ours['batch1_step_ms']:.1f} ms = "
+                     f"{ours['batch16_step_ms'] / ours['batch1_step_ms']:.2f}x",
+                     f"{peer['batch16_step_ms']:.1f} / {peer['batch1_step_ms']:.1f} ms = "
+                     f"{peer['batch16_step_ms'] / peer['batch1_step_ms']:.2f}x",
+                     f"{peer['batch16_step_ms'] / ours['batch16_step_ms']:.2f}x (b16)", "", ""])
+        start = (f"warm {ours['startup_warm_s']:.1f} s" if "startup_warm_s" in ours else "")
+        if "startup_cold_s" in ours:
+            start = f"cold {ours['startup_cold_s']:.1f} s, " + start
+        rows.append([label, "start-up", start, f"{peer['startup_s']:.1f} s", "", "", ""])
+        if "gate" in r and variant == "tokenloom":
+            rows.append([label, "quality gate vs fp32", r["gate"], "", "", "", ""])
+    return rows
+
+
+def summary(out: dict) -> dict:
+    """The headline ratios (llama.cpp time / tokenloom time, tokenloom / llama.cpp prefill
+    speed; > 1: tokenloom faster) per mode, eager, and the run's read bandwidth."""
+    res: dict = {"read_bandwidth_gbs": out["read_bandwidth_gbs"]}
+    for mode, r in out["modes"].items():
+        ours, peer = r.get("tokenloom"), r.get("llama")
+        if ours and peer:
+            res[mode] = {"decode300_x": peer["decode_300_ms"] / ours["decode_300_ms"],
+                         "decode1100_x": peer["decode_1100_ms"] / ours["decode_1100_ms"],
+                         "prefill_x": ours["prefill_1024_tok_s"] / peer["prefill_1024_tok_s"]}
+    return res
+
+
 def report(out: dict) -> list[str]:
     gbs = out["read_bandwidth_gbs"]
-    kv_elems = 30 * 2 * 3 * 64   # SmolLM2-135M: layers x (K, V) x kv heads x head dim
     samples = out.get("read_bandwidth_samples_gbs") or [gbs]
     measured = (f"median of {len(samples)} measurements, {min(samples):.1f}-"
                 f"{max(samples):.1f}, " if len(samples) > 1 else "")
@@ -306,44 +351,9 @@ def report(out: dict) -> list[str]:
              + (f"; medians over {out['rounds']} alternating rounds"
                 if out.get("rounds", 1) > 1 else ""),
              "",
-             "| mode (vs llama.cpp) | figure | tokenloom | llama.cpp | ratio "
-             "| tokenloom roofline | llama.cpp roofline |",
+             "| " + " | ".join(COLUMNS) + " |",
              "|---|---|---:|---:|---:|---:|---:|"]
-    for (mode, r), variant in [(item, v) for item in out["modes"].items()
-                               for v in ("tokenloom", "tokenloom_compiled")]:
-        ours, peer = r.get(variant), r.get("llama")
-        if not ours or not peer:
-            continue
-        kvb = kv_elems * MODES[mode][2]
-        label = f"{mode}{' compiled' if variant.endswith('compiled') else ''} (vs {MODES[mode][1]})"
-        for ctx in (300, 1100):
-            k = f"decode_{ctx}_ms"
-            roof = roofline_ms(ours["weight_bytes"], kvb, ctx, gbs)
-            mine = _fraction_range(round_fractions(ours, ours["weight_bytes"], kvb, ctx))
-            theirs = ""
-            if peer.get("gguf_bytes"):
-                peer_roof = roofline_ms(peer["gguf_bytes"], kv_elems * 2, ctx, gbs)
-                theirs = (f"at {peer_roof / peer[k]:.0%}" + _fraction_range(
-                    round_fractions(peer, peer["gguf_bytes"], kv_elems * 2, ctx)))
-            lines.append(f"| {label} | batch-1 decode, ~{ctx} ctx (ms/token) | {ours[k]:.2f} | "
-                         f"{peer[k]:.2f} | {peer[k] / ours[k]:.2f}x | {roof:.2f} ms "
-                         f"({ours['weight_bytes'] / 1e6:.0f} MB + KV; at {roof / ours[k]:.0%}"
-                         f"{mine}) | {theirs} |")
-        lines.append(f"| {label} | prefill 1,024 tokens (tok/s) | "
-                     f"{ours['prefill_1024_tok_s']:.0f} | {peer['prefill_1024_tok_s']:.0f} | "
-                     f"{ours['prefill_1024_tok_s'] / peer['prefill_1024_tok_s']:.2f}x | | |")
-        lines.append(f"| {label} | batch-16 step / batch-1 step | "
-                     f"{ours['batch16_step_ms']:.1f} / {ours['batch1_step_ms']:.1f} ms = "
-                     f"{ours['batch16_step_ms'] / ours['batch1_step_ms']:.2f}x | "
-                     f"{peer['batch16_step_ms']:.1f} / {peer['batch1_step_ms']:.1f} ms = "
-                     f"{peer['batch16_step_ms'] / peer['batch1_step_ms']:.2f}x | "
-                     f"{peer['batch16_step_ms'] / ours['batch16_step_ms']:.2f}x (b16) | | |")
-        start = (f"warm {ours['startup_warm_s']:.1f} s" if "startup_warm_s" in ours else "")
-        if "startup_cold_s" in ours:
-            start = f"cold {ours['startup_cold_s']:.1f} s, " + start
-        lines.append(f"| {label} | start-up | {start} | {peer['startup_s']:.1f} s | | | |")
-        if "gate" in r and variant == "tokenloom":
-            lines.append(f"| {label} | quality gate vs fp32 | {r['gate']} | | | | |")
+    lines += ["| " + " | ".join(row) + " |" for row in table_rows(out)]
     compiled = [(m, r) for m, r in out["modes"].items() if "tokenloom" in r
                 and "tokenloom_compiled" in r]
     if compiled:
@@ -370,7 +380,6 @@ def main() -> None:
     ap.add_argument("--cpu-compile", choices=("both", "on", "off"), default="both",
                     help="tokenloom with compiled decode programs (graphs.cpu_compile), "
                          "eager, or both side by side (default)")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "cpu_forward.json"))
     args = ap.parse_args()
     if args.quick:
         args.reps, args.no_cold = 1, True
@@ -413,9 +422,11 @@ def main() -> None:
         if MODES[mode][0].get("weight_dtype") in ("int8", "q4", "q8"):
             r["gate"] = _gate_summary(MODES[mode][0]["weight_dtype"])
         print(json.dumps(r, indent=1), flush=True)
-        write_json(args.out, out, indent=1)
+        write_raw("cpu_forward", out)
     print("\n".join(report(out)))
-    write_json(args.out, out, indent=1)
+    write_raw("cpu_forward", out)
+    record_run("cpu_forward", summary(out), {"columns": COLUMNS, "rows": table_rows(out)}, args,
+               bandwidth_gbs=out["read_bandwidth_gbs"])
 
 
 def _gate_summary(weight_dtype: str) -> str:

@@ -29,11 +29,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
-
-from harness import write_json
+from records import record_run, write_raw
 
 MODES = {
     "fp32": dict(dtype="float32"),
@@ -152,9 +150,11 @@ def main() -> None:
                     choices=["auto", "bf16", "fp16", "int8", "fp8_e4m3", "fp8_e5m2"],
                     help="cache.kv_dtype values, interleaved (the first is the baseline)")
     ap.add_argument("--steps", type=int, default=20, help="steps timed per round")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "decode_step.json"))
     args = ap.parse_args()
     results = {"threads": torch.get_num_threads()}
+    columns = ["mode", "ctx", "module ms", "stack ms", "speedup", "proj ms",
+               "non-proj (module)", "non-proj (stack)", "spread", "stack vs first kv dtype"]
+    rows, summary = [], {"stack_speedup": {}, "stack_vs_first_kv_dtype": {}}
     print(f"{'mode':6s} {'ctx':>5s} {'module ms':>10s} {'stack ms':>9s} {'speedup':>8s} "
           f"{'proj ms':>8s} {'non-proj (module)':>18s} {'non-proj (stack)':>17s}  spread")
     for mode in args.modes:
@@ -165,9 +165,9 @@ def main() -> None:
         measured = measure(variants, args.rounds, args.steps)
         first = next(iter(measured))
         base = measured[first]
-        for label, rows in measured.items():
-            results[label] = rows
-            for ctx, r in rows.items():
+        for label, by_ctx in measured.items():
+            results[label] = by_ctx
+            for ctx, r in by_ctx.items():
                 vs = ""
                 if label != first and "stack" in r and "stack" in base[ctx]:
                     r["stack_vs_first_kv_dtype"] = base[ctx]["stack"] / r["stack"]
@@ -178,9 +178,18 @@ def main() -> None:
                       f"{r['module_non_projection_share']:17.0%} "
                       f"{r.get('stack_non_projection_share', float('nan')):16.0%}  {r['spread']}"
                       f"{vs}")
+                rows.append([label, ctx, r["module"], r.get("stack"), r.get("stack_speedup"),
+                             r["projections"], f"{r['module_non_projection_share']:.0%}",
+                             f"{r['stack_non_projection_share']:.0%}"
+                             if "stack_non_projection_share" in r else None,
+                             " / ".join(f"{k} {v:.2f}" for k, v in r["spread"].items()),
+                             r.get("stack_vs_first_kv_dtype")])
+                for k in summary:
+                    if k in r:
+                        summary[k][f"{label}@{ctx}"] = r[k]
         del variants
-    write_json(args.out, results)
-    print(f"wrote {args.out}")
+    write_raw("decode_step", results)
+    record_run("decode_step", summary, {"columns": columns, "rows": rows}, args)
 
 
 if __name__ == "__main__":

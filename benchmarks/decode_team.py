@@ -11,7 +11,7 @@ decode) at ~`--context` tokens of prompt, `--tokens` tokens long, alternating th
 paths in the same process for `--rounds` rounds; the figure is the median inter-token
 latency (the engine's token timestamps: the whole step, Python included). Prints each
 mode's best and median per path and their ratio (per-call / team: > 1 is the team faster)
-and writes benchmarks/results/decode_team.json.
+and records them (benchmarks/records.py; every round in benchmarks/raw/decode_team.json).
 
     python benchmarks/decode_team.py                      # make serve's mode, 3 rounds
     python benchmarks/decode_team.py --modes q4-kv16 fp32-kv16 bf16 int8 --context 1100
@@ -22,9 +22,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from pathlib import Path
 
-from harness import write_json
+from records import record_run, write_raw
 
 MODES = {
     "q4-kv16": dict(dtype="float32", weight_dtype="q4", kv_dtype="fp16"),
@@ -85,9 +84,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--streams", type=int, default=1,
                     help="concurrent requests (decode rows a step)")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "decode_team.json"))
     args = ap.parse_args()
-    results = {}
+    results, rows = {}, []
     print(f"ITL at {args.streams} stream(s), ~{args.context} tokens of prompt, "
           f"{args.rounds} alternating rounds "
           "(ms: best / median; ratio per-call / team, > 1: the team faster)")
@@ -98,8 +96,15 @@ def main() -> None:
               f"per-call {min(calls):6.2f} / {statistics.median(calls):6.2f}   "
               f"ratio {r['best_ratio']:.3f} / {r['median_ratio']:.3f}   "
               f"same tokens: {r['same_tokens']}", flush=True)
-    write_json(args.out, {"context": args.context, "tokens": args.tokens,
-                          "streams": args.streams, "rounds": args.rounds, "modes": results})
+        rows.append([mode, min(team), statistics.median(team), min(calls),
+                     statistics.median(calls), r["best_ratio"], r["median_ratio"],
+                     r["same_tokens"]])
+    write_raw("decode_team", {"context": args.context, "tokens": args.tokens,
+                              "streams": args.streams, "rounds": args.rounds, "modes": results})
+    columns = ["mode", "team best ms", "team median ms", "per-call best ms",
+               "per-call median ms", "ratio (best)", "ratio (median)", "same tokens"]
+    summary = {f"{mode}_median_ratio": r["median_ratio"] for mode, r in results.items()}
+    record_run("decode_team", summary, {"columns": columns, "rows": rows}, args)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Disaggregated prefill/decode (issue #25) on the default model, one server at a time; every
 speed figure is compared with a baseline measured in the same run.
 
-    python benchmarks/disagg.py [--quick] [--parts serve,transfer,faults] [--json out.json]
+    python benchmarks/disagg.py [--quick] [--parts serve,transfer,faults]
 
 1. serve: two workers (one thread, i.e. one core, each) in four set-ups, one after another:
    "colocated" (2 workers serving whole requests, prefix-aware router = always local),
@@ -40,11 +40,11 @@ from pathlib import Path
 
 import aiohttp
 import numpy as np
+from records import record_run, write_raw
 
-from harness import model_name, percentile, start_tokenloom, write_json
+from harness import model_name, percentile, start_tokenloom
 from interference import _stream
 
-HERE = Path(__file__).resolve().parent
 SETUPS = {
     "colocated": [],
     "remote": ["workers.prefill=1", "workers.disaggregation=always"],
@@ -423,7 +423,6 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1,
                     help="rounds of the serve set-ups; figures are medians over the rounds")
     ap.add_argument("--set", action="append", default=[])
-    ap.add_argument("--json", default=str(HERE / "results" / "disagg.json"))
     args = ap.parse_args()
     if args.quick:
         args.streams, args.short_output, args.long_len = 2, 24, 300
@@ -431,19 +430,39 @@ def main() -> None:
     args.set = ["server.log_level=warning", *args.set]
     parts = args.parts.split(",")
     result = {"argv": sys.argv[1:]}
-    if os.path.exists(args.json):
-        try:
-            result = {**json.loads(Path(args.json).read_text()), "argv": sys.argv[1:]}
-        except ValueError:
-            pass
     if "serve" in parts:
-        result["serve"] = {**result.get("serve", {}), **serve_part(args)}
+        result["serve"] = serve_part(args)
         _verdict(result["serve"])
     if "transfer" in parts:
         result["transfer"] = transfer_part(args)
     if "faults" in parts:
         result["faults"] = fault_part(args)
-    print(f"wrote {write_json(args.json, result)}")
+    write_raw("disagg", result)
+    record_run("disagg", summary(result), verdict_table(result), args, smoke=args.quick)
+
+
+def verdict_table(result: dict) -> dict:
+    """The cost choice against the better of colocated and remote (_verdict's table)."""
+    checks = result.get("serve", {}).get("cost_vs_best", {})
+    return {"columns": ["metric", "colocated", "remote", "cost", "cost / best", "within 10%"],
+            "rows": [[k, c["colocated"], c["remote"], c["cost"], c["cost_vs_best"],
+                      c["within_10pct"]] for k, c in checks.items()]}
+
+
+def summary(result: dict) -> dict:
+    out = {}
+    checks = result.get("serve", {}).get("cost_vs_best")
+    if checks:
+        out["cost_vs_best_worst"] = min(c["cost_vs_best"] for c in checks.values())
+        ok = sum(c["within_10pct"] for c in checks.values())
+        out["cost_within_10pct"] = f"{ok}/{len(checks)}"
+    t = result.get("transfer")
+    if t:
+        out["shm_over_prefill"], out["tcp_over_prefill"] = (t["shm_over_prefill"],
+                                                            t["tcp_over_prefill"])
+    for name, f in (result.get("faults") or {}).items():
+        out[name] = f"{f['completed']}/{f['of']} completed, {f['identical']} identical"
+    return out
 
 
 if __name__ == "__main__":

@@ -23,9 +23,10 @@ pick some with `--section a --section c ...`):
      overlap on, for --interference-seconds, once without and once with the long prompts:
      short-stream ITL p50 with/without (target <= 1.5x) and p99/p50 with them (<= 3x).
 
-Then one summary table: every target, the measured value, met or missed. JSON goes to
-benchmarks/results/engine_loop.json (written after every section). `--quick` shrinks every
-section to a smoke test (its numbers mean nothing).
+Then one summary table: every target, the measured value, met or missed; it is the run's
+record (benchmarks/records.py), and every figure goes to benchmarks/raw/engine_loop.json
+(written after every section). `--quick` shrinks every section to a smoke test (its numbers
+mean nothing: its record stays out of benchmarks/results/).
 
     python benchmarks/engine_loop.py                     # everything, on a quiet machine
     python benchmarks/engine_loop.py --section b --section c
@@ -46,6 +47,7 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+from records import record_run, write_raw
 
 import interference  # benchmarks/interference.py
 from harness import (
@@ -64,7 +66,6 @@ from harness import (
     start_tokenloom,
     start_vllm_cpu,
     summarise,
-    write_json,
 )
 
 
@@ -488,52 +489,55 @@ def section_d(args, out: dict) -> None:
 
 
 # -- summary -----------------------------------------------------------------------------
-def summary_rows(out: dict, args) -> list[tuple[str, str, float | None, bool | None]]:
+def summary_rows(out: dict, args) -> list[tuple[str, str, str, float | None, bool | None]]:
+    """(key, target, bound, measured, met) per target of the sections that ran."""
     rows = []
     if "a" in out:
         v = out["a"]["tok_s_on_over_off"]
-        rows.append(("(a) tiny 64 streams: tok/s overlap on/off", ">= 2.00x", v,
-                     None if v is None else v >= 2.0))
+        rows.append(("a_tok_s_on_over_off", "(a) tiny 64 streams: tok/s overlap on/off",
+                     ">= 2.00x", v, None if v is None else v >= 2.0))
     if "b" in out and "llama" in out["b"]:
         b = out["b"]
         for c in b["llama"]["levels"]:
             on, ll = b["on"]["levels"][c], b["llama"]["levels"][c]
             v = _ratio(on["output_tokens_per_s"], ll["output_tokens_per_s"])
-            rows.append((f"(b) c={c}: tok/s tokenloom/llama.cpp", ">= 1.00x", v,
-                         None if v is None else v >= 1.0))
+            rows.append((f"b_c{c}_tok_s_vs_llama", f"(b) c={c}: tok/s tokenloom/llama.cpp",
+                         ">= 1.00x", v, None if v is None else v >= 1.0))
             v = _ratio(on["itl_ms"]["p50"], ll["itl_ms"]["p50"])
-            rows.append((f"(b) c={c}: ITL p50 tokenloom/llama.cpp", "<= 1.00x", v,
-                         None if v is None else v <= 1.0))
+            rows.append((f"b_c{c}_itl_p50_vs_llama", f"(b) c={c}: ITL p50 tokenloom/llama.cpp",
+                         "<= 1.00x", v, None if v is None else v <= 1.0))
     elif "b" in out:
-        rows.append(("(b) tokenloom/llama.cpp (peer skipped)", ">= 1.00x", None, None))
+        rows.append(("b_vs_llama", "(b) tokenloom/llama.cpp (peer skipped)", ">= 1.00x", None,
+                     None))
     if "c" in out:
         for c, both in out["c"]["levels"].items():
             share = (both.get("on") or {}).get("exposed_share")
-            rows.append((f"(c) batch {c}: exposed host / step, overlap on", "< 10 %",
-                         None if share is None else 100 * share,
+            rows.append((f"c_b{c}_exposed_host_pct", f"(c) batch {c}: exposed host / step, "
+                         "overlap on", "< 10 %", None if share is None else 100 * share,
                          None if share is None else share < 0.10))
     if "d" in out:
         d = out["d"]
         v = d["itl_p50_with_over_without"]
-        rows.append(("(d) short ITL p50 with/without long", "<= 1.50x", v,
-                     None if v is None else v <= 1.5))
+        rows.append(("d_itl_p50_with_over_without", "(d) short ITL p50 with/without long",
+                     "<= 1.50x", v, None if v is None else v <= 1.5))
         v = d["p99_over_p50_with_long"]
-        rows.append(("(d) short ITL p99/p50 with long", "<= 3.00x", v,
-                     None if v is None else v <= 3.0))
+        rows.append(("d_p99_over_p50_with_long", "(d) short ITL p99/p50 with long", "<= 3.00x",
+                     v, None if v is None else v <= 3.0))
     return rows
 
 
-def print_summary(out: dict, args) -> None:
+def print_summary(out: dict, args) -> list[tuple]:
     rows = summary_rows(out, args)
     out["summary"] = [{"target": t, "bound": bound, "measured": v, "met": met}
-                      for t, bound, v, met in rows]
+                      for _, t, bound, v, met in rows]
     print(f"\n{'target':<46}{'bound':>10}{'measured':>11}  result"
           + ("   (--quick: smoke test, numbers mean nothing)" if args.quick else ""))
-    for t, bound, v, met in rows:
+    for _, t, bound, v, met in rows:
         unit = " %" if bound.endswith("%") else "x"
         meas = f"{v:.2f}{unit}" if v is not None else "-"
         print(f"{t:<46}{bound:>10}{meas:>11}  "
               f"{'met' if met else 'MISSED' if met is not None else 'n/a'}")
+    return rows
 
 
 # -- helpers -----------------------------------------------------------------------------
@@ -551,7 +555,7 @@ def _f(x, width: int, digits: int = 1) -> str:
 
 
 def _write(args, out: dict) -> None:
-    write_json(args.json, out, default=str)
+    write_raw("engine_loop", out)
 
 
 def _ints(text: str) -> list[int]:
@@ -569,7 +573,6 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra config override for every tokenloom server")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default="benchmarks/results/engine_loop.json")
     g = p.add_argument_group("(a)")
     g.add_argument("--tiny-requests", type=int, default=256)
     g.add_argument("--tiny-concurrency", type=int, default=64)
@@ -625,9 +628,13 @@ def main() -> None:
     if "d" in sections:
         section_d(args, out)
         _write(args, out)
-    print_summary(out, args)
+    rows = print_summary(out, args)
     _write(args, out)
-    print(f"\nwrote {args.json}")
+    table = {"columns": ["target", "bound", "measured", "result"],
+             "rows": [[t, bound, v, "met" if met else "MISSED" if met is not None else "n/a"]
+                      for _, t, bound, v, met in rows]}
+    record_run("engine_loop", {key: v for key, _, _, v, _ in rows}, table, args,
+               smoke=args.quick)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ are the suite's (tests/daemon/openai/test_openapi.py): no 5xx, and status codes,
 bodies as documented, over positive and negative data, every phase schemathesis has for a
 stateless API. Afterwards the server must be idle with no KV block in use (checked through
 the admin socket when this script started the server). Prints schemathesis's summary and
-exits non-zero on any failure.
+exits non-zero on any failure; a run on its own server is recorded (benchmarks/records.py).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from records import record_run
 
 from harness import start_tokenloom, tests_module
 
@@ -86,7 +88,13 @@ def main() -> int:
     print(out[-3000:])
     print(f"test cases: {summary.group(0) if summary else '?'} in {seconds:.0f} s; "
           f"KV blocks in use afterwards: {used}; server exit code {code}")
-    return 1 if rc or used or code else 0
+    failed = bool(rc or used or code)
+    table = {"columns": ["test cases", "seconds", "schemathesis exit code",
+                         "KV blocks in use afterwards", "server exit code", "result"],
+             "rows": [[summary.group(0) if summary else "?", seconds, rc, used, code,
+                       "FAILED" if failed else "passed"]]}
+    record_run("fuzz_api", {"passed": not failed, "seconds": seconds}, table, args)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ and each kernel the planner can pick for it, one decode step's projections (30 l
 qkv, o, gate_up, down, plus the LM head) at 1, 2, 4, 8 and 16 rows, and a 256-row prefill
 chunk: ms per step (best of --reps), the bytes the kernel must stream (every weight byte
 once), and that time as a fraction of bytes / the machine's read bandwidth (measured in a
-child process with both cores, as benchmarks/cpu_forward.py does). > 90% of the roofline
+child process with both cores: benchmarks/records.py's read_bandwidth_gbs). > 90% of the roofline
 means the kernel streams its weights as fast as the memory delivers them.
 
     python benchmarks/gemv_kernels.py
@@ -15,13 +15,10 @@ means the kernel streams its weights as fast as the memory delivers them.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
-from cpu_forward import read_bandwidth_gbs
-
-from harness import write_json
+from records import read_bandwidth_gbs, record_run, write_raw
 
 STORAGES = {  # name: (KernelSet storage, activation dtype)
     "fp32": ("float", torch.float32),
@@ -65,12 +62,13 @@ def main() -> None:
     ap.add_argument("--storages", nargs="+", default=list(STORAGES), choices=list(STORAGES))
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 16, 256])
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--out", default="benchmarks/results/gemv_kernels.json")
     args = ap.parse_args()
     gbs = read_bandwidth_gbs()
     print(f"read bandwidth {gbs:.1f} GB/s ({torch.get_num_threads()} threads)", flush=True)
     layers, head, blocks, head_blocks = model_weights()
     out = {"read_bandwidth_gbs": gbs, "threads": torch.get_num_threads(), "storages": {}}
+    columns = ["storage", "kernel", "MB", *(f"{r} rows: ms (roofline)" for r in args.rows)]
+    rows, best = [], {}
     print(f"{'storage':8} {'kernel':16} {'MB':>6} " + " ".join(f"{r:>12}" for r in args.rows))
     with torch.inference_mode():
         for name in args.storages:
@@ -110,9 +108,20 @@ def main() -> None:
                     cells.append(f"{ms:6.2f}/{frac:4.0%}")
                 print(f"{name:8} {kernel:16} {mb:6.1f} " + " ".join(f"{c:>12}" for c in cells),
                       flush=True)
+                rows.append([name, kernel, mb, *(f"{row[str(r)]['ms']:.2f} "
+                                                 f"({row[str(r)]['roofline']:.0%})"
+                                                 for r in args.rows)])
+                first = row[str(args.rows[0])]["roofline"]
+                if first > best.get(name, (None, 0))[1]:
+                    best[name] = (kernel, first)
             sets = hs = None   # free this storage's forms before the next
-    write_json(args.out, out, indent=1)
-    print(json.dumps({"written": args.out}))
+    write_raw("gemv_kernels", out)
+    # The headline: each storage's best kernel at the first row count, as a fraction of
+    # the roofline (bytes / the read bandwidth measured in this run).
+    summary = {name: {"best_kernel": kernel, f"roofline_{args.rows[0]}_rows": frac}
+               for name, (kernel, frac) in best.items()}
+    record_run("gemv_kernels", summary, {"columns": columns, "rows": rows}, args,
+               bandwidth_gbs=gbs)
 
 
 def k_in(k) -> int:

@@ -23,9 +23,10 @@ shapes: SmolLM2-135M and Llama-3-8B (plus a tiny fp32 one for parity).
    of 16, 128 or 512 tokens, eager vs piecewise graphs, side by side, with their parity.
 5. Triton decode kernel at 8k context (Llama-3-8B layer shape): achieved bandwidth as a
    fraction of copy bandwidth, with the torch reference as the baseline.
-Prints a table, checks the issue's targets, writes JSON (default benchmarks/results/); the
+Prints a table, checks the issue's targets, writes JSON (default benchmarks/raw/); the
 JSON is rewritten after each part, so a run cut short keeps what it measured, and a part
-that no longer fits --time-budget is skipped (a failure) rather than killed.
+that no longer fits --time-budget is skipped (a failure) rather than killed. A GPU run ends
+with its record (benchmarks/records.py): the decode table and the targets.
 """
 
 from __future__ import annotations
@@ -126,6 +127,11 @@ def gpu_engine():
 def gpu_mixed():
     """Mixed prefill+decode steps, eager vs piecewise graphs (benchmarks/gpu_mixed.py)."""
     return _sibling("gpu_mixed")
+
+
+def records():
+    """The run record (benchmarks/records.py)."""
+    return _sibling("records")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -619,7 +625,7 @@ def main(argv=None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / "gpu_check.json"
     else:
-        path = args.json or ROOT / "benchmarks" / "results" / f"{stamp}.json"
+        path = args.json or records().RAW / f"{stamp}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
 
     def save(partial: dict) -> None:   # after each part: a run cut short keeps its numbers
@@ -646,7 +652,25 @@ def main(argv=None) -> int:
         (args.out / "gpu_check.txt").write_text(buf.getvalue())
     path.write_text(json.dumps(result, indent=2, default=str))
     print(f"\nwrote {path} ({result['seconds']:.0f}s)")
+    if result.get("mode") == "gpu":
+        record(result, args)
     return 1 if result["failures"] else 0
+
+
+def record(result: dict, args) -> None:
+    """A GPU run's record: the decode table (every shape and batch) and the targets."""
+    columns = ["shape", "batch", "eager ms", "graph ms", "speedup", "eager tok/s",
+               "graph tok/s", "roofline ms", "x roofline", "rel diff"]
+    rows = [[shape, r["batch"], r["eager_ms"], r["graph_ms"], r["speedup"], r["eager_tok_s"],
+             r["graph_tok_s"], r.get("roofline_ms"), r.get("graph_vs_roofline"),
+             f"{r['graph_vs_eager_max_rel_diff']:.1e}"]
+            for shape, d in result.get("decode", {}).items() for r in d["rows"]]
+    targets = result.get("targets", {})
+    summary = {"targets": {k: t["value"] for k, t in targets.items()},
+               "targets_met": f"{sum(t['met'] for t in targets.values())}/{len(TARGETS)}",
+               "copy_bandwidth_gb_s": result.get("copy_bandwidth_gb_s"),
+               "failures": len(result["failures"])}
+    records().record_run("gpu_check", summary, {"columns": columns, "rows": rows}, args)
 
 
 if __name__ == "__main__":

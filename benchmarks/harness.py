@@ -10,7 +10,8 @@
   `Connections`, keep-alive connections whose `SSEStream` protocol reads a streamed
   completion with as little Python as possible; `PeerStream` reads llama-server's;
 - numbers: `percentile` (the one implementation), `summarise` (TTFT / ITL / end-to-end
-  percentiles and tokens/s of a run), `print_table`, `write_json`.
+  percentiles and tokens/s of a run), `print_table`, `summary_row` (a run as one row of a
+  record's table, under SUMMARY_COLUMNS), `write_json`.
 
 Scripts import it as `from harness import ...` (Python puts a script's folder first on
 sys.path); gpu_engine.py loads it by path on a GPU host where nothing is installed.
@@ -545,6 +546,17 @@ def summarise(results: list, elapsed: float) -> dict:
         out[f"ttft_{name}_ms"] = {"n": len(xs), "p50": percentile(xs, 50, 1000),
                                   "p99": percentile(xs, 99, 1000)}
     return out
+
+
+SUMMARY_COLUMNS = ["run", "output tok/s", "req/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
+                   "ITL p99 ms", "e2e p50 ms", "errors"]
+
+
+def summary_row(label: str, s: dict) -> list:
+    """A `summarise` result as one row under SUMMARY_COLUMNS (a record's table)."""
+    return [label, s["output_tokens_per_s"], s["requests_per_s"], s["ttft_ms"]["p50"],
+            s["ttft_ms"]["p99"], s["itl_ms"]["p50"], s["itl_ms"]["p99"], s["e2e_ms"]["p50"],
+            s["errors"]]
 
 
 def print_table(label: str, s: dict) -> None:

@@ -22,7 +22,8 @@ Hops (round trip, from the send to the awakened awaiter):
 
 "Loaded" = --streams concurrent streams decoding in the background on the same loop
 (re-submitted as they finish). Samples are spaced by random 0-2 ms sleeps so that they land
-anywhere in a step. Prints one table (p50/p99 in µs) and writes benchmarks/results/hops.json.
+anywhere in a step. Prints one table (p50/p99 in µs) and records it (benchmarks/records.py;
+every figure in benchmarks/raw/hops.json).
 
     python benchmarks/hops.py               # 2,000 samples per hop and phase
     python benchmarks/hops.py --quick       # smoke test
@@ -36,13 +37,15 @@ import contextlib
 import json
 import os
 import random
+import re
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from records import record_run, write_raw
 
-from harness import build_tiny_vocab_model, percentile, resolve_dir, write_json
+from harness import build_tiny_vocab_model, percentile, resolve_dir
 
 
 def _queries():
@@ -260,7 +263,6 @@ def main() -> None:
                    help="engine config override, e.g. scheduler.overlap=false")
     p.add_argument("--quick", action="store_true", help="smoke test: few samples")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default="benchmarks/results/hops.json")
     args = p.parse_args()
     if args.quick:
         args.samples, args.add_samples = min(args.samples, 50), min(args.add_samples, 20)
@@ -310,12 +312,20 @@ def main() -> None:
         llm.close()
         if tmp is not None:
             tmp.cleanup()
-    print_table(result)
-    out = write_json(args.json, result)
-    print(f"\nwrote {out}")
+    rows = print_table(result)
+    write_raw("hops", result)
+    # Headline: the loaded p50 of each actor query over the event loop's own floor.
+    loaded = result["loaded"]["hops"]
+    floor = loaded["event loop floor (call_soon)"]["p50"]
+    summary = {"loaded_floor_p50_us": floor, "loaded_p50_over_floor": {
+        re.sub(r"\W+", "_", name.split(" (")[0]): loaded[name]["p50"] / floor
+        for name in ROWS[1:7] if loaded.get(name, {}).get("p50") and floor}}
+    columns = ["hop", "idle p50 µs", "idle p99 µs", "loaded p50 µs", "loaded p99 µs", "n"]
+    record_run("hops", summary, {"columns": columns, "rows": rows}, args, smoke=args.quick)
 
 
-def print_table(result: dict) -> None:
+def print_table(result: dict) -> list[list]:
+    """Prints the hop table and the scheduler's timings; returns the hop table's rows."""
     idle, loaded = result["idle"]["hops"], result["loaded"]["hops"]
     bg = result["loaded"]["background"]
     print(f"\nactor hops, round trip in µs (overlap {'on' if result['overlap'] else 'off'}; "
@@ -323,12 +333,14 @@ def print_table(result: dict) -> None:
           f"{bg['steps_per_s']:.0f} steps/s)")
     print(f"{'hop':<40}{'idle p50':>10}{'p99':>10}{'loaded p50':>12}{'p99':>10}{'n':>7}")
     f = lambda x: f"{x:>10.1f}" if x is not None else f"{'-':>10}"  # noqa: E731
+    rows = []
     for name in ROWS:
         a, b = idle.get(name), loaded.get(name)
         if a is None or b is None:
             continue
         print(f"{name:<40}{f(a['p50'])}{f(a['p99'])}  {f(b['p50'])}{f(b['p99'])}"
               f"{b['n']:>7}")
+        rows.append([name.strip(), a["p50"], a["p99"], b["p50"], b["p99"], b["n"]])
     print("\nSchedulerStats.timings (ms, means over the scheduler's last 256 steps):")
     print(f"{'':<10}{'steps':>7}{'batch':>7}{'forward':>9}{'host':>8}{'exposed':>9}"
           f"{'kv rt':>8}   | KV round trip / KV apply, per step, means here (µs)")
@@ -341,6 +353,7 @@ def print_table(result: dict) -> None:
         print(f"{label:<10}{t['steps']:>7}{t['batch_size']:>7.1f}{t['forward_ms']:>9.3f}"
               f"{t['host_ms']:>8.3f}{t['exposed_host_ms']:>9.3f}{t['kv_round_trip_ms']:>8.3f}"
               f"   | {extra}")
+    return rows
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ workload runs against two fresh servers, one after the other: (a) `scheduler.chu
 Reported per mode: the short streams' inter-token gaps (p50, p99, p99.9, max, and max/p50,
 p99/p50 — p99 alone hides the few gaps that contain a whole long prefill) and the long
 prompts' TTFT (p50, max); then (b)/(a) ratios. Targets from the issue: with (b) max gap
-<= 5x p50, p99 <= 2x p50, long TTFT p50 <= 1.5x (a)'s.
+<= 5x p50, p99 <= 2x p50, long TTFT p50 <= 1.5x (a)'s. The table is the run's record
+(benchmarks/records.py), every figure in benchmarks/raw/interference.json.
 
     python benchmarks/serve.py --interference                # default model
     python benchmarks/serve.py --interference --tiny         # quick check of the plumbing
@@ -25,8 +26,9 @@ import time
 
 import aiohttp
 import numpy as np
+from records import record_run, write_raw
 
-from harness import model_name, percentile, start_tokenloom, write_json
+from harness import model_name, percentile, start_tokenloom
 
 
 async def _stream(session, url, model, prompt, max_tokens) -> dict:
@@ -114,7 +116,9 @@ def interference_main(args, model: str) -> dict:
             ("p99 / p50", a.get("p99_over_p50"), b.get("p99_over_p50")),
             ("long TTFT p50 ms", a["long_ttft_ms"]["p50"], b["long_ttft_ms"]["p50"]),
             ("long TTFT max ms", a["long_ttft_ms"]["max"], b["long_ttft_ms"]["max"])]
+    table = []
     for label, x, y in rows:
+        table.append([label, x, y, y / x if x and y else None])
         ratio = f"{y / x:>10.2f}" if x and y else f"{'-':>10}"
         fx = f"{x:>14.1f}" if x is not None else f"{'-':>14}"
         fy = f"{y:>14.1f}" if y is not None else f"{'-':>14}"
@@ -124,6 +128,11 @@ def interference_main(args, model: str) -> dict:
     if a["long_ttft_ms"]["p50"] and b["long_ttft_ms"]["p50"]:
         summary["long_ttft_p50_slo_over_static"] = (b["long_ttft_ms"]["p50"]
                                                     / a["long_ttft_ms"]["p50"])
-    out = write_json(args.json, summary)
-    print(f"wrote {out}")
+    write_raw("interference", summary)
+    headline = {"slo_max_over_p50": b.get("max_over_p50"),
+                "slo_p99_over_p50": b.get("p99_over_p50"),
+                "long_ttft_p50_slo_over_static": summary.get("long_ttft_p50_slo_over_static"),
+                "errors": a["errors"] + b["errors"]}
+    columns = ["figure", "static (a)", "slo (b)", "(b)/(a)"]
+    record_run("interference", headline, {"columns": columns, "rows": table}, args)
     return summary

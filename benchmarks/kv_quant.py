@@ -5,6 +5,9 @@ with their default rotation; bf16 and fp16 as two bytes under the fp32 model, un
     python benchmarks/kv_quant.py [--quick] [--json out.json] [--md out.md]
                                   [--parts quality,capacity,decode,kernel,check,peer]
 
+The table (and --md) is the run's record (benchmarks/records.py); every figure goes to
+benchmarks/raw/kv_quant.json (and to --json).
+
 1. quality: per mode, teacher-forced over the start-up gate's texts: greedy agreement, mean
    and p99 KL against the model-dtype cache, perplexity and its change (the gate's own
    measure, kernels/models/kv_quality_gate.py); with llama.cpp's `llama-perplexity` on the
@@ -38,6 +41,7 @@ import time
 from pathlib import Path
 
 import torch
+from records import record_run, write_raw
 
 from harness import (
     PEERS,
@@ -328,10 +332,12 @@ def part_peer(out: dict, quick: bool) -> None:
     out["peer"] = rows
 
 
-def markdown(out: dict) -> str:
-    lines = ["| mode | bytes/token | 1k-token seqs in 1 GiB | agreement | mean KL | "
-             "perplexity change | decode 16x1k tok/s | decode 16x4k tok/s |",
-             "|---|---|---|---|---|---|---|---|"]
+COLUMNS = ["mode", "bytes/token", "1k-token seqs in 1 GiB", "agreement", "mean KL",
+           "perplexity change", "decode 16x1k tok/s", "decode 16x4k tok/s"]
+
+
+def table_rows(out: dict) -> list[list[str]]:
+    rows = []
     for mode in MODES:
         cap = out.get("capacity", {}).get(mode, {})
         q = out.get("quality", {}).get(mode if mode == "auto" or mode in HALF
@@ -341,12 +347,35 @@ def markdown(out: dict) -> str:
 
         def cell(d):
             return f"{d['tokens_per_s']:.0f} ({d['speed_ratio']:.2f}x)" if d else "-"
-        lines.append(
-            f"| {mode} | {cap.get('bytes_per_token', '-')} | "
-            f"{cap.get('seqs_1k', '-')} ({cap.get('capacity_ratio', 0):.2f}x) | "
-            f"{q.get('agreement', 1.0):.3f} | {q.get('mean_kl', 0.0):.5f} | "
-            f"{100 * q.get('ppl_change', 0.0):+.2f}% | {cell(d1)} | {cell(d4)} |")
+        rows.append([mode, str(cap.get("bytes_per_token", "-")),
+                     f"{cap.get('seqs_1k', '-')} ({cap.get('capacity_ratio', 0):.2f}x)",
+                     f"{q.get('agreement', 1.0):.3f}", f"{q.get('mean_kl', 0.0):.5f}",
+                     f"{100 * q.get('ppl_change', 0.0):+.2f}%", cell(d1), cell(d4)])
+    return rows
+
+
+def markdown(out: dict) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(row) + " |" for row in table_rows(out)]
     return "\n".join(lines) + "\n"
+
+
+def summary(out: dict) -> dict:
+    """Per mode: capacity and decode speed (16 x 1k) against the model-dtype cache, and the
+    mean KL of its quality."""
+    res = {}
+    for mode in MODES[1:]:
+        q = out.get("quality", {}).get(mode if mode in HALF else f"{mode}+hadamard", {})
+        res[mode] = {k: v for k, v in (
+            ("capacity_x", out.get("capacity", {}).get(mode, {}).get("capacity_ratio")),
+            ("decode_1k_x", out.get("decode", {}).get(f"{mode}@1024", {}).get("speed_ratio")),
+            ("mean_kl", q.get("mean_kl"))) if v is not None}
+    res = {mode: d for mode, d in res.items() if d}
+    peer = out.get("peer")
+    if isinstance(peer, dict):   # decode speed against llama-server, same-size caches
+        res["vs_llama"] = {"fp32_vs_f16": peer["tokenloom_auto"]["vs_llama_f16"],
+                           "int8_vs_q8_0": peer["tokenloom_int8"]["vs_llama_q8_0"]}
+    return res
 
 
 def main() -> None:
@@ -377,10 +406,13 @@ def main() -> None:
         part_peer(out, args.quick)
     table = markdown(out)
     print("\n" + table)
+    write_raw("kv_quant", out)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
     if args.md:
         Path(args.md).write_text(table)
+    record_run("kv_quant", summary(out), {"columns": COLUMNS, "rows": table_rows(out)}, args,
+               smoke=args.quick)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,9 @@ speed figure is a ratio against a baseline measured in the same run.
 
     python benchmarks/kv_tiers.py [--quick] [--json out.json] [--md out.md]
 
+The sessions table is the run's record (benchmarks/records.py), the other parts' headline
+ratios its summary; every figure goes to benchmarks/raw/kv_tiers.json (and to --json).
+
 1. Sessions: --sessions agent sessions, each a system prompt of --prefix-tokens plus a
    growing history (a user turn of 64 tokens and the previous answer each turn), taken
    round-robin for --turns turns, one request at a time. The device pool holds about
@@ -35,6 +38,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from records import record_run, write_raw
 
 from tokenloom import LLM, SamplingParams
 
@@ -245,6 +250,26 @@ def restart(args) -> dict:
             "x_lower": c / w}
 
 
+SESSION_COLUMNS = ["tiers", "TTFT p50 ms", "TTFT p99 ms", "out tok/s", "TTFT p50 x lower than off",
+                   "throughput vs off", "cached tokens by tier"]
+
+
+def record(res: dict, args) -> None:
+    rows = [[name, r["ttft_p50_ms"], r["ttft_p99_ms"], r["out_tok_s"], r["ttft_p50_x_lower"],
+             r["throughput_x"], r["cached_by_tier"]]
+            for name, r in res.get("sessions", {}).get("results", {}).items()]
+    summary = {f"sessions.{name}": {"ttft_p50_x_lower": r["ttft_p50_x_lower"],
+                                    "throughput_x": r["throughput_x"]}
+               for name, r in res.get("sessions", {}).get("results", {}).items()
+               if name != "off"}
+    if "sweep" in res:
+        summary["sweep_worst_cost_vs_best_fixed"] = res["sweep"]["worst_cost_vs_best_fixed"]
+    if "restart" in res:
+        summary["restart_ttft_x_lower"] = res["restart"]["x_lower"]
+    record_run("kv_tiers", summary, {"columns": SESSION_COLUMNS, "rows": rows}, args,
+               smoke=args.quick)
+
+
 def markdown(res: dict) -> str:
     lines = ["### Sessions (prefixes several times the device pool)", "",
              f"{res['sessions']['results']['off']['requests']} requests, device pool "
@@ -323,10 +348,12 @@ def main() -> None:
         redis.stop()
     md = markdown(res)
     print(md)
+    write_raw("kv_tiers", res)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
     if args.md:
         Path(args.md).write_text(md + "\n")
+    record(res, args)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Multi-LoRA serving on the default model: what adapters cost against the base model, every
 figure against a baseline measured in the same run.
 
-    python benchmarks/lora.py [--quick] [--json out.json] [--parts step,serve,load,peer]
+    python benchmarks/lora.py [--quick] [--parts step,serve,load,peer]
 
 Adapters: random PEFT LoRA adapters of rank --rank on all seven projections of every layer
 (written by PEFT itself, tests/tinymodel.build_random_adapter).
@@ -19,6 +19,9 @@ Adapters: random PEFT LoRA adapters of rank --rank on all seven projections of e
    own convert_lora_to_gguf.py (fetched from the llama-cpp-python sdist, as the peer build
    does) and chosen per request by its `lora` field; the same workloads (base, 1 and 4
    adapters). Needs shared/peers/build-llama-server.sh.
+
+The serve table is the run's record (benchmarks/records.py), the other parts' ratios its
+summary; every figure goes to benchmarks/raw/lora.json.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import time
 from pathlib import Path
 
 import torch
+from records import record_run, write_raw
 
 from harness import (
     PEERS,
@@ -301,7 +305,6 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--parts", default="step,serve,load,peer")
-    ap.add_argument("--json")
     args = ap.parse_args()
     parts = args.parts.split(",")
     out: dict = {"rank": args.rank, "streams": STREAMS, "prompt_len": PROMPT_LEN,
@@ -316,9 +319,35 @@ def main() -> None:
         part_load(out, adapters, args.quick)
     if "peer" in parts:
         part_peer(out, adapters, args.quick)
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
     print(json.dumps({k: v for k, v in out.items() if k in ("serve", "peer")}, indent=1))
+    write_raw("lora", out)
+    columns = ["server / workload", "out tok/s", "ITL p50 ms", "ITL p99 ms", "TTFT p50 ms",
+               "throughput vs lora off", "ITL p50 vs lora off", "errors"]
+    rows = [[name, r["output_tok_s"], r["itl_p50_ms"], r["itl_p99_ms"], r["ttft_p50_ms"],
+             r["throughput_ratio"], r["itl_p50_ratio"], r["errors"]]
+            for name, r in out.get("serve", {}).items()]
+    record_run("lora", summary(out), {"columns": columns, "rows": rows}, args,
+               smoke=args.quick)
+
+
+def summary(out: dict) -> dict:
+    """Each part's ratios against its baseline: the step with no adapter rows, the server
+    with LoRA off, llama-server on the same workload."""
+    res: dict = {}
+    if "step" in out:
+        res["step_vs_no_adapter"] = {m: r["ratio"] for m, r in out["step"].items()
+                                     if m != "no adapter rows"}
+    if "serve" in out:
+        res["serve_throughput_vs_off"] = {m: r["throughput_ratio"]
+                                          for m, r in out["serve"].items()
+                                          if m != "lora off / base"}
+    if "load" in out:
+        res["load_ms"] = {"disk": out["load"]["from_disk_ms"],
+                          "host": out["load"]["from_host_ms"]}
+    if isinstance(out.get("peer"), dict):
+        res["vs_llama"] = {m: r["tokenloom_vs_llama"] for m, r in out["peer"].items()
+                           if "tokenloom_vs_llama" in r}
+    return res
 
 
 if __name__ == "__main__":

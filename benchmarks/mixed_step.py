@@ -25,7 +25,8 @@ chunker sizes chunks with it, so it must see where the time goes. Last, the chun
 view: for each decode batch, prompt depth and `--chunker-factors` f, the prefill chunk it
 grants under the automatic target (f x the predicted decode-only step), and what that
 mixed step really costs against the target and against the real decode-only step.
-JSON goes to benchmarks/results/mixed_step.json.
+The first table is the run's record (benchmarks/records.py); every figure goes to
+benchmarks/raw/mixed_step.json.
 """
 
 from __future__ import annotations
@@ -46,8 +47,7 @@ import time
 from pathlib import Path
 
 import torch
-
-from harness import write_json
+from records import record_run, write_raw
 
 ROOT = Path(__file__).resolve().parent
 REPO = ROOT.parent
@@ -261,7 +261,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true", help="D=16, C=1024, P in {64, 512}, 3 reps")
     ap.add_argument("--chunker-factors", type=float, nargs="*", default=[1.5, 2.0],
                     help="check the SLO chunker's budgets at these target factors")
-    ap.add_argument("--json", default=str(ROOT / "results" / "mixed_step.json"))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -321,16 +320,21 @@ def main(argv: list[str] | None = None) -> dict:
         head += (f"{'b.dec':>8}{'b.pre':>8}{'b.mixed':>8}{'b.m/sum':>8}"
                  f"{'dec n/b':>8}{'pre n/b':>8}{'mix n/b':>8}")
     print(head)
+    table = []
     for r in rows:
+        cells = [r["decodes"], r["context"], r["chunk"], r["start"]]
         line = f"{r['decodes']:>3}{r['context']:>6}{r['chunk']:>5}{r['start']:>6}"
         for name in workers:
             x = r[name]
             line += (f"{x['decode_ms']:>8.1f}{x['prefill_ms']:>8.1f}{x['mixed_ms']:>8.1f}"
                      f"{x['mixed_over_sum']:>8.2f}")
+            cells += [x["decode_ms"], x["prefill_ms"], x["mixed_ms"], x["mixed_over_sum"]]
         if "base" in workers:
             line += "".join(f"{r[f'{part}_new_over_base']:>8.2f}"
                             for part in ("decode", "prefill", "mixed"))
+            cells += [r[f"{part}_new_over_base"] for part in ("decode", "prefill", "mixed")]
         print(line)
+        table.append(cells)
 
     # The cost model, fitted on the new implementation's steps (and the baseline's model,
     # when there is one, on the same steps): how well does it price each kind of step?
@@ -390,11 +394,22 @@ def main(argv: list[str] | None = None) -> dict:
         "raw_ms": {f"{v[0]} D={v[1]} C={v[2]} P={v[3]} S={v[4]} [{name}]":
                    [t * 1000 for t in ts] for (v, name), ts in times.items()},
     }
-    out = write_json(args.json, summary)
-    print(f"wrote {out}")
+    write_raw("mixed_step", summary)
     for w in workers.values():
         w.close()
     tmp.cleanup()
+    columns = ["D", "C", "P", "S", "decode ms", "prefill ms", "mixed ms", "mixed / sum"]
+    if "base" in workers:
+        columns += ["b. decode ms", "b. prefill ms", "b. mixed ms", "b. mixed / sum",
+                    "decode new / b.", "prefill new / b.", "mixed new / b."]
+    ratios = [r["new"]["mixed_over_sum"] for r in rows]
+    headline = {"mixed_over_sum": {"median": statistics.median(ratios), "max": max(ratios)},
+                "cost_model_median_abs_error": {k: e["median_abs"] for k, e
+                                                in fit["new"]["rel_error"].items()}}
+    if "base" in workers:
+        headline["mixed_new_over_base_median"] = statistics.median(
+            r["mixed_new_over_base"] for r in rows)
+    record_run("mixed_step", headline, {"columns": columns, "rows": table}, args)
     return summary
 
 

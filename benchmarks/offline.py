@@ -10,8 +10,9 @@ exactly the requested number of tokens):
   batch_N      N in {1, 8, 32} prompts of 64-512 tokens, 128 output tokens each
                -> output tokens/s and total (prompt + output) tokens/s.
                transformers runs them as one static left-padded batch of N.
-Also measured: copy bandwidth and the weight-streaming roofline for batch-1 decode.
-Prints a table with ratios (ours / transformers) and writes JSON to benchmarks/results/.
+Also measured: read bandwidth and the weight-streaming roofline for batch-1 decode.
+Prints a table with ratios (ours / transformers) and records it (benchmarks/records.py;
+every row in benchmarks/raw/offline.json).
 Timing is wall-clock on a shared machine: read ratios, not absolute numbers, and never run
 another heavy job at the same time.
 """
@@ -19,35 +20,19 @@ another heavy job at the same time.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import random
 import sys
 import time
 from pathlib import Path
 
 import torch
-
-from harness import write_json
-
-ROOT = Path(__file__).resolve().parent
+from records import read_bandwidth_gbs, record_run, write_raw
 
 
 def make_prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     # Token ids from the ordinary-text range of the vocabulary.
     return [[rng.randint(200, 40000) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
-def copy_bandwidth_gbs() -> float:
-    a = torch.empty(64 * 1024 * 1024, dtype=torch.float32)  # 256 MiB
-    b = torch.empty_like(a)
-    b.copy_(a)
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        b.copy_(a)
-        best = min(best, time.perf_counter() - t)
-    return 2 * a.numel() * 4 / best / 1e9  # read + write
 
 
 class Ours:
@@ -158,7 +143,6 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", nargs="+", default=None, choices=["float32", "bfloat16"])
     ap.add_argument("--quick", action="store_true", help="fewer, shorter scenarios")
     ap.add_argument("--skip-hf", action="store_true", help="tokenloom only")
-    ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     dtypes = args.dtypes or (["float32"] if args.quick else ["float32", "bfloat16"])
 
@@ -166,9 +150,9 @@ def main(argv=None) -> int:
     from tokenloom.kernels.models.loader import load_spec, resolve_model_dir
     model_dir = resolve_model_dir(args.model, resolve_cache_dir(ModelConfig()))
     spec = load_spec(model_dir)
-    bw = copy_bandwidth_gbs()
+    bw = read_bandwidth_gbs()
     print(f"model {model_dir.name}; torch threads {torch.get_num_threads()}; "
-          f"copy bandwidth {bw:.1f} GB/s (read+write)")
+          f"read bandwidth {bw:.1f} GB/s")
     from safetensors import safe_open
     n_params = 0
     for f in model_dir.glob("*.safetensors"):
@@ -183,7 +167,7 @@ def main(argv=None) -> int:
         # Per decode step every weight is read once (the tied LM head counts again).
         bytes_per_step = (n_params + lm_head) * elem
         rooflines[dtype] = {"weight_bytes_per_step": bytes_per_step,
-                            "max_b1_decode_tok_s": bw / 2 * 1e9 / bytes_per_step}
+                            "max_b1_decode_tok_s": bw * 1e9 / bytes_per_step}
         print(f"{dtype}: weights read per decode step {bytes_per_step / 2**20:.0f} MiB -> "
               f"roofline {rooflines[dtype]['max_b1_decode_tok_s']:.1f} tok/s at batch 1")
         rows += bench_dtype(model_dir, dtype, args.quick, args.skip_hf)
@@ -202,10 +186,16 @@ def main(argv=None) -> int:
             scale[dtype] = by[("batch_32", "output tok/s")] / by[("decode_b1", "decode tok/s")]
             print(f"{dtype}: our 32-request output rate / our batch-1 decode rate = "
                   f"{scale[dtype]:.2f}x")
-    path = args.json or ROOT / "results" / f"offline-{dt.datetime.now():%Y%m%d-%H%M%S}.json"
-    write_json(path, {"copy_bandwidth_gbs": bw, "rooflines": rooflines, "rows": rows,
-                      "scaling_32_vs_1": scale, "argv": sys.argv[1:]})
-    print(f"wrote {path}")
+    write_raw("offline", {"read_bandwidth_gbs": bw, "rooflines": rooflines, "rows": rows,
+                          "scaling_32_vs_1": scale, "argv": sys.argv[1:]})
+    columns = ["dtype", "scenario", "unit", "tokenloom", "transformers", "ratio"]
+    table = [[r["dtype"], r["scenario"], r["unit"], r["tokenloom"], r["transformers"],
+              r["ratio"]] for r in rows]
+    summary = {dtype: {f"{r['scenario']}_{r['unit'].split()[0]}": r["ratio"]
+                       for r in rows if r["dtype"] == dtype and r["ratio"]} for dtype in dtypes}
+    for dtype, x in scale.items():   # ours alone: 32 requests' output rate / batch-1 decode
+        summary[dtype]["batch_32_over_decode_b1"] = x
+    record_run("offline", summary, {"columns": columns, "rows": table}, args, bandwidth_gbs=bw)
     return 0
 
 

@@ -11,6 +11,8 @@ projection shapes (576x960 qkv, 576x576 o, 576x3072 gate_up, 1536x576 down), fp3
   primitive already built), interleaved, best of --reps; the ratio is padded / exact (> 1:
   padding costs that much). A bucket's own size (e.g. 18, 104) is the control: ~1.0.
 
+The time table is the run's record (benchmarks/records.py), the memory figures its summary.
+
     python benchmarks/onednn_shapes.py
     python benchmarks/onednn_shapes.py --max-rows 600 --rows 17 33 100 129 300 513
 """
@@ -25,6 +27,7 @@ import sys
 import time
 
 import torch
+from records import record_run
 
 from tokenloom.kernels.cpu import linear as cpu_linear
 
@@ -109,7 +112,6 @@ def main() -> int:
     p.add_argument("--rows", type=int, nargs="+",
                    default=[17, 18, 100, 104, 129, 144, 300, 320, 513, 576])
     p.add_argument("--reps", type=int, default=30)
-    p.add_argument("--json", help="write the figures here")
     p.add_argument("--child", choices=["exact", "padded"], help=argparse.SUPPRESS)
     args = p.parse_args()
     if not cpu_linear.onednn_available():
@@ -133,9 +135,14 @@ def main() -> int:
     for t in times:
         print(f"  {t['rows']:5d} {t['padded_rows']:6d} {t['exact_ms']:8.3f} "
               f"{t['padded_ms']:8.3f} {t['ratio']:6.3f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"memory": memory, "timing": times}, f, indent=2)
+    columns = ["rows", "padded rows", "exact ms", "padded ms", "padded / exact"]
+    rows = [[t["rows"], t["padded_rows"], t["exact_ms"], t["padded_ms"], t["ratio"]]
+            for t in times]
+    summary = {mode: {"row_counts": m["row_counts_reaching_onednn"],
+                      "malloc_growth_mib": m["malloc_in_use_growth_mib"],
+                      "rss_growth_mib": m["rss_growth_mib"]} for mode, m in memory.items()}
+    summary["worst_padded_over_exact"] = max(t["ratio"] for t in times)
+    record_run("onednn_shapes", summary, {"columns": columns, "rows": rows}, args)
     return 0
 
 

@@ -13,6 +13,8 @@ and, for `full`, the time of each part (projections, attention, norms, SiLU*mul,
 and the minor page faults per forward. Each setting of the allocator (kernels/cpu/
 allocator.py: glibc keeps freed memory, or glibc's defaults) runs in its own child process,
 since it cannot be undone inside one. Medians over rounds, spread (max / min) beside them.
+The table is the run's record (benchmarks/records.py); every figure goes to
+benchmarks/raw/prefill_step.json.
 
     python benchmarks/prefill_step.py                    # bf16, 1,024 tokens, 5 rounds
     python benchmarks/prefill_step.py --mode fp32 --tokens 512
@@ -29,11 +31,9 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
-
-from harness import write_json
+from records import record_run, write_raw
 
 MODES = {"bf16": dict(dtype="bfloat16"), "fp32": dict(dtype="float32")}
 PARTS = {  # part: (attribute path from a layer, attribute)
@@ -184,7 +184,6 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "prefill_step.json"))
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(args)))
@@ -199,18 +198,25 @@ def main() -> None:
     base = results["glibc default"]["forward_ms"]["torch"]
     print(f"{args.mode}, one {args.tokens}-token prefill forward, median of {args.rounds} "
           f"rounds (spread max/min); speedup against torch ops + glibc's allocator defaults")
+    rows = []
     for allocator in ("glibc default", "kept"):
         r = results[allocator]
         for name, ms in r["forward_ms"].items():
             print(f"  allocator {allocator:13s} {name:15s} {ms:8.1f} ms ({r['spread'][name]:.2f})"
                   f"  {base / ms:5.2f}x")
+            rows.append([allocator, name, ms, r["spread"][name], base / ms])
     for allocator in ("glibc default", "kept"):
         r = results[allocator]
         parts = ", ".join(f"{k} {v:.0f}" for k, v in r["full_parts_ms"].items())
         print(f"  full, allocator {allocator}: {r['full_page_faults']:.0f} page faults per "
               f"forward; parts (ms): {parts}")
-    write_json(args.out, results)
-    print(f"wrote {args.out}")
+    write_raw("prefill_step", results)
+    columns = ["allocator", "kernels", "forward ms", "spread", "speedup vs torch + glibc"]
+    summary = {f"{allocator}.{name}": speedup for allocator, name, _, _, speedup in rows
+               if (allocator, name) != ("glibc default", "torch")}
+    summary["full_page_faults"] = {a: results[a]["full_page_faults"]
+                                   for a in ("glibc default", "kept")}
+    record_run("prefill_step", summary, {"columns": columns, "rows": rows}, args)
 
 
 if __name__ == "__main__":

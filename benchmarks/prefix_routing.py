@@ -1,6 +1,6 @@
 """Prefix-aware routing vs round-robin vs one engine, on the same machine in one run.
 
-    flock /tmp/tokenloom-heavy.lock python benchmarks/prefix_routing.py [--json out.json]
+    flock /tmp/tokenloom-heavy.lock python benchmarks/prefix_routing.py
 
 Three servers (`tokenloom serve`, the default model unless --model), one after another:
   prefix       --workers 2, one thread each, workers.routing = "prefix"
@@ -21,7 +21,8 @@ on one worker.
 
 The three servers run side by side (idle while another is measured) and --passes passes
 interleave them; per setup and workload the pass with the highest throughput is reported
-(the least disturbed by anything else on the machine), every pass is in the JSON.
+(the least disturbed by anything else on the machine) and recorded (benchmarks/records.py);
+every pass is in benchmarks/raw/prefix_routing.json.
 
 Reported per run: prefix-cache hit rate (hit / queried prompt tokens over all workers, from
 /metrics), TTFT p50/p99 measured by the client (request sent -> first token event), output
@@ -42,8 +43,9 @@ import urllib.request
 from pathlib import Path
 
 import aiohttp
+from records import record_run, write_raw
 
-from harness import Server, percentile, start_tokenloom, write_json
+from harness import Server, percentile, start_tokenloom
 
 BLOCK = 16
 
@@ -176,7 +178,6 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--passes", type=int, default=2,
                    help="measured passes over every setup; the best of each is reported")
-    p.add_argument("--json", help="write the results here")
     args = p.parse_args()
     per_prefix = args.prefix_tokens // BLOCK
     print(f"prefix routing benchmark: {args.groups} groups x {args.prefix_tokens}-token "
@@ -238,9 +239,14 @@ def main() -> int:
     for k, v in ratios.items():
         mark = "" if k not in targets else ("  (target met)" if targets[k] else "  (TARGET MISSED)")
         print(f"  {k:<48} {v:6.3f}{mark}")
-    if args.json:
-        write_json(args.json, {"args": vars(args), "results": results, "runs": runs,
-                               "ratios": ratios, "targets_met": targets})
+    write_raw("prefix_routing", {"args": vars(args), "results": results, "runs": runs,
+                                 "ratios": ratios, "targets_met": targets})
+    columns = ["workload", "setup", "prefix hit rate", "TTFT p50 s", "TTFT p99 s", "tok/s"]
+    rows = [[r["workload"], r["setup"], f"{r['prefix_hit_rate']:.1%}", r["ttft_p50"],
+             r["ttft_p99"], r["tokens_per_s"]] for r in results]
+    met = sum(targets.values())
+    record_run("prefix_routing", {**ratios, "targets_met": f"{met}/{len(targets)}"},
+               {"columns": columns, "rows": rows}, args)
     return 0 if all(targets.values()) else 1
 
 

@@ -1,5 +1,5 @@
 """HTTP load generator for `tokenloom serve`: TTFT, inter-token latency, end-to-end latency
-(p50/p90/p99) and output tokens/s, printed as a table and written as JSON.
+(p50/p90/p99) and output tokens/s, printed as a table and recorded.
 
 Workload: `--num-requests` streaming /v1/completions requests whose prompts are random token
 ids of `--prompt-len` tokens, each generating exactly `--output-len` tokens (ignore_eos),
@@ -18,6 +18,9 @@ other, and reports the tokenloom/transformers throughput ratio. That server know
 token-id prompts nor ignore_eos, so in this mode both servers get the same text prompts
 (random token ids decoded), and output tokens are counted as streamed.
 
+Each run mode writes its record (benchmarks/records.py: serve, serve_shared_prefix or
+interference) and its whole summary to benchmarks/raw/.
+
     python benchmarks/serve.py --tiny --concurrency 64 --num-requests 256 --output-len 64
     python benchmarks/serve.py --concurrency 16 --prompt-len 256 --output-len 64 --offline
 """
@@ -32,7 +35,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from records import record_run, write_raw
+
 from harness import (
+    SUMMARY_COLUMNS,
     build_tiny_vocab_model,
     model_name,
     print_table,
@@ -42,8 +48,8 @@ from harness import (
     start_tokenloom,
     start_transformers,
     summarise,
+    summary_row,
     text_prompts,
-    write_json,
 )
 
 
@@ -87,7 +93,6 @@ def main() -> None:
     p.add_argument("--offline", action="store_true", help="also run the offline engine")
     p.add_argument("--transformers", action="store_true",
                    help="also run `transformers serve --continuous-batching`")
-    p.add_argument("--json", default="benchmarks/results/serve.json")
     p.add_argument("--shared-prefix", action="store_true",
                    help="prefix-cache workload: groups of requests sharing a long prefix, run "
                         "with caching on and then off (defaults below unless given)")
@@ -149,8 +154,7 @@ def main() -> None:
         summary["http_over_offline"] = ratio
         print(f"\noffline LLM.generate: {summary['offline']['output_tokens_per_s']:.0f} output "
               f"tok/s; HTTP/offline = {ratio:.3f}")
-    out = write_json(args.json, summary)
-    print(f"\nwrote {out}")
+    write_raw("serve", summary)
     if args.transformers:
         peer = start_transformers(resolve_dir(model))
         turl = peer.url
@@ -168,9 +172,19 @@ def main() -> None:
                  / summary["transformers"]["output_tokens_per_s"])
         summary["tokenloom_over_transformers"] = ratio
         print(f"\ntokenloom / transformers output tok/s = {ratio:.2f}")
-        write_json(out, summary)
+        write_raw("serve", summary)
     if tmp is not None:
         tmp.cleanup()
+    rows = [summary_row("tokenloom serve", summary["http"])]
+    if "offline" in summary:
+        rows.append(["offline LLM.generate", summary["offline"]["output_tokens_per_s"],
+                     *[None] * (len(SUMMARY_COLUMNS) - 2)])
+    if "transformers" in summary:
+        rows.append(summary_row("transformers serve", summary["transformers"]))
+    headline = {"output_tok_s": summary["http"]["output_tokens_per_s"],
+                **{k: summary[k] for k in ("http_over_offline", "tokenloom_over_transformers")
+                   if k in summary}}
+    record_run("serve", headline, {"columns": SUMMARY_COLUMNS, "rows": rows}, args)
 
 
 def interference(args) -> None:
@@ -180,8 +194,6 @@ def interference(args) -> None:
         args.output_len = 256
     if args.prompt_len == 256:
         args.prompt_len = 64
-    if args.json == "benchmarks/results/serve.json":
-        args.json = "benchmarks/results/interference.json"
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     model, tmp = args.model, None
     if args.tiny:
@@ -237,8 +249,11 @@ def shared_prefix_main(args) -> None:
     print(f"hit/miss TTFT p50 = {summary['hit_over_miss_ttft_p50']:.3f}; hit/caching-off = "
           f"{summary['hit_over_cache_off_ttft_p50']:.3f}; throughput on/off = "
           f"{summary['throughput_on_over_off']:.2f}x")
-    out = write_json(args.json, summary)
-    print(f"wrote {out}")
+    write_raw("serve_shared_prefix", summary)
+    rows = [summary_row("prefix caching on", on), summary_row("prefix caching off", off)]
+    headline = {k: summary[k] for k in ("hit_over_miss_ttft_p50", "hit_over_cache_off_ttft_p50",
+                                        "throughput_on_over_off")}
+    record_run("serve_shared_prefix", headline, {"columns": SUMMARY_COLUMNS, "rows": rows}, args)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Soak test: mixed traffic against a live `tokenloom serve` for a while, then leak checks.
 
     python benchmarks/soak.py --duration 600            # a tiny random Llama, 10 minutes
-    python benchmarks/soak.py --duration 3600 --json soak.json
+    python benchmarks/soak.py --duration 3600
 
 Starts `tokenloom serve` (a tiny random Llama built in a temporary directory, or --model)
 with its admin socket in a temporary directory, then runs `--concurrency` clients, each
@@ -24,7 +24,8 @@ After a warm-up phase the server is left to go idle and measured through the adm
 - the p99 latency of fixed-size non-streamed requests in the last window (a minute, or a
   fifth of a shorter run) within --p99-ratio (1.5) of the first window's (skipped with
   --no-latency-check: the test suite's short run makes no timing assertion).
-Prints a table and exits 1 when a check fails; --json writes the figures.
+Prints a table and exits 1 when a check fails; the table is the run's record
+(benchmarks/records.py).
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ import time
 from pathlib import Path
 
 import aiohttp
+from records import record_run
 
-from harness import percentile, start_tokenloom, tests_module, write_json
+from harness import percentile, start_tokenloom, tests_module
 
 PREFIXES = [" ".join(f"w{(i * 7 + j) % 97}" for j in range(120)) for i in range(3)]
 KINDS = {  # kind -> weight
@@ -370,15 +372,17 @@ def main() -> int:
     p.add_argument("--p99-ratio", type=float, default=1.5)
     p.add_argument("--num-blocks", type=int, default=4096, help="KV blocks of 8 tokens")
     p.add_argument("--no-latency-check", action="store_true")
-    p.add_argument("--json", help="write the figures here")
     args = p.parse_args()
     fig = run(args.duration, args.concurrency, args.seed, args.model, args.rss_bound_mib,
               args.fd_slack, args.p99_ratio, not args.no_latency_check,
               num_blocks=args.num_blocks)
     for k, v in fig.items():
         print(f"{k:<22} {v}")
-    if args.json:
-        write_json(args.json, fig)
+    summary = {k: fig[k] for k in ("duration_s", "requests", "rss_growth_mib",
+                                   "fixed_p99_ratio")}
+    summary["failures"] = len(fig["failures"])
+    record_run("soak", summary, {"columns": ["figure", "value"],
+                                 "rows": [[k, v] for k, v in fig.items()]}, args)
     return 1 if fig["failures"] else 0
 
 

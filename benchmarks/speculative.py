@@ -22,7 +22,8 @@ workload's figure is the total over its requests. Each mode's requests are inter
 
     python benchmarks/speculative.py            # ~3-5 minutes on 2 cores
     python benchmarks/speculative.py --quick    # smoke test (numbers mean nothing)
-JSON goes to benchmarks/results/speculative.json.
+The markdown table is the run's record (benchmarks/records.py), the ratios its summary;
+every figure goes to benchmarks/raw/speculative.json.
 """
 
 from __future__ import annotations
@@ -31,11 +32,10 @@ import argparse
 import random
 import sys
 import time
-from pathlib import Path
+
+from records import record_run, write_raw
 
 from tokenloom import LLM, SamplingParams
-
-from harness import write_json
 
 PASSAGES = [
     "The lighthouse keeper counted the ships that night and wrote each name in the ledger: "
@@ -114,7 +114,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "speculative.json"))
     args = ap.parse_args()
     quick = args.quick
     max_tokens = 24 if quick else 96
@@ -191,8 +190,10 @@ def main() -> None:
         print(f"{key}: {sp['num_drafts']} drafts verified, acceptance per position "
               f"{sp['acceptance_per_position']}")
     print("\nmarkdown (tokens/s; decode rate at batch 1, output rate at 16 streams):")
-    print("| workload | off | auto | on | auto / off | on / off |")
+    columns = ["workload", "off", "auto", "on", "auto / off", "on / off"]
+    print("| " + " | ".join(columns) + " |")
     print("|---|---|---|---|---|---|")
+    table = []
     for key, label in (("a_lookup_batch1", "(a) repeat/edit a passage, batch 1, greedy"),
                        ("b_random_batch1_sampled", "(b) random words, batch 1, sampled"),
                        ("b_random_batch1_greedy", "(b) random words, batch 1, greedy"),
@@ -205,9 +206,12 @@ def main() -> None:
         on_ratio = f"{v['on'] / v['off']:.2f}x" if "on" in v else "-"
         print(f"| {label} | {v['off']:.1f} | {v['auto']:.1f} | {on} | "
               f"{v['auto'] / v['off']:.2f}x | {on_ratio} |")
+        table.append([label, v["off"], v["auto"], v.get("on"), f"{v['auto'] / v['off']:.2f}x",
+                      on_ratio])
     results["ratios"] = {name: round(r, 3) for name, r, _ in rows}
-    write_json(args.out, results)
-    print(f"wrote {args.out}")
+    write_raw("speculative", results)
+    record_run("speculative", results["ratios"], {"columns": columns, "rows": table}, args,
+               smoke=quick)
 
 
 if __name__ == "__main__":

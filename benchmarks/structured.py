@@ -25,7 +25,8 @@ The engine has prompt lookup configured (speculative.method ngram); requests oth
 
     python benchmarks/structured.py            # ~2-3 minutes on 2 cores
     python benchmarks/structured.py --quick    # smoke test (numbers mean nothing)
-JSON goes to benchmarks/results/structured.json.
+The throughput table is the run's record (benchmarks/records.py), the other parts' figures
+its summary; every figure goes to benchmarks/raw/structured.json.
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
-from harness import percentile, write_json
+from records import record_run, write_raw
+
+from harness import percentile
 
 SCHEMA = {
     "type": "object",
@@ -256,6 +258,11 @@ def main() -> None:
     print("\n| batch | masks during forward tok/s | masks after forward tok/s | "
           "unconstrained tok/s | ratio, during | ratio, after | tokens/request | valid |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    columns = ["batch", "masks during forward tok/s", "masks after forward tok/s",
+               "unconstrained tok/s", "ratio, during", "ratio, after", "tokens/request", "valid"]
+    table = [[r["batch"], r["constrained"], r["constrained_masks_after_forward"],
+              r["unconstrained"], r["ratio"], r["ratio_masks_after_forward"],
+              r["tokens_per_request"], r["valid_json"]] for r in results["throughput"]]
     for r in results["throughput"]:
         print(f"| {r['batch']} | {r['constrained']:.1f} | "
               f"{r['constrained_masks_after_forward']:.1f} | {r['unconstrained']:.1f} | "
@@ -266,8 +273,13 @@ def main() -> None:
           f"tok/s vs constrained {sp['constrained']:.1f} tok/s: {sp['ratio']:.2f}x "
           f"(acceptance {sp['acceptance']:.2f}, {sp['tokens_per_request']:.0f} tokens/request, "
           f"valid {sp['valid_json']}, same tokens)")
-    out = write_json(Path(__file__).parent / "results" / "structured.json", results)
-    print(f"\nwrote {out}")
+    write_raw("structured", results)
+    summary = {f"batch{r['batch']}_ratio": r["ratio"] for r in results["throughput"]}
+    summary.update(mask_fill_p50_us=m["fill_p50_us"],
+                   schema_50_properties_ms=c["schema_50_properties_ms"],
+                   spec_over_constrained=sp["ratio"])
+    record_run("structured", summary, {"columns": columns, "rows": table}, args,
+               smoke=args.quick)
 
 
 if __name__ == "__main__":

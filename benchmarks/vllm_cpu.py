@@ -14,7 +14,8 @@ prints) runs the same token-id prompts through
   arrives every 4 s: the short streams' output tok/s, ITL p99 and max.
 
 Prints one table with tokenloom/vLLM ratios (> 1 is better for tokenloom on every row:
-times are inverted) and writes benchmarks/results/vllm_cpu.json.
+times are inverted) and records it (benchmarks/records.py; every figure of every round in
+benchmarks/raw/vllm_cpu.json).
 
 --rounds N runs every server N times, interleaved (tokenloom, vLLM, tokenloom, vLLM...), so
 that a slow stretch of a shared machine falls on both; the table then shows each figure's
@@ -40,6 +41,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from records import record_run, write_raw
 
 import interference  # benchmarks/interference.py
 from harness import (
@@ -55,7 +57,6 @@ from harness import (
     start_tokenloom,
     start_vllm_cpu,
     summarise,
-    write_json,
 )
 
 MODES = {  # tokenloom settings per mode
@@ -208,34 +209,51 @@ def figure(rounds: list[dict], server: str, get) -> tuple[float | None, float | 
     return statistics.median(vals), (max(vals) / min(vals) if min(vals) > 0 else None)
 
 
-def print_table(out: dict, levels) -> None:
+def table(out: dict, levels) -> tuple[list[str], list[list]]:
+    """Per workload row: each server's figure (median over rounds), with more than one round
+    each one's spread, and with vLLM each tokenloom server's ratio to it (> 1 is better for
+    tokenloom: times are inverted)."""
     rounds = out["rounds"]
     servers = list(dict.fromkeys(s for r in rounds for s in r))
-    has_vllm = "vllm" in servers
+    ours = [s for s in servers if s != "vllm"] if "vllm" in servers else []
     many = len(rounds) > 1
-    print(f"\n{'workload':<36}" + "".join(f"{s:>14}" for s in servers)
-          + ("".join(f"{s + ' spread':>14}" for s in servers) if many else "")
-          + ("".join(f"{s + '/vLLM':>14}" for s in servers if s != "vllm") if has_vllm else ""))
+    columns = (["workload", *servers] + ([f"{s} spread" for s in servers] if many else [])
+               + [f"{s}/vLLM" for s in ours])
+    out_rows = []
     for label, get, higher in rows(levels):
         vals, spreads = {}, {}
         for s in servers:
             vals[s], spreads[s] = figure(rounds, s, get)
+        row = [label, *vals.values(), *(spreads.values() if many else ())]
+        for s in ours:
+            a, b = vals[s], vals["vllm"]
+            row.append(None if not a or not b else (a / b if higher else b / a))
+        out_rows.append(row)
+    return columns, out_rows
+
+
+def print_table(out: dict, levels) -> None:
+    columns, table_rows = table(out, levels)
+    n = len(dict.fromkeys(s for r in out["rounds"] for s in r))   # servers
+    many = len(out["rounds"]) > 1
+    print(f"\n{'workload':<36}" + "".join(f"{c:>14}" for c in columns[1:]))
+    for label, *cells in table_rows:
         line = f"{label:<36}" + "".join(f"{v:>14.1f}" if v is not None else f"{'-':>14}"
-                                        for v in vals.values())
-        if many:
-            line += "".join(f"{v:>13.2f}x" if v is not None else f"{'-':>14}"
-                            for v in spreads.values())
-        if has_vllm:
-            for s in servers:
-                if s == "vllm":
-                    continue
-                a, b = vals[s], vals["vllm"]
-                ratio = None if not a or not b else (a / b if higher else b / a)
-                line += f"{ratio:>13.2f}x" if ratio is not None else f"{'-':>14}"
+                                        for v in cells[:n])
+        line += "".join(f"{v:>13.2f}x" if v is not None else f"{'-':>14}" for v in cells[n:])
         print(line)
     print("(ratios: > 1 is better for tokenloom; for times, vLLM's over tokenloom's"
-          + (f"; medians over {len(rounds)} interleaved rounds, spread = max / min)" if many
-             else ")"))
+          + (f"; medians over {len(out['rounds'])} interleaved rounds, spread = max / min)"
+             if many else ")"))
+
+
+def summary(out: dict, levels) -> dict:
+    """Each tokenloom server's ratios to vLLM (without vLLM: each server's figures)."""
+    columns, table_rows = table(out, levels)
+    ratios = [i for i, c in enumerate(columns) if c.endswith("/vLLM")]
+    keep = ratios or range(1, len(dict.fromkeys(s for r in out["rounds"] for s in r)) + 1)
+    return {columns[i]: {row[0]: row[i] for row in table_rows if row[i] is not None}
+            for i in keep}
 
 
 def main() -> None:
@@ -263,7 +281,6 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every server this many times, interleaved (medians, spread)")
     ap.add_argument("--quick", action="store_true", help="smoke test (numbers mean nothing)")
-    ap.add_argument("--json", default=str(Path(__file__).parent / "results" / "vllm_cpu.json"))
     args = ap.parse_args()
     if args.quick:
         args.levels, args.requests_per_slot, args.prefill_reps = [1, 4], 1, 2
@@ -287,16 +304,19 @@ def main() -> None:
             server = start_tokenloom(args.model, ["admin.enabled=false", *settings, *args.set],
                                      log_path=logdir / f"tokenloom-{mode}-{n}.log")
             servers[mode] = run_server(server, args, None)
-            write_json(Path(args.json), out)
+            write_raw("vllm_cpu", out)
         if not args.no_vllm:
             print(f"\n== vLLM CPU {args.vllm_dtype}{tag} (start-up compiles for ~100 s)",
                   flush=True)
             server = start_vllm_cpu(args.vllm, resolve_dir(args.model),
                                     logdir / f"vllm-{n}.log", args.vllm_dtype)
             servers["vllm"] = run_server(server, args, PeerStream)
-            write_json(Path(args.json), out)
+            write_raw("vllm_cpu", out)
     print_table(out, args.levels)
-    print(f"\nJSON: {args.json}; server logs: {logdir}")
+    print(f"\nserver logs: {logdir}")
+    columns, table_rows = table(out, args.levels)
+    record_run("vllm_cpu", summary(out, args.levels), {"columns": columns, "rows": table_rows},
+               args, smoke=args.quick)
 
 
 if __name__ == "__main__":
