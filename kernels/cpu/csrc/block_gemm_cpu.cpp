@@ -210,6 +210,78 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, 
   });
 }
 
+// ---- One tile driver for every ISA ------------------------------------------------------
+//
+// `Tile` names an ISA's tile kernel: `Tile::X` is its quantized activations (with M, K, nb)
+// and `Tile::template run<F, RN, RM>(q, q_row, d, mn, nb, x, m0, out)` computes
+// out[m * RN + n] = weight row n . activation row m0 + m (without bias) for RN rows of the
+// packed weights (q_row bytes apart) against RM activation rows.
+
+template <class Tile, Fmt F, int RN, int RMAX>
+inline void tile_rows(int64_t rm, const uint8_t* q, int64_t q_row, const uint16_t* d,
+                      const uint16_t* mn, int64_t nb, const typename Tile::X& x, int64_t m0,
+                      float* out) {
+  static_assert(RMAX <= 6, "tile_rows: up to 6 activation rows");
+  switch (rm) {
+    case 1: Tile::template run<F, RN, 1>(q, q_row, d, mn, nb, x, m0, out); break;
+    case 2: if constexpr (RMAX >= 2) Tile::template run<F, RN, 2>(q, q_row, d, mn, nb, x, m0, out); break;
+    case 3: if constexpr (RMAX >= 3) Tile::template run<F, RN, 3>(q, q_row, d, mn, nb, x, m0, out); break;
+    case 4: if constexpr (RMAX >= 4) Tile::template run<F, RN, 4>(q, q_row, d, mn, nb, x, m0, out); break;
+    case 5: if constexpr (RMAX >= 5) Tile::template run<F, RN, 5>(q, q_row, d, mn, nb, x, m0, out); break;
+    default: if constexpr (RMAX >= 6) Tile::template run<F, RN, 6>(q, q_row, d, mn, nb, x, m0, out); break;
+  }
+}
+
+// Tiles [begin, end) of y. Not inlined: the operator's threads and the decode stack's team
+// (team.h) run this one compiled body, so that their results are bit-identical (-ffast-math
+// lets two inlined copies order a sum differently).
+template <class Tile, Fmt F, int RN, int RMAX>
+__attribute__((noinline)) void tiles(const typename Tile::X& x, const uint8_t* q,
+                                     const uint16_t* d, const uint16_t* mn, const float* bias,
+                                     float* y, int64_t N, int64_t begin, int64_t end) {
+  const int64_t M = x.M, nb = x.nb, q_row = F == Fmt::Q4 ? x.K / 2 : x.K;
+  float out[RN * RMAX];
+  for (int64_t t = begin; t < end; ++t) {
+    const int64_t n0 = t * RN;
+    const int64_t rn = std::min<int64_t>(RN, N - n0);
+    const uint8_t* qn = q + n0 * q_row;
+    const uint16_t* dn = d + n0 * nb;
+    const uint16_t* mnn = mn ? mn + n0 * nb : nullptr;
+    for (int64_t m0 = 0; m0 < M; m0 += RMAX) {
+      const int64_t rm = std::min<int64_t>(RMAX, M - m0);
+      if (rn == RN) {
+        tile_rows<Tile, F, RN, RMAX>(rm, qn, q_row, dn, mnn, nb, x, m0, out);
+      } else {   // the last rows of an N that is not a multiple of RN, one at a time
+        for (int64_t n = 0; n < rn; ++n) {
+          float one[RMAX];
+          tile_rows<Tile, F, 1, RMAX>(rm, qn + n * q_row, q_row, dn + n * nb,
+                                      mnn ? mnn + n * nb : nullptr, nb, x, m0, one);
+          for (int64_t m = 0; m < rm; ++m) out[m * rn + n] = one[m];
+        }
+      }
+      for (int64_t m = 0; m < rm; ++m)
+        for (int64_t n = 0; n < rn; ++n)
+          y[(m0 + m) * N + n0 + n] = out[m * rn + n] + (bias ? bias[n0 + n] : 0.f);
+    }
+  }
+}
+
+// Tiles of RN weight rows x up to RMAX activation rows; each thread takes a range of tiles
+// and runs every activation row through a tile while its weights are in L1. parts == 0:
+// at::parallel_for over all tiles; else share `part` of `parts` on this thread (a caller's
+// OpenMP team, team.h).
+template <class Tile, Fmt F, int RN, int RMAX>
+void drive(const typename Tile::X& x, const uint8_t* q, const uint16_t* d, const uint16_t* mn,
+           const float* bias, float* y, int64_t N, int part = 0, int parts = 0) {
+  const int64_t n_tiles = (N + RN - 1) / RN;
+  auto go = [&](int64_t begin, int64_t end) {
+    tiles<Tile, F, RN, RMAX>(x, q, d, mn, bias, y, N, begin, end);
+  };
+  // 32 weight rows per task at least: enough to balance a few dozen threads.
+  if (parts == 0) at::parallel_for(0, n_tiles, (32 + RN - 1) / RN, go);
+  else go(n_tiles * part / parts, n_tiles * (part + 1) / parts);
+}
+
 #if defined(TL_VNNI)
 // ---- AVX-512 VNNI path -------------------------------------------------------------------
 //
@@ -490,69 +562,14 @@ inline void tile_vnni(const uint8_t* q, int64_t q_row, const uint16_t* d, const 
   for (; i < RN * RM; ++i) out[i] = _mm512_reduce_add_ps(all[i]);
 }
 
-template <Fmt F, int RN, int RMAX>
-inline void tile_rows(int64_t rm, const uint8_t* q, int64_t q_row, const uint16_t* d,
-                      const uint16_t* mn, int64_t nb, const VnniX& x, int64_t m0, float* out) {
-  static_assert(RMAX <= 6, "tile_rows: up to 6 activation rows");
-  switch (rm) {
-    case 1: tile_vnni<F, RN, 1>(q, q_row, d, mn, nb, x, m0, out); break;
-    case 2: if constexpr (RMAX >= 2) tile_vnni<F, RN, 2>(q, q_row, d, mn, nb, x, m0, out); break;
-    case 3: if constexpr (RMAX >= 3) tile_vnni<F, RN, 3>(q, q_row, d, mn, nb, x, m0, out); break;
-    case 4: if constexpr (RMAX >= 4) tile_vnni<F, RN, 4>(q, q_row, d, mn, nb, x, m0, out); break;
-    case 5: if constexpr (RMAX >= 5) tile_vnni<F, RN, 5>(q, q_row, d, mn, nb, x, m0, out); break;
-    default: if constexpr (RMAX >= 6) tile_vnni<F, RN, 6>(q, q_row, d, mn, nb, x, m0, out); break;
+struct VnniTile {
+  using X = VnniX;
+  template <Fmt F, int RN, int RM>
+  static void run(const uint8_t* q, int64_t q_row, const uint16_t* d, const uint16_t* mn,
+                  int64_t nb, const VnniX& x, int64_t m0, float* out) {
+    tile_vnni<F, RN, RM>(q, q_row, d, mn, nb, x, m0, out);
   }
-}
-
-// Tiles [begin, end) of y. Not inlined: the operator's threads and the decode stack's team
-// (team.h) run this one compiled body, so that their results are bit-identical (-ffast-math
-// lets two inlined copies order a sum differently).
-template <Fmt F, int RN, int RMAX>
-__attribute__((noinline)) void vnni_tiles(const VnniX& x, const uint8_t* q, const uint16_t* d,
-                                      const uint16_t* mn, const float* bias, float* y, int64_t N,
-                                      int64_t begin, int64_t end) {
-  const int64_t M = x.M, nb = x.nb, q_row = F == Fmt::Q4 ? x.K / 2 : x.K;
-  float out[RN * RMAX];
-  for (int64_t t = begin; t < end; ++t) {
-    const int64_t n0 = t * RN;
-    const int64_t rn = std::min<int64_t>(RN, N - n0);
-    const uint8_t* qn = q + n0 * q_row;
-    const uint16_t* dn = d + n0 * nb;
-    const uint16_t* mnn = mn ? mn + n0 * nb : nullptr;
-    for (int64_t m0 = 0; m0 < M; m0 += RMAX) {
-      const int64_t rm = std::min<int64_t>(RMAX, M - m0);
-      if (rn == RN) {
-        tile_rows<F, RN, RMAX>(rm, qn, q_row, dn, mnn, nb, x, m0, out);
-      } else {   // the last rows of an N that is not a multiple of RN, one at a time
-        for (int64_t n = 0; n < rn; ++n) {
-          float one[RMAX];
-          tile_rows<F, 1, RMAX>(rm, qn + n * q_row, q_row, dn + n * nb,
-                                mnn ? mnn + n * nb : nullptr, nb, x, m0, one);
-          for (int64_t m = 0; m < rm; ++m) out[m * rn + n] = one[m];
-        }
-      }
-      for (int64_t m = 0; m < rm; ++m)
-        for (int64_t n = 0; n < rn; ++n)
-          y[(m0 + m) * N + n0 + n] = out[m * rn + n] + (bias ? bias[n0 + n] : 0.f);
-    }
-  }
-}
-
-// Tiles of RN weight rows x up to RMAX activation rows; each thread takes a range of tiles
-// and runs every activation row through a tile while its weights are in L1. parts == 0:
-// at::parallel_for over all tiles; else share `part` of `parts` on this thread (a caller's
-// OpenMP team, team.h).
-template <Fmt F, int RN, int RMAX>
-void drive(const VnniX& x, const uint8_t* q, const uint16_t* d, const uint16_t* mn,
-           const float* bias, float* y, int64_t N, int part = 0, int parts = 0) {
-  const int64_t tiles = (N + RN - 1) / RN;
-  auto go = [&](int64_t begin, int64_t end) {
-    vnni_tiles<F, RN, RMAX>(x, q, d, mn, bias, y, N, begin, end);
-  };
-  // 32 weight rows per task at least: enough to balance a few dozen threads.
-  if (parts == 0) at::parallel_for(0, tiles, (32 + RN - 1) / RN, go);
-  else go(tiles * part / parts, tiles * (part + 1) / parts);
-}
+};
 
 // groups: how many groups of 16 blocks lead each weight row in the packed layout (0: the
 // blocks as GGUF stores them).
@@ -564,9 +581,9 @@ void drive_vnni(const VnniX& x, const uint8_t* q, const uint16_t* d, const uint1
   // q8); 2-3 rows: 4 weight rows a tile; more activation rows:
   // 2 x 6 (2 x 6 integer and 2 x 6 float sums fill the 32 vector registers). 4 x 4, 3 x 4,
   // 4 x 3 and 3 x 6 measured within noise of 2 x 6 (session 18).
-  if (M == 1) drive<F, 8, 1>(x, q, d, mn, bias, y, N, part, parts);
-  else if (M <= 3) drive<F, 4, 3>(x, q, d, mn, bias, y, N, part, parts);
-  else drive<F, 2, 6>(x, q, d, mn, bias, y, N, part, parts);
+  if (M == 1) drive<VnniTile, F, 8, 1>(x, q, d, mn, bias, y, N, part, parts);
+  else if (M <= 3) drive<VnniTile, F, 4, 3>(x, q, d, mn, bias, y, N, part, parts);
+  else drive<VnniTile, F, 2, 6>(x, q, d, mn, bias, y, N, part, parts);
 }
 
 template <Fmt F>
@@ -832,78 +849,31 @@ inline void tile_avx2(const uint8_t* q, int64_t q_row, const uint16_t* d, const 
   }
 }
 
-template <Fmt F, int RN, int RMAX>
-inline void tile_rows_avx2(int64_t rm, const uint8_t* q, int64_t q_row, const uint16_t* d,
-                           const uint16_t* mn, int64_t nb, const Avx2X& x, int64_t m0,
-                           float* out) {
-  static_assert(RMAX <= 4, "tile_rows_avx2: up to 4 activation rows");
-  switch (rm) {
-    case 1: tile_avx2<F, RN, 1>(q, q_row, d, mn, nb, x, m0, out); break;
-    case 2: if constexpr (RMAX >= 2) tile_avx2<F, RN, 2>(q, q_row, d, mn, nb, x, m0, out); break;
-    case 3: if constexpr (RMAX >= 3) tile_avx2<F, RN, 3>(q, q_row, d, mn, nb, x, m0, out); break;
-    default: if constexpr (RMAX >= 4) tile_avx2<F, RN, 4>(q, q_row, d, mn, nb, x, m0, out); break;
+struct Avx2Tile {
+  using X = Avx2X;
+  template <Fmt F, int RN, int RM>
+  static void run(const uint8_t* q, int64_t q_row, const uint16_t* d, const uint16_t* mn,
+                  int64_t nb, const Avx2X& x, int64_t m0, float* out) {
+    static_assert(RM <= 4, "the AVX2 tile: up to 4 activation rows");
+    tile_avx2<F, RN, RM>(q, q_row, d, mn, nb, x, m0, out);
   }
-}
-
-// Tiles [begin, end) of y, out of line as vnni_tiles.
-template <Fmt F, int RN, int RMAX>
-__attribute__((noinline)) void avx2_tiles(const Avx2X& x, const uint8_t* q, const uint16_t* d,
-                                      const uint16_t* mn, const float* bias, float* y, int64_t N,
-                                      int64_t begin, int64_t end) {
-  const int64_t M = x.M, nb = x.nb, q_row = F == Fmt::Q4 ? x.K / 2 : x.K;
-  float out[RN * RMAX];
-  for (int64_t t = begin; t < end; ++t) {
-    const int64_t n0 = t * RN;
-    const int64_t rn = std::min<int64_t>(RN, N - n0);
-    const uint8_t* qn = q + n0 * q_row;
-    const uint16_t* dn = d + n0 * nb;
-    const uint16_t* mnn = mn ? mn + n0 * nb : nullptr;
-    for (int64_t m0 = 0; m0 < M; m0 += RMAX) {
-      const int64_t rm = std::min<int64_t>(RMAX, M - m0);
-      if (rn == RN) {
-        tile_rows_avx2<F, RN, RMAX>(rm, qn, q_row, dn, mnn, nb, x, m0, out);
-      } else {   // the last rows of an N that is not a multiple of RN, one at a time
-        for (int64_t n = 0; n < rn; ++n) {
-          float one[RMAX];
-          tile_rows_avx2<F, 1, RMAX>(rm, qn + n * q_row, q_row, dn + n * nb,
-                                     mnn ? mnn + n * nb : nullptr, nb, x, m0, one);
-          for (int64_t m = 0; m < rm; ++m) out[m * rn + n] = one[m];
-        }
-      }
-      for (int64_t m = 0; m < rm; ++m)
-        for (int64_t n = 0; n < rn; ++n)
-          y[(m0 + m) * N + n0 + n] = out[m * rn + n] + (bias ? bias[n0 + n] : 0.f);
-    }
-  }
-}
-
-// parts: as drive's.
-template <Fmt F, int RN, int RMAX>
-void drive_avx2(const Avx2X& x, const uint8_t* q, const uint16_t* d, const uint16_t* mn,
-                const float* bias, float* y, int64_t N, int part = 0, int parts = 0) {
-  const int64_t tiles = (N + RN - 1) / RN;
-  auto go = [&](int64_t begin, int64_t end) {
-    avx2_tiles<F, RN, RMAX>(x, q, d, mn, bias, y, N, begin, end);
-  };
-  if (parts == 0) at::parallel_for(0, tiles, (32 + RN - 1) / RN, go);
-  else go(tiles * part / parts, tiles * (part + 1) / parts);
-}
+};
 
 template <Fmt F>
 void drive_avx2_packed(const Avx2X& x, const uint8_t* q, const uint16_t* d, const uint16_t* mn,
                        const float* bias, float* y, int64_t N, int part = 0, int parts = 0) {
   const int64_t M = x.M;
   if constexpr (F == Fmt::Q8) {   // one weight row a tile
-    if (M == 1) drive_avx2<F, 1, 1>(x, q, d, mn, bias, y, N, part, parts);
-    else drive_avx2<F, 1, 4>(x, q, d, mn, bias, y, N, part, parts);
+    if (M == 1) drive<Avx2Tile, F, 1, 1>(x, q, d, mn, bias, y, N, part, parts);
+    else drive<Avx2Tile, F, 1, 4>(x, q, d, mn, bias, y, N, part, parts);
   } else {
     // One row: 2 weight rows a tile. 4 spilled (8 activation vectors of a group's codes
     // stay live beside the sums; perf annotate showed the stack traffic): 3,072 x 576 on
     // one core in cache 74-78 -> 70-71 us, 30 layers from memory 3.54-3.79 -> 3.41-3.58 ms
     // (alternating processes, session 24).
-    if (M == 1) drive_avx2<F, 2, 1>(x, q, d, mn, bias, y, N, part, parts);
-    else if (M == 2) drive_avx2<F, 2, 2>(x, q, d, mn, bias, y, N, part, parts);
-    else drive_avx2<F, 1, 4>(x, q, d, mn, bias, y, N, part, parts);
+    if (M == 1) drive<Avx2Tile, F, 2, 1>(x, q, d, mn, bias, y, N, part, parts);
+    else if (M == 2) drive<Avx2Tile, F, 2, 2>(x, q, d, mn, bias, y, N, part, parts);
+    else drive<Avx2Tile, F, 1, 4>(x, q, d, mn, bias, y, N, part, parts);
   }
 }
 
