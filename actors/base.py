@@ -15,8 +15,10 @@ import structlog
 class Actor:
     name = "actor"
 
-    def __init__(self) -> None:
-        self.inbox: asyncio.Queue = asyncio.Queue()
+    def __init__(self, inbox: asyncio.Queue | None = None) -> None:
+        # Given when another actor must know it before this one exists (a cycle: the
+        # scheduler sends to the KV manager, which tells the scheduler of tier fetches).
+        self.inbox: asyncio.Queue = inbox if inbox is not None else asyncio.Queue()
         # Every line names its actor; lines about a request also carry request_id.
         self.log = structlog.get_logger(f"tokenloom.{self.name}").bind(actor=self.name)
 

@@ -46,6 +46,7 @@ from tokenloom.actors.output.output_processor import OutputProcessor
 from tokenloom.actors.scheduling.lora_slots import AdapterSlots
 from tokenloom.actors.scheduling.policy import PolicyLimits
 from tokenloom.actors.scheduling.prefix_tracker import PrefixTracker
+from tokenloom.actors.scheduling.scheduler import Scheduler
 from tokenloom.actors.scheduling.scheduler_actor import SchedulerActor
 from tokenloom.actors.scheduling.swap import SwapSpace
 from tokenloom.actors.speculation.controller import SpecController
@@ -226,10 +227,15 @@ class Engine(EngineFront):
         # Structured output: one compiler (and cache of compiled grammars) for the tokenizer
         # actor, which compiles and validates constraints off the loop, and the runner.
         self.guided = GuidedCompiler(tokenizer, info.spec.vocab_size, eos)
+        # Wiring: tokenizer -> router -> scheduler <-> {KV manager, runner}, each actor given
+        # the inboxes it sends to when it is built. The scheduler's inbox exists first: the
+        # KV manager and the runner report to it.
+        scheduler_inbox: asyncio.Queue = asyncio.Queue()
+        self.router = RouterActor(sc.max_num_seqs, sc.max_waiting, self.streams.emit,
+                                  scheduler_inbox)
         self.tokenizer_actor = TokenizerActor(
-            tokenizer, info.max_model_len, self.streams.emit, guided=self.guided,
-            max_prompt_logprobs_tokens=sc.max_prompt_logprobs_tokens)
-        self.router = RouterActor(sc.max_num_seqs, sc.max_waiting, self.streams.emit)
+            tokenizer, info.max_model_len, self.streams.emit, self.router.inbox,
+            guided=self.guided, max_prompt_logprobs_tokens=sc.max_prompt_logprobs_tokens)
         caching = config.cache.enable_prefix_caching
         block_bytes = info.kv_bytes_per_token * info.block_size
         host_pool, swap = None, None
@@ -252,14 +258,6 @@ class Engine(EngineFront):
             startup_log.info(f"swap space: the draft model's KV of the same {host_pool.num_slots} "
                              f"blocks takes {draft_bytes / 2**20:.0f} MiB more host memory",
                              draft_swap_mib=round(draft_bytes / 2**20, 1))
-        self.scheduler = SchedulerActor(limits, eos, info.max_model_len, self._emit_scheduled,
-                                        PrefixTracker(info.fingerprint, info.block_size, caching),
-                                        config=sc, swap=swap, block_bytes=block_bytes,
-                                        outputs=OutputProcessor(tokenizer), spec=spec_ctl,
-                                        spec_lookahead=lookahead,
-                                        recompute_prior_s_per_token=(
-                                            config.kv_tiers.recompute_prior_ms_per_token / 1e3),
-                                        lora=lora[0] if lora is not None else None)
         publisher = build_kv_event_publisher(config, info.model_dir)
         self.tiers = build_tiers(config.kv_tiers, KVLayout(
             info.dtype if info.kv_dtype == "auto" else (
@@ -268,9 +266,10 @@ class Engine(EngineFront):
              info.spec.head_dim), kv.pool.element_size(), info.fingerprint,
             scale_bytes=0 if kv.scales is None else kv.scales[:, :, 0].numel() * 4),
             info.block_size, prefix_caching=caching, speculative_method=config.speculative.method)
-        self.scheduler.core.tiers = self.tiers if caching else None
+        kv_replies: asyncio.Queue = asyncio.Queue()
         self.kv_manager = KVManagerActor(KVCacheManager(info.num_blocks, info.block_size,
                                                         enable_prefix_caching=caching),
+                                         replies=kv_replies, scheduler_inbox=scheduler_inbox,
                                          publisher=publisher, tiers=self.tiers)
         from tokenloom.graphs.setup import build_decode_graphs, build_piecewise_graphs
         dispatcher, graphs = build_decode_graphs(
@@ -286,22 +285,27 @@ class Engine(EngineFront):
             self.info = info = msgspec.structs.replace(info, attention_backend="torch")
         self.runner = RunnerActor(ModelRunner(model, kv, device, eos, graphs, dispatcher,
                                               host_pool=host_pool, proposer=proposer,
-                                              guided=self.guided, piecewise=piecewise))
-        self.runner.model_runner.tiers = self.tiers
-        self.runner.model_runner.lora = lora[1] if lora is not None else None
+                                              guided=self.guided, piecewise=piecewise,
+                                              tiers=self.tiers,
+                                              lora=lora[1] if lora is not None else None),
+                                  scheduler_inbox)
         self.runner.lora_snapshot = self.runner.model_runner.lora_stats()
+        core = Scheduler(limits, eos, info.max_model_len, self._emit_scheduled,
+                         PrefixTracker(info.fingerprint, info.block_size, caching),
+                         config=sc, swap=swap, block_bytes=block_bytes,
+                         outputs=OutputProcessor(tokenizer), spec=spec_ctl,
+                         spec_lookahead=lookahead, tiers=self.tiers if caching else None,
+                         recompute_prior_s_per_token=(
+                             config.kv_tiers.recompute_prior_ms_per_token / 1e3),
+                         lora=lora[0] if lora is not None else None)
+        self.scheduler = SchedulerActor(core, inbox=scheduler_inbox,
+                                        kv_inbox=self.kv_manager.inbox, kv_replies=kv_replies,
+                                        runner=self.runner)
         # The adapters a request may name (the front's list; the scheduler has its own
         # registry, told of every change); None: LoRA serving is off.
         self.lora_adapters: dict[str, str] | None = (
             dict(config.lora.modules) if lora is not None else None)
         self._start_kv_check(model, kv)
-        # Wiring: tokenizer -> router -> scheduler <-> {KV manager, runner}.
-        self.tokenizer_actor.next_inbox = self.router.inbox
-        self.router.next_inbox = self.scheduler.inbox
-        self.scheduler.kv_inbox = self.kv_manager.inbox
-        self.scheduler.runner_actor = self.runner
-        self.kv_manager.scheduler_inbox = self.scheduler.inbox
-        self.runner.scheduler_inbox = self.scheduler.inbox
         self.loop: asyncio.AbstractEventLoop | None = None
 
     def _start_kv_check(self, model, kv: KVCache) -> None:

@@ -187,14 +187,16 @@ async def wait_running(engine, n: int, timeout: float = 60.0) -> None:
 
 
 class KVProbe:
-    """Times the scheduler's KV round trip (await of `_kv_update`) and the KV manager's
-    `apply`, by wrapping those two methods on the instances for the run."""
+    """Times the scheduler's KV round trip (await of `_kv_round_trip`; `_kv_update` in
+    builds before one round trip per step, so that both can be compared) and the KV
+    manager's `apply`, by wrapping those two methods on the instances for the run."""
 
     def __init__(self, engine):
         self.rt: list[float] = []
         self.apply: list[float] = []
         sched, kv = engine.scheduler, engine.kv_manager
-        kv_update, apply = sched._kv_update, kv.apply
+        name = "_kv_round_trip" if hasattr(sched, "_kv_round_trip") else "_kv_update"
+        kv_update, apply = getattr(sched, name), kv.apply
 
         async def timed_kv_update(*a, **k):
             t0 = time.perf_counter_ns()
@@ -210,7 +212,7 @@ class KVProbe:
             finally:
                 self.apply.append((time.perf_counter_ns() - t0) / 1e3)
 
-        sched._kv_update = timed_kv_update
+        setattr(sched, name, timed_kv_update)
         kv.apply = timed_apply
 
     def take(self) -> tuple[list[float], list[float]]:

@@ -90,7 +90,8 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv: KVCache, device: torch.device,
                  eos_token_ids: tuple[int, ...], graphs: DecodeGraphs | None = None,
                  dispatcher: Dispatcher | None = None, host_pool: HostKVPool | None = None,
-                 proposer=None, guided=None, piecewise: PiecewiseGraphs | None = None):
+                 proposer=None, guided=None, piecewise: PiecewiseGraphs | None = None,
+                 tiers=None, lora=None):
         self.model = model
         self.kv = kv
         self.host_pool = host_pool  # swap preemption's host memory (None: swap is off)
@@ -112,11 +113,11 @@ class ModelRunner:
         self.guided = GuidedMasks(guided, self._seqs, overlap=device.type == "cuda")
         # KV tiers (actors/kv/tiers/manager.TierManager; None: off): blocks copied out of
         # the pool go to it, restored blocks come from the batch.
-        self.tiers = None
+        self.tiers = tiers
         # The runtime check of a quantized KV cache (kernels/kv_quality_check.py; None: off).
         self.kv_check = None
         # Multi-LoRA serving (actors/execution/lora_cache.LoRACache; None: off).
-        self.lora = None
+        self.lora = lora
 
     def offload(self, offloads: list) -> None:
         """Copy device blocks (block id, BlockMeta, committed) to the KV tiers. A failure

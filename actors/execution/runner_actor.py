@@ -53,7 +53,9 @@ def thaw_objects() -> None:
 class RunnerActor(Actor):
     name = "runner"
 
-    def __init__(self, model_runner: ModelRunner, run_ahead: bool | None = None):
+    def __init__(self, model_runner: ModelRunner, scheduler_inbox: asyncio.Queue,
+                 run_ahead: bool | None = None):
+        """`scheduler_inbox`: where each step's StepOutput goes."""
         super().__init__()
         self.model_runner = runner = model_runner
         # Launch step N+1 before finishing step N when it is queued in time. Pays on CUDA,
@@ -62,7 +64,7 @@ class RunnerActor(Actor):
         # by tests of the CUDA path's bookkeeping).
         self.run_ahead = runner.device.type == "cuda" if run_ahead is None else run_ahead
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # read by the compute thread
-        self.scheduler_inbox: asyncio.Queue | None = None    # wired by the engine
+        self.scheduler_inbox = scheduler_inbox
         self._loop: asyncio.AbstractEventLoop | None = None
         # The thread the engine was built on (Engine.build sets it): the loop runs there,
         # so that one OpenMP team does all the work (see actors/execution/compute_thread.py). None:

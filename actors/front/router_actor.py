@@ -23,7 +23,7 @@ from typing import Callable
 from tokenloom.actors.base import Actor, resolve
 from tokenloom.actors.front import disaggregation
 from tokenloom.actors.front.routing import RouteDecision, RoutingCore
-from tokenloom.actors.kv.block_hash import CacheIdentity, hash_request_blocks
+from tokenloom.actors.kv.block_hash import Identities, hash_request_blocks
 from tokenloom.actors.messages import (
     ERROR_INTERNAL,
     ERROR_OVERLOADED,
@@ -77,11 +77,12 @@ class RouterActor(Actor):
     name = "router"
 
     def __init__(self, max_running: int, max_waiting: int,
-                 emit: Callable[[RequestOutput], None]):
+                 emit: Callable[[RequestOutput], None], next_inbox: asyncio.Queue):
+        """`next_inbox`: the scheduler's."""
         super().__init__()
         self.gate = AdmissionGate(max_running, max_waiting)
         self.emit = emit
-        self.next_inbox: asyncio.Queue | None = None  # the scheduler; wired by the engine
+        self.next_inbox = next_inbox
 
     def _add(self, msg: AddRequest) -> None:
         if self.gate.admit():
@@ -90,7 +91,8 @@ class RouterActor(Actor):
             # The acknowledgement: an empty output telling the stream's owner that the request
             # is admitted (an HTTP handler can start its 200 stream) and how long its prompt is.
             self.emit(RequestOutput(request_id=msg.request_id, new_token_ids=[],
-                                    num_prompt_tokens=len(msg.prompt_token_ids)))
+                                    num_prompt_tokens=len(msg.prompt_token_ids),
+                                    max_tokens=msg.sampling_params.max_tokens))
             return
         error = (f"the server is overloaded: {self.gate.max_waiting} requests are already "
                  f"waiting; retry later")
@@ -153,7 +155,7 @@ class WorkerRouterActor(Actor):
         self.prefix_caching = prefix_caching
         self.fingerprint = fingerprint
         self.clock = clock
-        self._identities: dict[tuple[str | None, str | None], bytes] = {}
+        self._identities = Identities(fingerprint)
         self._requests: dict[str, _Routed] = {}
         self._affinity: dict[str, int] = {}     # affinity key -> worker it last went to
         self.num_rejected = 0
@@ -163,13 +165,7 @@ class WorkerRouterActor(Actor):
             return []
         # The workers' identity (salt and LoRA adapter): an adapter's prompts score only
         # against blocks computed with that adapter, which routes them to a worker holding it.
-        key = (msg.meta.cache_salt, msg.meta.lora)
-        ident = self._identities.get(key)
-        if ident is None:
-            ident = CacheIdentity(model_fingerprint=self.fingerprint, cache_salt=key[0],
-                                  adapter=key[1]).encode()
-            if len(self._identities) < 4096:
-                self._identities[key] = ident
+        ident, _ = self._identities.encoded(msg.meta.cache_salt, msg.meta.lora)
         return hash_request_blocks(msg.prompt_token_ids, self.block_size, ident)
 
     def _add(self, msg: AddRequest, exclude: int | None = None) -> None:

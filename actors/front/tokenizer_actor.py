@@ -59,7 +59,9 @@ class TokenizerActor(Actor):
     name = "tokenizer"
 
     def __init__(self, tokenizer, max_model_len: int, emit: Callable[[RequestOutput], None],
-                 guided=None, max_prompt_logprobs_tokens: int | None = None):
+                 next_inbox: asyncio.Queue, guided=None,
+                 max_prompt_logprobs_tokens: int | None = None):
+        """`next_inbox`: the router's."""
         super().__init__()
         self.tokenizer = tokenizer
         # Compiles (and so validates) guided-decoding constraints, on the worker thread;
@@ -68,7 +70,7 @@ class TokenizerActor(Actor):
         self.max_model_len = max_model_len
         self.max_prompt_logprobs_tokens = max_prompt_logprobs_tokens   # None: unbounded
         self.emit = emit
-        self.next_inbox: asyncio.Queue | None = None  # the router
+        self.next_inbox = next_inbox
         # Inbox order: each entry is an outcome to release, or a future of one.
         self._pending: collections.deque[Any] = collections.deque()
         self._executor: ThreadPoolExecutor | None = None

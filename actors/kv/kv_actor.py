@@ -1,7 +1,8 @@
 """The KV manager actor: the only owner of KV blocks. A thin shell around KVCacheManager.
 
-The scheduler sends one `KVUpdate` per iteration (frees, then grants, atomically) and gets
-one `KVGrant` back: blocks for every grant, or a refusal with nothing allocated.
+The scheduler sends one `KVUpdate` per iteration (frees, forks, then grants, atomically)
+and gets one `KVGrant` back on `replies`: blocks for every grant, or a refusal with nothing
+allocated.
 
 With KV tiers (actors/kv/tiers/manager.py) it also looks new requests up below the device
 pool (`tier_queries`: the device hit is counted here, the tiers' runs and the restore
@@ -34,13 +35,17 @@ from tokenloom.arith import cdiv
 class KVManagerActor(Actor):
     name = "kv_manager"
 
-    def __init__(self, manager: KVCacheManager, publisher=None, tiers=None):
+    def __init__(self, manager: KVCacheManager, *, replies: asyncio.Queue,
+                 scheduler_inbox: asyncio.Queue, publisher=None, tiers=None):
+        """`replies`: where each update's KVGrant goes; `scheduler_inbox`: where a tier
+        fetch's TierReady goes (it comes later, from a tier thread)."""
         super().__init__()
         self.manager = manager
         self.tiers = tiers   # actors/kv/tiers/manager.TierManager, or None
         if tiers is not None:
             manager.attach_tiers(tiers.wants)
-        self.scheduler_inbox = None  # wired by the engine
+        self.replies = replies
+        self.scheduler_inbox = scheduler_inbox
         # KV events on the wire (actors/kv/events_zmq.py): each update's events, one batch.
         self.publisher = publisher
         self._collector = None
@@ -180,7 +185,7 @@ class KVManagerActor(Actor):
             msg = await self.inbox.get()
             match msg:
                 case KVUpdate():
-                    self.scheduler_inbox.put_nowait(self.apply(msg))
+                    self.replies.put_nowait(self.apply(msg))
                     self._publish_events()
                 case CheckIntegrity(reply=reply):
                     try:

@@ -1,11 +1,12 @@
-"""The scheduler's view of the KV pool: the KV manager's last answer plus the frees the
-scheduler has queued since. Pure.
+"""The scheduler's view of the KV pool: the KV manager's last answer, plus the frees the
+scheduler has queued and the blocks it has promised to forks since. Pure.
 
-Nothing here is maintained by hand: free, held and exclusive counts are read from the last
-`KVGrant`, which the KV manager computed from its own tables after applying everything
-the scheduler had sent; frees queued since are added by derivation (each queued request
-frees what it held alone at that report). So the view cannot drift from the KV manager's
-state: the policy always plans from a lower bound of what is free.
+Not a mirror: nothing here is maintained by hand. Free, held and exclusive counts are read
+from the last `KVGrant`, which the KV manager computed from its own tables after applying
+everything the scheduler had sent; frees queued since are added by derivation (each
+queued request frees what it held alone at that report), and blocks reserved for the next
+update's forks are taken off. So the view cannot drift from the KV manager's state: the
+policy always plans from a lower bound of what is free.
 """
 
 from __future__ import annotations
@@ -19,9 +20,15 @@ class KVView:
         self.grant = KVGrant(new_blocks={}, num_free_blocks=num_blocks, num_used_blocks=0,
                              freed=0)
         self._frees: dict[str, None] = {}   # queued frees, in order, once each
+        self._reserved = 0                  # blocks promised to the next update's forks
 
     def update(self, grant: KVGrant) -> None:
         self.grant = grant
+        self._reserved = 0
+
+    def reserve(self, num_blocks: int) -> None:
+        """Take `num_blocks` off the free count until the next update (which spends them)."""
+        self._reserved += num_blocks
 
     def release(self, request_id: str) -> None:
         """Queue request_id's blocks to be freed by the next KV update."""
@@ -37,9 +44,11 @@ class KVView:
 
     @property
     def num_free_blocks(self) -> int:
-        """Free after the queued frees (the update applies frees before grants)."""
+        """Free after the queued frees (the update applies frees before grants), less the
+        blocks reserved for forks."""
         g = self.grant
-        return g.num_free_blocks + sum(g.exclusive.get(rid, 0) for rid in self._frees)
+        return (g.num_free_blocks + sum(g.exclusive.get(rid, 0) for rid in self._frees)
+                - self._reserved)
 
     @property
     def num_used_blocks(self) -> int:

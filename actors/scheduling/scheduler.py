@@ -3,13 +3,14 @@ runs, and what a finished step's outputs do to the requests. No asyncio: the act
 (scheduler_actor.py) owns the inbox, the loop and the round trips to the KV manager and the
 runner, and calls in here between them.
 
-One iteration, as the shell drives it:
+One iteration, as the shell drives it (one message each way between the scheduler and
+the KV manager per step):
 
-    d, outs, ins = core.plan()                # the policy's decision, queues updated
-    update = core.kv_update(d, ...)           # -> KV manager; its KVGrant comes back
+    plan = core.plan()                        # the policy's decision, forks, swaps
+    update = core.kv_update(plan)             # -> KV manager; its KVGrant comes back
     core.take_grant(update, grant)            # the scheduler's view of the pool
-    core.settle(d, grant)                     # failed allocations end, prefix hits apply
-    step = core.build(d, grant, ...)          # the runner's batch
+    core.settle(plan, grant)                  # forks join, failures end, prefix hits apply
+    step = core.build(plan.decision, grant, ...)   # the runner's batch
     ...
     core.process(step, out)                   # the step's tokens: stream, stop, commit
 
@@ -57,6 +58,7 @@ from tokenloom.actors.scheduling.prefix_tracker import PrefixTracker
 from tokenloom.actors.scheduling.request import FinishReason, Request, RequestStatus
 from tokenloom.actors.scheduling.step_batch import (
     InFlightStep,
+    StepPlan,
     apply_prefix_hits,
     build_batch,
     kv_update,
@@ -188,11 +190,18 @@ class Scheduler:
                         error_kind=ERROR_INTERNAL)
 
     # -- planning --------------------------------------------------------------------------
-    def plan(self) -> tuple[Decision, list, list]:
-        """The policy's decision, applied to the queues: preemption victims out (their swap
-        copies resolved), rejections ended, swap-ins and admissions in."""
+    def plan(self) -> StepPlan:
+        """The step's KV work: n > 1 siblings to fork from their sibling 0 (their blocks
+        reserved, so the decision's grants still fit), and the policy's decision over the
+        rest, applied to the queues: preemption victims out (their swap copies resolved),
+        rejections ended, swap-ins and admissions in."""
         self.tier_released = False
+        forks = self.fork_candidates()
+        self.view.reserve(len(forks))
         admissible = siblings.admissible(self.waiting, self.requests, self.prefix.enabled)
+        if forks:   # (they join the running queue with the KV manager's answer)
+            forking = {child for _, child, _ in forks}
+            admissible = [r for r in admissible if r.request_id not in forking]
         if self.tiers is not None and any(r.tier_hold for r in admissible):
             admissible = [r for r in admissible if not r.tier_hold]
         slot_plan = None
@@ -222,7 +231,7 @@ class Scheduler:
         self._admit(d)
         if slot_plan is not None:
             self.lora.admit(d.admitted, slot_plan)
-        return d, swap_outs, swap_ins
+        return StepPlan(d, forks, swap_outs, swap_ins)
 
     def _admission_params(self) -> AdmissionParams:
         """The watermark, raised after a preemption until the pool has recovered."""
@@ -240,11 +249,12 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
 
-    def kv_update(self, d: Decision | None, forks=(), swap_outs=(), swap_ins=()) -> KVUpdate:
-        """The next round trip's message to the KV manager: queued commits and frees, the
-        decision's grants and admissions (or forks)."""
-        update = kv_update(d, self.view.take_frees(), self.pending_commits, self.running,
-                           self.prefix.query, forks, swap_outs, swap_ins)
+    def kv_update(self, plan: StepPlan | None) -> KVUpdate:
+        """The step's one message to the KV manager: queued commits and frees, new
+        arrivals' tier lookups, the plan's forks, grants, admissions and swaps (None: an
+        idle update that only returns blocks and commits)."""
+        update = kv_update(plan, self.view.take_frees(), self.pending_commits, self.running,
+                           self.prefix.query)
         self.pending_commits = []
         if self.tier_pending or self.tier_cancels:
             update.tier_queries = self._tier_queries()
@@ -301,10 +311,13 @@ class Scheduler:
             self.tier_ready(report.request_id, report)
         self.pending_offloads.extend(grant.offloads)
 
-    def settle(self, d: Decision, grant: KVGrant) -> None:
-        """After the grant: admitted requests start after their cached prefix; requests
-        ended meanwhile (aborts handled during the round trip, or an allocation that failed
-        for them alone) leave the decision."""
+    def settle(self, plan: StepPlan, grant: KVGrant) -> None:
+        """After the grant: forked siblings join the running queue (from the next step);
+        admitted requests start after their cached prefix; requests whose allocation failed
+        for them alone end and leave the decision."""
+        if plan.forks:
+            self.take_forks(grant)
+        d = plan.decision
         for rid, why in grant.failed.items():
             if (req := self.requests.get(rid)) is not None:
                 self.finish(req, S.FINISHED, FinishReason.ERROR, error=why,
@@ -344,7 +357,7 @@ class Scheduler:
 
     def fork_candidates(self):
         """n > 1: siblings whose sibling 0 has computed the prompt, to start from its
-        blocks (an extra KV round trip, only in the step after such a prompt completes)."""
+        blocks (forked by the step's KV update, before its grants)."""
         return siblings.fork_candidates(self.waiting, self.requests, self.view,
                                         self.limits.max_num_seqs - len(self.running),
                                         self.prefix.enabled)
@@ -362,7 +375,7 @@ class Scheduler:
                     slot = self.lora.resident(child.lora_name)
                     assert slot is not None, f"{child_id}: its adapter left the device"
                     child.lora_slot = slot
-        for child_id in orphans:   # aborted during the round trip: free its new table
+        for child_id in orphans:   # ended before its fork landed: free its new table
             self.view.release(child_id)
         if self.tiers is not None:  # forked, not admitted: their tier lookups are moot
             self.tier_cancels.extend(grant.forked)

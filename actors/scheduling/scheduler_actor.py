@@ -3,11 +3,12 @@
 A thin async shell around the synchronous core (scheduler.py, which owns every Request and
 decides each step): this module owns the inbox, the loop, the steps in flight and the round
 trips. Each iteration `_schedule` plans the next step (`Scheduler.plan`: the policy, under
-the fair-share order, the SLO chunk budget and the KV plan), gets exactly the blocks it
-needs from the KV manager in one atomic round trip (`_grant`), and builds the runner's batch
-(`Scheduler.build`). With `scheduler.overlap` (the default) it does that while the previous
-step runs, then processes the previous step's outputs — one step ahead, as SGLang's overlap
-scheduler and vLLM's async scheduling do:
+the fair-share order, the SLO chunk budget and the KV plan), sends the KV manager the
+step's one update (frees, commits, tier lookups, forks, grants, admissions, swaps) and
+awaits its one answer (`_kv_round_trip`), and builds the runner's batch (`Scheduler.build`).
+With `scheduler.overlap` (the default) it does that while the previous step runs, then
+processes the previous step's outputs — one step ahead, as SGLang's overlap scheduler and
+vLLM's async scheduling do:
 
 - a running request is assumed to produce one token in the step in flight: the next step
   feeds it as a PLACEHOLDER that the runner fills from its own sample, and the request's
@@ -49,21 +50,23 @@ from tokenloom.actors.messages import (
     StepOutput,
     TierReady,
 )
-from tokenloom.actors.scheduling.policy import Decision
 from tokenloom.actors.scheduling.scheduler import Scheduler
-from tokenloom.actors.scheduling.step_batch import InFlightStep, process_oldest_now
+from tokenloom.actors.scheduling.step_batch import InFlightStep, StepPlan, process_oldest_now
 
 
 class SchedulerActor(Actor):
     name = "scheduler"
 
-    def __init__(self, *args, **kwargs):
-        """The arguments of `Scheduler` (the core this actor drives)."""
-        super().__init__()
-        self.core = core = Scheduler(*args, **kwargs)
+    def __init__(self, core: Scheduler, *, inbox: asyncio.Queue, kv_inbox: asyncio.Queue,
+                 kv_replies: asyncio.Queue, runner):
+        """Drives `core`. `kv_inbox` / `kv_replies`: the KV manager's inbox and the queue
+        its one answer per update comes back on; `runner`: the runner actor (its send())."""
+        super().__init__(inbox)
+        self.core = core
         self.overlap = core.config.overlap
-        self.kv_inbox: asyncio.Queue | None = None      # wired by the engine
-        self.runner_actor = None                        # wired by the engine (its send())
+        self.kv_inbox = kv_inbox
+        self.kv_replies = kv_replies
+        self.runner_actor = runner
         self.in_flight: deque[InFlightStep] = deque()
         self._step_outputs: dict[int, StepOutput] = {}
         self._stopping = False
@@ -122,7 +125,7 @@ class SchedulerActor(Actor):
         core = self.core
         if not self._has_work:
             if core.view.has_pending_frees or core.pending_commits:
-                await self._kv_update(None)  # return blocks promptly even when idle
+                await self._kv_round_trip(None)  # return blocks promptly even when idle
             if not core.has_work:  # (a request may have come meanwhile)
                 if core.runner_finished:  # no next batch to carry them: tell the runner now
                     self.runner_actor.send(ForgetRequests(request_ids=core.runner_finished))
@@ -151,24 +154,23 @@ class SchedulerActor(Actor):
 
     # -- planning ------------------------------------------------------------------------
     async def _schedule(self) -> InFlightStep | None:
-        """plan -> grant -> build: the policy's decision from the scheduler's view of the
-        pool, the KV manager's one atomic answer, then the runner's batch."""
+        """plan -> one KV round trip -> build: the policy's decision from the scheduler's
+        view of the pool, the KV manager's one atomic answer, then the runner's batch."""
         core = self.core
         t0 = time.perf_counter()
         continues = self._busy or bool(self.in_flight)
-        await self._fork_siblings()
-        if core.tier_pending:   # new arrivals: look them up in the KV tiers first
-            await self._kv_update(None)
-        d, swap_outs, swap_ins = core.plan()
+        plan = core.plan()
         t_kv = time.perf_counter()
-        grant = await self._grant(d, swap_outs, swap_ins)
+        grant = await self._kv_round_trip(plan)
         kv_seconds = time.perf_counter() - t_kv
+        core.settle(plan, grant)
+        d = plan.decision
         if d.empty:
             if not (grant.swap_out or grant.swap_in or core.pending_copies
                     or core.pending_offloads):
                 if (not core.running and core.waiting and not grant.freed
                         and not self.in_flight and not core.view.has_pending_frees
-                        and not core.tier_released):   # (one came back from the tiers)
+                        and not core.tier_released):
                     self._handle(await self.inbox.get())  # nothing fits or runs: wait
                 return None
             # The copies this iteration resolved (fork copy-on-write, swaps) still have to
@@ -178,34 +180,15 @@ class SchedulerActor(Actor):
             # had just refilled.)
         return core.build(d, grant, kv_seconds, continues, t0)
 
-    async def _grant(self, d: Decision, swap_outs, swap_ins) -> KVGrant:
-        """The decision's blocks in one round trip, settled into the decision."""
-        grant = await self._kv_update(d, swap_outs=swap_outs, swap_ins=swap_ins)
-        self.core.settle(d, grant)
-        return grant
-
-    async def _fork_siblings(self) -> None:
-        """n > 1: siblings whose sibling 0 has computed the prompt start from its blocks."""
-        forks = self.core.fork_candidates()
-        if forks:
-            self.core.take_forks(await self._kv_update(None, forks=forks))
-
-    async def _kv_update(self, d: Decision | None, *, forks=(), swap_outs=(),
-                         swap_ins=()) -> KVGrant:
-        """One round trip to the KV manager; the answer becomes the scheduler's view."""
-        update = self.core.kv_update(d, forks, swap_outs, swap_ins)
+    async def _kv_round_trip(self, plan: StepPlan | None) -> KVGrant:
+        """The step's one message to the KV manager and its one answer, which becomes the
+        scheduler's view of the pool. Nothing else is handled meanwhile: adds, aborts and
+        step outputs wait in the inbox for the next receive."""
+        update = self.core.kv_update(plan)
         self.kv_inbox.put_nowait(update)
-        grant = await self._reply(KVGrant)
+        grant = await self.kv_replies.get()
         self.core.take_grant(update, grant)
         return grant
-
-    async def _reply(self, kind: type):
-        """Wait for a reply of `kind`; adds, aborts and step outputs are handled meanwhile."""
-        while True:
-            msg = await self.inbox.get()
-            if isinstance(msg, kind):
-                return msg
-            self._handle(msg)
 
     # -- processing a step's outputs -------------------------------------------------------
     async def _process(self, launched: InFlightStep) -> None:

@@ -1,7 +1,8 @@
 """From a policy decision to the KV manager's request and from its answer to the runner's
 batch. Pure (no asyncio, no torch): the scheduler's bookkeeping around one step.
 
-- `kv_update`: the one KV request of an iteration (frees, grants, admissions, commits...);
+- `StepPlan`, `kv_update`: the one KV request of an iteration (frees, forks, grants,
+  admissions, commits...);
 - `InFlightStep`, `process_oldest_now`: a launched step, and the overlap rule;
 
 - `apply_prefix_hits`: admitted requests start after their cached prefix;
@@ -14,7 +15,7 @@ batch. Pure (no asyncio, no torch): the scheduler's bookkeeping around one step.
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 from tokenloom.actors.messages import (
     PLACEHOLDER,
@@ -58,13 +59,25 @@ def process_oldest_now(num_in_flight: int, launched: bool, overlap: bool) -> boo
     return num_in_flight > 1 or not launched or not overlap
 
 
-def kv_update(d: Decision | None, frees: list[str], commits: list[KVCommit],
-              running: list[Request], query, forks=(), swap_outs=(), swap_ins=()) -> KVUpdate:
+class StepPlan(NamedTuple):
+    """What one iteration asks of the KV manager, besides frees and commits: the policy's
+    decision, n > 1 forks `(sibling 0, sibling, tokens)`, and the swap copies
+    `(request, host slots)` the decision's preemptions and resumptions resolved."""
+    decision: Decision
+    forks: list[tuple[str, str, int]]
+    swap_outs: list[tuple[str, list[int]]]
+    swap_ins: list[tuple[str, list[int]]]
+
+
+def kv_update(plan: StepPlan | None, frees: list[str], commits: list[KVCommit],
+              running: list[Request], query) -> KVUpdate:
     """The iteration's one KV request. New admissions may start from a cached prefix
     (`query(request)`: its PrefixQuery); a request swapped back in resumes from its own KV
     instead (a plain grant plus the swap-in copies). The reply reports every running table."""
     grants, admissions, tables_for = [], [], []
-    if d is not None:
+    forks, swap_outs, swap_ins = (), (), ()
+    if plan is not None:
+        d, forks, swap_outs, swap_ins = plan
         swapped_in = {rid for rid, _ in swap_ins}
         admitted = {r.request_id for r in d.admitted} - swapped_in
         grants = [g for g in d.grants if g[0] not in admitted]

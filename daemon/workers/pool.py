@@ -169,9 +169,6 @@ class WorkerPool(EngineFront):
         self.info = info = hello.info
         self.tokenizer = AutoTokenizer.from_pretrained(info.model_dir)
         guided = GuidedCompiler(self.tokenizer, info.spec.vocab_size, info.eos_token_ids)
-        self.tokenizer_actor = TokenizerActor(
-            self.tokenizer, info.max_model_len, self.streams.emit, guided=guided,
-            max_prompt_logprobs_tokens=self.config.scheduler.max_prompt_logprobs_tokens)
         w = self.config.workers
         core = RoutingCore(len(self.slots), w.routing, w.decode_weight,
                            w.routed_prefix_ttl_seconds)
@@ -189,7 +186,10 @@ class WorkerPool(EngineFront):
                                         info.fingerprint, info.block_size,
                                         self.config.cache.enable_prefix_caching,
                                         disagg=disagg)
-        self.tokenizer_actor.next_inbox = self.router.inbox
+        self.tokenizer_actor = TokenizerActor(
+            self.tokenizer, info.max_model_len, self.streams.emit, self.router.inbox,
+            guided=guided,
+            max_prompt_logprobs_tokens=self.config.scheduler.max_prompt_logprobs_tokens)
 
     def _spawn(self, coro, name: str) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro, name=name)

@@ -33,9 +33,9 @@ async def test_router_forwards_acknowledges_and_refuses():
     as overloaded; 3. aborts follow their request (an abort of a refused request reaches the
     scheduler, which ignores unknown ids); 4. a finish frees a slot."""
     emitted = []
-    router = RouterActor(max_running=1, max_waiting=1, emit=emitted.append)
     scheduler: asyncio.Queue = asyncio.Queue()
-    router.next_inbox = scheduler
+    router = RouterActor(max_running=1, max_waiting=1, emit=emitted.append,
+                         next_inbox=scheduler)
     for msg in (_add("a"), _add("b"), _add("c"), AbortRequest(request_id="a"),
                 AbortRequest(request_id="c"), RequestFinished(request_id="b"), _add("d"),
                 Shutdown()):

@@ -72,8 +72,7 @@ class Sink:
 
 def _actor(tokenizer, max_model_len: int = 1_000_000) -> tuple[TokenizerActor, Sink]:
     sink = Sink()
-    actor = TokenizerActor(tokenizer, max_model_len, sink.emit)
-    actor.next_inbox = sink
+    actor = TokenizerActor(tokenizer, max_model_len, sink.emit, sink)
     return actor, sink
 
 

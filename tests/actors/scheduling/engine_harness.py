@@ -70,6 +70,7 @@ from tokenloom.actors.messages import (
     IsIdle,
     KVGrant,
     KVStats,
+    KVUpdate,
     OffloadKV,
     RequestMeta,
     RequestOutput,
@@ -81,6 +82,7 @@ from tokenloom.actors.messages import (
 from tokenloom.actors.sampling_params import SamplingParams
 from tokenloom.actors.scheduling.policy import PolicyLimits
 from tokenloom.actors.scheduling.prefix_tracker import PrefixTracker
+from tokenloom.actors.scheduling.scheduler import Scheduler
 from tokenloom.actors.scheduling.scheduler_actor import SchedulerActor
 from tokenloom.actors.scheduling.swap import SwapSpace
 from tokenloom.actors.speculation.controller import SpecController
@@ -480,15 +482,16 @@ class FakeRunner:
         return out
 
 
-class _Tap:
-    """An inbox's put_nowait that shows each message to `hook` first."""
+class _Tap(asyncio.Queue):
+    """A queue whose put_nowait shows each message to `hook` first."""
 
-    def __init__(self, inbox: asyncio.Queue, hook):
-        self.inbox, self.hook = inbox, hook
+    def __init__(self, hook):
+        super().__init__()
+        self.hook = hook
 
     def put_nowait(self, msg) -> None:
         self.hook(msg)
-        self.inbox.put_nowait(msg)
+        super().put_nowait(msg)
 
 
 def _check(ok, message: str) -> None:
@@ -528,34 +531,65 @@ class EngineHarness:
         self.integrity: str | None = "not checked"
         self.loop: asyncio.AbstractEventLoop | None = None
         self.logs: list[dict] = []
+        self.kv_log: list[str] = []   # plan / update / reply, in order (check_kv_round_trips)
 
     # -- the engine, wired as Engine.__init__ wires it -------------------------------------
     def _build(self) -> None:
         s, lim = self.setup, self.setup.limits
         capacity = lim.num_blocks * lim.block_size
         swap = SwapSpace(s.swap_slots) if s.swap_slots else None
-        self.scheduler = SchedulerActor(
-            lim, (EOS,), s.max_model_len or capacity, self._emit,
-            PrefixTracker("fake-model", lim.block_size, s.prefix_caching), config=s.config,
-            swap=swap, block_bytes=s.block_bytes,
-            spec=SpecController("ngram", s.spec_k, mode="on") if s.spec_k else None)
         self.tiers = None
         if s.tier_blocks and s.prefix_caching:
             self.tiers = _host_tier(lim.block_size, s.tier_blocks, s.tier_fail)
-            self.scheduler.core.tiers = self.tiers
+        core = Scheduler(
+            lim, (EOS,), s.max_model_len or capacity, self._emit,
+            PrefixTracker("fake-model", lim.block_size, s.prefix_caching), config=s.config,
+            swap=swap, block_bytes=s.block_bytes,
+            spec=SpecController("ngram", s.spec_k, mode="on") if s.spec_k else None,
+            tiers=self.tiers)
+        # The KV manager's inbox and replies go through taps: every message between the
+        # scheduler and the KV manager is logged (one each way per step, `check`), and the
+        # swap-outs each grant resolves are noted (to check that every one reaches the
+        # runner).
+        scheduler_inbox: asyncio.Queue = asyncio.Queue()
+        replies = _Tap(self._on_kv_reply)
         self.kv = KVManagerActor(KVCacheManager(lim.num_blocks, lim.block_size,
                                                 enable_prefix_caching=s.prefix_caching),
+                                 replies=replies, scheduler_inbox=scheduler_inbox,
                                  tiers=self.tiers)
+        self.kv.inbox = _Tap(self._on_kv_update)
         self.runner = FakeRunner(self)
-        self.scheduler.kv_inbox = self.kv.inbox
-        self.scheduler.runner_actor = self.runner
-        # The KV manager's replies reach the scheduler's inbox through a tap that notes the
-        # swap-outs each grant resolves (to check that every one reaches the runner).
-        self.kv.scheduler_inbox = _Tap(self.scheduler.inbox, self._on_kv_reply)
+        self.scheduler = SchedulerActor(core, inbox=scheduler_inbox, kv_inbox=self.kv.inbox,
+                                        kv_replies=replies, runner=self.runner)
+        plan = core.plan
+
+        def logged_plan():
+            self.kv_log.append("plan")
+            return plan()
+        core.plan = logged_plan
+
+    def _on_kv_update(self, msg) -> None:
+        if isinstance(msg, KVUpdate):
+            self.kv_log.append("update")
 
     def _on_kv_reply(self, msg) -> None:
+        self.kv_log.append("reply")
         if isinstance(msg, KVGrant) and msg.swap_out:
             self.runner.granted_swap_outs.append(list(msg.swap_out))
+
+    def check_kv_round_trips(self) -> None:
+        """One message each way per step: every plan is followed by exactly one update and
+        its one reply before anything else reaches the KV manager; the only other updates
+        are idle ones (returning blocks with nothing planned), each with its reply."""
+        log = self.kv_log
+        i = 0
+        while i < len(log):
+            if log[i] == "plan":
+                assert log[i + 1:i + 3] == ["update", "reply"], (i, log[i:i + 6])
+                i += 3
+            else:
+                assert log[i:i + 2] == ["update", "reply"], (i, log[i:i + 6])
+                i += 2
 
     # -- scenario events -----------------------------------------------------------------
     def _emit(self, out: RequestOutput) -> None:
@@ -776,6 +810,7 @@ class EngineHarness:
         if sched.preemptor.swap is not None:
             assert sched.preemptor.swap.num_free == self.setup.swap_slots, "swap slots leaked"
         assert self.integrity is None, self.integrity
+        self.check_kv_round_trips()
         assert self.kv_stats is not None and self.kv_stats.used == 0, self.kv_stats
         assert self.kv_stats.free == self.setup.limits.num_blocks, self.kv_stats
         # Runner state: every finished request is gone (named by a batch's finished_ids, or

@@ -107,7 +107,8 @@ def test_every_id_decodes_and_words_encode(tmp_path, spec):
     # (the space before the first word separates it from the prompt's last word)
     assert text == " " + tok.decode(every, skip_special_tokens=True)
     assert "t12" in text and "<s>" not in text
-    actor = TokenizerActor(tok, max_model_len=spec.max_position_embeddings, emit=lambda o: None)
+    actor = TokenizerActor(tok, max_model_len=spec.max_position_embeddings, emit=lambda o: None,
+                           next_inbox=None)
     req = GenerateRequest(request_id="r", prompt="t5 t6 t77",
                           sampling_params=SamplingParams(max_tokens=4))
     assert actor.encode(req)[-3:] == [5, 6, 77]
