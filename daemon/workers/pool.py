@@ -7,6 +7,9 @@ above it knows about processes:
     submit -> tokenizer actor (validates, in order) -> WorkerRouterActor (chooses a worker)
            -> Submit on worker i's socket ... Outputs from any worker -> streams
 
+Disaggregated requests (a prefill worker, then a decode worker) go through
+handoff_flow.py.
+
 Supervision: each worker slot runs one loop — start an incarnation, wait for its Hello
 (start-up) and then for its exit. A worker that exits while the daemon is not stopping is
 a crash: the router stops routing to it (WorkerDown), every stream it held ends at once
@@ -38,13 +41,11 @@ from tokenloom.actors.front.routing import RouteDecision, RoutingCore
 from tokenloom.actors.kv.prefix_cache import FlushResult
 from tokenloom.actors.messages import (
     ERROR_INTERNAL,
-    AbortRequest,
     AddRequest,
     EngineStats,
     GetRouterStats,
     GetRoutingStats,
     HandoffMeasured,
-    RehomeRequest,
     RequestFinished,
     RequestOutput,
     RequestStarted,
@@ -56,10 +57,10 @@ from tokenloom.actors.messages import (
     WorkerStatus,
     WorkerUp,
 )
-from tokenloom.actors.sampling_params import SamplingParams
 from tokenloom.config.schema import EngineConfig
 from tokenloom.daemon.workers import aggregate, supervisor, wire
 from tokenloom.daemon.workers.handoff import HandoffLedger, make_dir
+from tokenloom.daemon.workers.handoff_flow import HandoffFlow
 from tokenloom.daemon.workers.slot import (
     STOP_SECONDS,
     WorkerConfigError,
@@ -71,11 +72,6 @@ log = structlog.get_logger("tokenloom.workers")
 
 TRACE_HISTORY = 4096     # routing decisions kept for traces
 QUERY_SECONDS = 10.0     # a control query's answer must come within this
-LEASE_CHECK_SECONDS = 0.25   # how often expired handoff leases and stray files are swept
-# After a prefill half ends, its last blocks may still be on their way to the handoff tier
-# (the prefill worker copies them out after the step and writes them on a thread): the
-# decode half waits for them this long at most, then recomputes what is missing.
-HANDOFF_WAIT_SECONDS = 2.0
 # Tokens after the first over which a request's decode rate is sampled early (a few steps:
 # enough to average out one slow step, few enough to be there for a burst's first choices).
 EARLY_DECODE_TOKENS = 3
@@ -111,8 +107,11 @@ class WorkerPool(EngineFront):
             config, handoff_dir=str(self.handoff_dir) if self.handoff_dir else None)
         self.slots = [WorkerSlot(i, c, role=supervisor.role(config, i))
                       for i, c in enumerate(configs)]
-        self.handoffs = (HandoffLedger(self.handoff_dir, config.workers.handoff_lease_seconds)
-                         if self.handoff_dir else None)
+        # Handoffs in flight and their leases; the flow that drives them is built with the
+        # front (it needs the router). Both None without prefill workers.
+        self.ledger = (HandoffLedger(self.handoff_dir, config.workers.handoff_lease_seconds)
+                       if self.handoff_dir else None)
+        self.handoffs: HandoffFlow | None = None
         self._routes: dict[str, _Route] = {}
         self._decisions: collections.OrderedDict[str, dict] = collections.OrderedDict()
         self._query_ids = itertools.count()
@@ -154,7 +153,7 @@ class WorkerPool(EngineFront):
         for slot in pool.slots:
             pool.router.send(WorkerUp(worker=slot.index))
         if pool.handoffs is not None:
-            pool._spawn(pool._keep_leases(), "handoff-leases")
+            pool._spawn(pool.handoffs.keep_leases(), "handoff-leases")
         return pool
 
     def _build_front(self, hello: wire.Hello) -> None:
@@ -190,6 +189,9 @@ class WorkerPool(EngineFront):
             self.tokenizer, info.max_model_len, self.streams.emit, self.router.inbox,
             guided=guided,
             max_prompt_logprobs_tokens=self.config.scheduler.max_prompt_logprobs_tokens)
+        if self.ledger is not None:
+            self.handoffs = HandoffFlow(self.ledger, self.slots, self.router, self.streams,
+                                        self._submit, self._spawn, info.kv_bytes_per_token)
 
     def _spawn(self, coro, name: str) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro, name=name)
@@ -249,19 +251,23 @@ class WorkerPool(EngineFront):
         lost = [rid for rid, r in self._routes.items() if r.worker == slot.index]
         message = (f"engine worker {slot.index} died (exit status {code}) while serving this "
                    f"request; it is being restarted, retry")
-        rehomed = 0
+        rehomed = ended = 0
         for rid in lost:
             route = self._routes.pop(rid)
-            if self.handoffs is not None and self._rehome(rid, route, slot.index):
+            if self.handoffs is not None and self.handoffs.rehome(rid, route.started,
+                                                                  slot.index):
                 rehomed += 1
                 continue
             self.streams.fail(rid, message, ERROR_INTERNAL)
+            ended += 1
+        if self.handoffs is not None:   # prefill halves: their decode workers take over
+            rehomed += self.handoffs.worker_died(slot.index)
         for reply in slot.replies.values():
             if not reply.done():
                 reply.set_exception(RuntimeError(message))
         slot.replies.clear()
         log.error("worker died", worker=slot.index, exit_status=code,
-                  requests_ended=len(lost) - rehomed, requests_rehomed=rehomed,
+                  requests_ended=ended, requests_rehomed=rehomed,
                   pid=slot.proc.pid if slot.proc else None)
 
     # -- the transport -------------------------------------------------------------------
@@ -274,12 +280,11 @@ class WorkerPool(EngineFront):
             if len(self._decisions) > TRACE_HISTORY:
                 self._decisions.popitem(last=False)
             if decision.prefill_worker is not None:
-                self._start_handoff(msg, decision)
+                self.handoffs.start(msg, decision)
                 return
             self._submit(w, msg)
-        elif self.handoffs is not None and msg.request_id in self.handoffs \
-                and self.handoffs.get(msg.request_id).state != "decoding":
-            self._abort_handoff(msg.request_id)
+        elif self.handoffs is not None and self.handoffs.abortable(msg.request_id):
+            self.handoffs.abort(msg.request_id)
         elif slot.up:
             slot.send(wire.Abort(abort=msg))
 
@@ -290,11 +295,11 @@ class WorkerPool(EngineFront):
             # Died between the router's choice and now: the request never ran.
             self.streams.fail(rid, f"engine worker {w} is restarting; retry", ERROR_INTERNAL)
             self.router.send(RequestFinished(request_id=rid))
-            if self.handoffs is not None:
-                self.handoffs.close(rid, "failed")
+            if self.ledger is not None:
+                self.ledger.close(rid, "failed")
             return
         self._routes[rid] = _Route(w)
-        if self.handoffs is not None and (h := self.handoffs.get(rid)) is not None:
+        if self.ledger is not None and (h := self.ledger.get(rid)) is not None:
             h.decode_worker = w          # (a re-homed one: its new decode worker)
 
     async def _receive(self) -> None:
@@ -338,7 +343,7 @@ class WorkerPool(EngineFront):
     def _output(self, out: RequestOutput) -> None:
         rid = out.request_id
         if self.handoffs is not None and disaggregation.decode_id(rid) is not None:
-            self._prefill_output(out)    # a prefill half: nothing of it reaches the client
+            self.handoffs.prefill_output(out)   # a prefill half: nothing reaches the client
             return
         route = self._routes.get(rid)
         if route is not None:
@@ -348,112 +353,20 @@ class WorkerPool(EngineFront):
                 if self.handoffs is not None:
                     route.first_token_at = time.monotonic()
                     route.tokens = len(out.new_token_ids)
-                    if rid in self.handoffs:
-                        self.handoffs.close(rid, "claimed")   # its restore is over
+                    if rid in self.ledger:
+                        self.ledger.close(rid, "claimed")   # its restore is over
             elif route.first_token_at is not None and out.new_token_ids:
                 self._early_decode_sample(route, len(out.new_token_ids))
             if out.finished:
                 del self._routes[rid]
                 self.router.send(RequestFinished(request_id=rid))
                 if self.handoffs is not None:
-                    self.handoffs.close(rid, "failed" if out.error else "claimed")
-                    self._measure(route.worker, out)
+                    self.ledger.close(rid, "failed" if out.error else "claimed")
+                    self.handoffs.measure(route.worker, out)
                 trace = out.timings.trace if out.timings is not None else None
                 if trace is not None:
                     trace["routing"] = self._decisions.get(rid)
         self.streams.emit(out)
-
-    # -- disaggregation: handoffs ----------------------------------------------------------
-    def _start_handoff(self, msg: AddRequest, decision: RouteDecision) -> None:
-        """Prefill `msg` on decision.prefill_worker (one greedy token, its KV exported to
-        the handoff tier); its decode half goes to decision.worker when that ends."""
-        p = decision.prefill_worker
-        self.handoffs.open(msg, p, decision.worker, self.router.hashes(msg))
-        half = AddRequest(
-            request_id=disaggregation.prefill_id(msg.request_id),
-            prompt_token_ids=msg.prompt_token_ids,
-            sampling_params=SamplingParams(max_tokens=1, temperature=0.0),
-            arrival_time=msg.arrival_time,
-            meta=msgspec.structs.replace(msg.meta, kv_export=True, group_id=None, labels=None),
-            tokenized_time=msg.tokenized_time, routed_time=msg.routed_time)
-        slot = self.slots[p]
-        if not slot.up or not slot.send(wire.Submit(request=half)):
-            # Its prefill worker is gone: the decode worker prefills (the router's account
-            # of the half is settled as if it ended).
-            self.router.send(RequestFinished(request_id=half.request_id))
-            self._decode_half(msg.request_id)
-            return
-        self._routes[half.request_id] = _Route(p)
-
-    def _prefill_output(self, out: RequestOutput) -> None:
-        if not out.finished:
-            return
-        pid = out.request_id
-        rid = disaggregation.decode_id(pid)
-        route = self._routes.pop(pid, None)
-        self.router.send(RequestFinished(request_id=pid))
-        if route is not None and not out.error:
-            self._measure(route.worker, out)
-        h = self.handoffs.prefilled(rid)
-        if h is None or h.state != "transferring":
-            return                     # aborted meanwhile (or re-homed already)
-        if out.error:
-            log.warning("prefill half failed; the decode worker prefills", request_id=rid,
-                        error=out.error)
-            self.handoffs.counts["prefill_failed"] += 1
-            self._decode_half(rid)
-            return
-        self._spawn(self._after_prefill(rid), f"handoff-{rid}")
-
-    async def _after_prefill(self, rid: str) -> None:
-        """Send the decode half once the handoff tier holds every block (or after
-        HANDOFF_WAIT_SECONDS: the decode worker recomputes what is missing)."""
-        deadline = time.monotonic() + HANDOFF_WAIT_SECONDS
-        while self.handoffs.missing(rid) and time.monotonic() < deadline:
-            await asyncio.sleep(0.002)
-        h = self.handoffs.get(rid)
-        if h is not None and h.state == "transferring":
-            self._decode_half(rid)
-
-    def _decode_half(self, rid: str) -> None:
-        h = self.handoffs.get(rid)
-        self.handoffs.decoding(rid)
-        if self.slots[h.decode_worker].up:
-            self._submit(h.decode_worker, h.request)
-        else:                          # its decode worker died meanwhile: another one
-            h.rehomed += 1
-            self.handoffs.counts["rehomed"] += 1
-            self.router.send(RehomeRequest(request=h.request, exclude=h.decode_worker))
-
-    def _abort_handoff(self, rid: str) -> None:
-        """The client left while its request was prefilling or on its way to decode."""
-        h = self.handoffs.close(rid, "aborted")
-        pid = disaggregation.prefill_id(rid)
-        if pid in self._routes and self.slots[h.prefill_worker].up:
-            self.slots[h.prefill_worker].send(wire.Abort(abort=AbortRequest(request_id=pid)))
-        self.streams.emit(RequestOutput(request_id=rid, new_token_ids=[], finished=True,
-                                        finish_reason="abort"))
-        self.router.send(RequestFinished(request_id=rid))
-
-    def _rehome(self, rid: str, route: _Route, dead: int) -> bool:
-        """A worker died under `rid`: carry on elsewhere if nothing was streamed yet and
-        its KV is (partly) in the handoff tier. True: re-homed."""
-        pid_of = disaggregation.decode_id(rid)
-        if pid_of is not None:         # a prefill half: decode where it was to decode
-            self.router.send(RequestFinished(request_id=rid))
-            h = self.handoffs.get(pid_of)
-            if h is not None and h.state == "prefilling":
-                self.handoffs.counts["prefill_lost"] += 1
-                self._decode_half(pid_of)
-            return True
-        h = self.handoffs.get(rid)
-        if h is None or route.started:
-            return False
-        h.rehomed += 1
-        h.decode_worker = -1
-        self.handoffs.counts["rehomed"] += 1
-        self.router.send(RehomeRequest(request=h.request, exclude=dead))
-        return True
 
     def _early_decode_sample(self, route: _Route, new_tokens: int) -> None:
         """The cost model's decode rate, from a request's first EARLY_DECODE_TOKENS tokens
@@ -465,43 +378,6 @@ class WorkerPool(EngineFront):
                 worker=route.worker, decode_tokens=route.tokens - 1,
                 decode_seconds=time.monotonic() - route.first_token_at))
             route.first_token_at = None
-
-    def _measure(self, worker: int, out: RequestOutput) -> None:
-        """Feed the disaggregation cost model from a finished request's timings."""
-        t = out.timings
-        if t is None or t.first_token is None or t.first_scheduled is None:
-            return
-        tokens = (out.num_prompt_tokens or 0) - t.num_cached_tokens
-        peer = (t.cached_tokens_by_tier or {}).get("peer", 0)
-        fetch_ms = ((t.trace or {}).get("kv_tiers") or {}).get("fetch_ms") or 0.0
-        if peer and fetch_ms:
-            self.handoffs.observe_transfer(peer * self.info.kv_bytes_per_token, fetch_ms / 1e3)
-        self.router.send(HandoffMeasured(
-            worker=worker, prefill_tokens=max(0, tokens),
-            prefill_seconds=t.first_token - t.first_scheduled,
-            transfer_bytes=peer * self.info.kv_bytes_per_token if fetch_ms else 0,
-            transfer_seconds=fetch_ms / 1e3,
-            decode_tokens=max(0, len(t.token_times) - 1),
-            decode_seconds=(t.token_times[-1] - t.token_times[0]
-                            if len(t.token_times) > 1 else 0.0)))
-
-    async def _keep_leases(self) -> None:
-        """Expire leases that were never claimed; delete files no lease covers."""
-        while True:
-            await asyncio.sleep(LEASE_CHECK_SECONDS)
-            for rid in self.handoffs.expired():
-                h = self.handoffs.get(rid)
-                if h.state == "decoding" and 0 <= h.decode_worker < len(self.slots) \
-                        and self.slots[h.decode_worker].up:
-                    # Accepted by a live decode worker, still queued there: the claim is
-                    # coming (or the worker dies and it is re-homed); deleting the blocks
-                    # now would only make it recompute them.
-                    self.handoffs.renew(rid)
-                    continue
-                log.warning("handoff lease expired; its blocks are released", request_id=rid,
-                            state=h.state)
-                self.handoffs.close(rid, "expired")
-            self.handoffs.sweep()
 
     # -- control queries -----------------------------------------------------------------
     async def ask_worker(self, w: int, query: wire.WorkerQuery):
@@ -613,7 +489,7 @@ class WorkerPool(EngineFront):
     def handoff_status(self) -> dict | None:
         """Disaggregation's handoffs (in flight, leases, outcomes, bytes) for /health,
         admin stats and /metrics; None without prefill workers."""
-        return self.handoffs.stats() if self.handoffs is not None else None
+        return self.ledger.stats() if self.ledger is not None else None
 
     def degraded_tiers(self) -> dict[str, str]:
         return {}   # (each worker's tiers show in its stats: admin stats, /metrics)
