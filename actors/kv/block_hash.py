@@ -46,6 +46,30 @@ class CacheIdentity(msgspec.Struct, frozen=True, array_like=True):
         return CacheIdentity(self.model_fingerprint, None, self.adapter)
 
 
+class Identities:
+    """The encoded identities of one model's requests, per (cache_salt, adapter): computed
+    once each, for the scheduler's chains and the worker router's scoring alike (so the two
+    hash exactly the same way). Bounded: tenants are few, salts may not be."""
+
+    MAX_ENTRIES = 4096
+
+    def __init__(self, model_fingerprint: str):
+        self.model_fingerprint = model_fingerprint
+        self._cache: dict[tuple[str | None, str | None], tuple[bytes, bytes | None]] = {}
+
+    def encoded(self, salt: str | None, adapter: str | None = None) -> tuple[bytes, bytes | None]:
+        """(identity bytes, content-identity bytes — the salt-free one — or None when
+        unsalted, where the content hashes equal the block hashes)."""
+        key = (salt, adapter)
+        ids = self._cache.get(key)
+        if ids is None:
+            ident = CacheIdentity(self.model_fingerprint, salt, adapter)
+            ids = (ident.encode(), ident.without_salt().encode() if salt is not None else None)
+            if len(self._cache) < self.MAX_ENTRIES:
+                self._cache[key] = ids
+        return ids
+
+
 def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int],
                       identity: bytes) -> BlockHash:
     """Hash of one full block, chained on ``parent`` (``None`` for the first block)."""

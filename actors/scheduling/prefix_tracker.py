@@ -9,7 +9,7 @@ request's life (preemption and re-admission included).
 
 from __future__ import annotations
 
-from tokenloom.actors.kv.block_hash import CacheIdentity, extend_block_hashes
+from tokenloom.actors.kv.block_hash import Identities, extend_block_hashes
 from tokenloom.actors.kv.prefix_cache import PrefixQuery
 from tokenloom.actors.messages import KVCommit
 from tokenloom.actors.scheduling.request import Request
@@ -20,27 +20,13 @@ class PrefixTracker:
         self.fingerprint = model_fingerprint
         self.block_size = block_size
         self.enabled = enabled
-        self._identities: dict[tuple[str | None, str | None], tuple[bytes, bytes | None]] = {}
-
-    def _identity(self, salt: str | None,
-                  adapter: str | None = None) -> tuple[bytes, bytes | None]:
-        """(identity bytes, salt-free identity bytes or None) — computed once per salt and
-        adapter."""
-        key = (salt, adapter)
-        ids = self._identities.get(key)
-        if ids is None:
-            ident = CacheIdentity(model_fingerprint=self.fingerprint, cache_salt=salt,
-                                  adapter=adapter)
-            ids = (ident.encode(), ident.without_salt().encode() if salt is not None else None)
-            if len(self._identities) < 4096:  # bounded: tenants are few, salts may not be
-                self._identities[key] = ids
-        return ids
+        self._identities = Identities(model_fingerprint)
 
     def _extend(self, req: Request, num_tokens: int) -> None:
         """Hash req's full blocks among its first num_tokens tokens (only the new ones)."""
         if num_tokens // self.block_size <= len(req.block_hashes):
             return
-        ident, content = self._identity(req.cache_salt, req.lora_name)
+        ident, content = self._identities.encoded(req.cache_salt, req.lora_name)
         upto = req.token_ids[:num_tokens]
         extend_block_hashes(req.block_hashes, upto, self.block_size, ident)  # appends in place
         if content is not None:
