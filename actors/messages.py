@@ -168,6 +168,9 @@ class RequestOutput(_Msg):
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_token_ids: list[int] | None = None
     num_prompt_tokens: int = 0
+    # On the router's acknowledgement: max_tokens as admitted (the tokenizer actor lowered
+    # it to what the context window leaves when the request asked it to).
+    max_tokens: int = 0
     finished: bool = False
     finish_reason: str | None = None     # "stop" | "length" | "abort" | "error"
     error: str | None = None

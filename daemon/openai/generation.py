@@ -59,6 +59,7 @@ class Choice:
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     num_prompt_tokens: int = 0
+    max_tokens: int = 0                 # as admitted (the router's acknowledgement)
     finish_reason: str | None = None    # set once the choice is over for the client
     timings: RequestTimings | None = None
     closed: bool = False                # the engine stream has ended
@@ -87,7 +88,6 @@ class Generation:
         self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.choices: dict[str, Choice] = {}
         self.n = params.n
-        self.max_tokens, self.fit_max_tokens = params.max_tokens, fit_max_tokens
         self.prompt_only = prompt_only
         self._requests: list[GenerateRequest] = fan_out(
             request_id, prompts, params, arrival_time=self.arrival, messages=messages,
@@ -107,8 +107,7 @@ class Generation:
         while unacknowledged:
             out = await self.queue.get()
             unacknowledged.discard(out.request_id)
-            if out.num_prompt_tokens:
-                self.choices[out.request_id].num_prompt_tokens = out.num_prompt_tokens
+            self._note_admission(self.choices[out.request_id], out)
             if out.finished and out.finish_reason == "error":
                 self._open.discard(out.request_id)
                 self.close()
@@ -127,7 +126,7 @@ class Generation:
                 aborted += 1
                 if self.metrics is not None:
                     self.metrics.observe_finished(c.num_prompt_tokens, len(c.token_ids),
-                                                  "abort", None, self.max_tokens)
+                                                  "abort", None, c.max_tokens)
         self._open.clear()
         return aborted
 
@@ -155,8 +154,7 @@ class Generation:
         c = self.choices.get(out.request_id)
         if c is None or c.closed:
             return None
-        if out.num_prompt_tokens:
-            c.num_prompt_tokens = out.num_prompt_tokens
+        self._note_admission(c, out)
         if out.finished:
             c.closed = True
             c.timings = out.timings
@@ -184,13 +182,19 @@ class Generation:
         return Delta(c.index, text, list(new), lps, c.finish_reason, out.prompt_token_ids,
                      out.prompt_logprobs)
 
+    @staticmethod
+    def _note_admission(c: Choice, out: RequestOutput) -> None:
+        """What the engine admitted the choice with: its prompt length, and max_tokens as
+        the tokenizer actor fitted it to the context window."""
+        if out.num_prompt_tokens:
+            c.num_prompt_tokens = out.num_prompt_tokens
+        if out.max_tokens:
+            c.max_tokens = out.max_tokens
+
     def _observe(self, c: Choice) -> None:
         if self.metrics is not None:
-            max_tokens = self.max_tokens
-            if self.fit_max_tokens:   # unset: what the context window left (the tokenizer's)
-                max_tokens = min(max_tokens, self.engine.info.max_model_len - c.num_prompt_tokens)
             self.metrics.observe_finished(c.num_prompt_tokens, len(c.token_ids),
-                                          c.finish_reason, c.timings, max_tokens)
+                                          c.finish_reason, c.timings, c.max_tokens)
             first = c.index // self.n * self.n
             siblings = [self._by_index[i] for i in range(first, first + self.n)]
             if all(s.closed and s.finish_reason is not None for s in siblings):
