@@ -1,20 +1,33 @@
 """The two prompt forms an OpenAI body carries, validated into what the tokenizer takes:
-completions' `prompt` (a string, token ids, or a list of either) and chat's `messages` (plain
-dicts for the chat template). Errors are `APIError`s naming the field at fault
-(`prompt[2]`, `messages[1].role`).
+completions' `prompt` (a string, token ids, or a list of either) and chat's `messages` (the
+`ChatMessage` structs here, to plain dicts for the chat template). Errors are `APIError`s
+naming the field at fault (`prompt[2]`, `messages[1].role`).
 """
 
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
+from typing import Any
+
+import msgspec
 
 from tokenloom.daemon.errors import APIError
 
-if TYPE_CHECKING:
-    from tokenloom.daemon.openai.protocol import ChatMessage
-
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class ContentPart(msgspec.Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    """One chat message as a body carries it (chat completions, /tokenize)."""
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[Any] | None = None     # an assistant's earlier calls
+    tool_call_id: str | None = None         # a tool message: the call it answers
 
 
 def completion_prompts(prompt) -> list[str | list[int]]:

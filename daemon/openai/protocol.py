@@ -26,7 +26,11 @@ from tokenloom.actors.messages import RequestMeta
 from tokenloom.actors.sampling_params import MAX_LOGPROBS, GuidedDecoding, SamplingParams
 from tokenloom.daemon.errors import APIError
 from tokenloom.daemon.openai.guided_fields import guided_decoding, unsupported_keyword
-from tokenloom.daemon.openai.prompt_inputs import chat_messages, completion_prompts
+from tokenloom.daemon.openai.prompt_inputs import (
+    ChatMessage,
+    chat_messages,
+    completion_prompts,
+)
 from tokenloom.daemon.openai.tools import ToolSpec, parse_tools
 
 
@@ -89,19 +93,6 @@ class CompletionRequest(_Sampling, kw_only=True):
     prompt_logprobs: int | None = None
     suffix: str | None = None
     best_of: int | None = None
-
-
-class ContentPart(msgspec.Struct, kw_only=True):
-    type: str
-    text: str | None = None
-
-
-class ChatMessage(msgspec.Struct, kw_only=True):
-    role: str
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
-    tool_calls: list[Any] | None = None     # an assistant's earlier calls
-    tool_call_id: str | None = None         # a tool message: the call it answers
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
