@@ -56,7 +56,7 @@ def best_ms(fn, reps: int) -> float:
 
 
 def main() -> None:
-    from tokenloom.kernels.cpu import linear as cpu_linear
+    from tokenloom.kernels.cpu import kernel_set
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--storages", nargs="+", default=list(STORAGES), choices=list(STORAGES))
@@ -74,10 +74,10 @@ def main() -> None:
         for name in args.storages:
             storage, act = STORAGES[name]
             head_storage = "q8" if storage == "q4" else storage
-            sets = [cpu_linear.KernelSet(w, None, storage, act, blocks=b if storage == "q4"
+            sets = [kernel_set.KernelSet(w, None, storage, act, blocks=b if storage == "q4"
                                          else None)
                     for ws, bs in zip(layers, blocks) for w, b in zip(ws, bs)]
-            hs = cpu_linear.KernelSet(head, None, head_storage, act,
+            hs = kernel_set.KernelSet(head, None, head_storage, act,
                                       blocks=head_blocks if storage == "q4" else None)
             res = out["storages"][name] = {}
             for kernel in sets[0].names:

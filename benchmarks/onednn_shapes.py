@@ -1,6 +1,6 @@
 """What bounding oneDNN's row counts costs and saves, side by side in one run.
 
-kernels/cpu/linear.py calls oneDNN's packed linear at a bounded set of row counts
+kernels/cpu/onednn.py calls oneDNN's packed linear at a bounded set of row counts
 (`onednn_rows`: exact up to 16, above rounded up by less than 1/8), because oneDNN keeps a
 JIT-compiled primitive per input shape in a process-wide cache. On SmolLM2-135M's four
 projection shapes (576x960 qkv, 576x576 o, 576x3072 gate_up, 1536x576 down), fp32:
@@ -29,7 +29,7 @@ import time
 import torch
 from records import record_run
 
-from tokenloom.kernels.cpu import linear as cpu_linear
+from tokenloom.kernels.cpu import onednn
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))   # (out, in)
 
@@ -55,13 +55,13 @@ def _rss() -> int:
 def _packed():
     g = torch.Generator().manual_seed(0)
     return [(torch.ops.mkldnn._reorder_linear_weight(torch.randn(o, i, generator=g) * 0.05,
-                                                     cpu_linear.ROWS_HINT), i)
+                                                     onednn.ROWS_HINT), i)
             for o, i in SHAPES]
 
 
 def _call(x, packed, padded: bool):
     if padded:
-        return cpu_linear.onednn_linear(x, packed, None)
+        return onednn.onednn_linear(x, packed, None)
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
@@ -76,7 +76,7 @@ def memory_child(max_rows: int, padded: bool) -> dict:
         for rows in range(1, max_rows + 1):
             for p, i in weights:
                 _call(torch.randn(rows, i), p, padded)
-    shapes = len({cpu_linear.onednn_rows(r) if padded else r for r in range(1, max_rows + 1)})
+    shapes = len({onednn.onednn_rows(r) if padded else r for r in range(1, max_rows + 1)})
     return {"row_counts_reaching_onednn": shapes,
             "malloc_in_use_growth_mib": round((_malloc_in_use() - in_use) / 2**20, 1),
             "rss_growth_mib": round((_rss() - rss) / 2**20, 1)}
@@ -101,7 +101,7 @@ def timing(rows_list, reps: int) -> list[dict]:
                         _call(x, p, padded)
                     dt = (time.perf_counter() - t) * 1000
                     best[rows, padded] = min(best.get((rows, padded), float("inf")), dt)
-    return [{"rows": rows, "padded_rows": cpu_linear.onednn_rows(rows),
+    return [{"rows": rows, "padded_rows": onednn.onednn_rows(rows),
              "exact_ms": round(best[rows, False], 3), "padded_ms": round(best[rows, True], 3),
              "ratio": round(best[rows, True] / best[rows, False], 3)} for rows in rows_list]
 
@@ -114,7 +114,7 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--child", choices=["exact", "padded"], help=argparse.SUPPRESS)
     args = p.parse_args()
-    if not cpu_linear.onednn_available():
+    if not onednn.onednn_available():
         print("this torch build has no oneDNN linear")
         return 1
     if args.child:

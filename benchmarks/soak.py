@@ -19,7 +19,7 @@ After a warm-up phase the server is left to go idle and measured through the adm
 - RSS growth under --rss-bound-mib (64 MiB; the per-minute figures show that it levels
   off: bounded structures fill up (the prefix cache's metadata up to the pool size and its
   memory of evicted hashes up to 4x the pool, the trace history) and oneDNN builds a
-  primitive per row-count bucket it meets, kernels/cpu/linear.py); no growth in asyncio
+  primitive per row-count bucket it meets, kernels/cpu/onednn.py); no growth in asyncio
   tasks, and open fds within --fd-slack of the baseline;
 - the p99 latency of fixed-size non-streamed requests in the last window (a minute, or a
   fifth of a shorter run) within --p99-ratio (1.5) of the first window's (skipped with

@@ -7,7 +7,7 @@ the same buckets and dispatcher as CUDA graphs) gets a program compiled by torch
 (Inductor) over the same static buffers CUDA graphs read (graphs/buffers.py): the
 RMSNorm + residual, RoPE and SiLU*mul chains each become one generated C++ loop, and the
 projections, the KV store and the decode attention are called directly, with the kernel
-the per-batch-size plan chose (kernels/cpu/linear.py) for that bucket.
+the per-batch-size plan chose (kernels/cpu/kernel_plan.py) for that bucket.
 
 - Compiled at start-up, largest bucket first, with a progress bar; a bucket that fails to
   compile is dropped with the reason logged and its batches run eager.

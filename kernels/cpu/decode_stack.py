@@ -29,10 +29,11 @@ from __future__ import annotations
 import torch
 
 from tokenloom.arith import cdiv
+from tokenloom.kernels.cpu import kernel_set
 from tokenloom.kernels.cpu import linear as cpu_linear
 from tokenloom.startup_log import startup_log as log
 
-# The projection kernels (kernels/cpu/linear.py names) the stack can call, by its codes.
+# The projection kernels (kernels/cpu/kernel_set.py names) the stack can call, by its codes.
 (Q4, Q8, SMALL, DENSE, ONEDNN, STRIPS, INT8PACK, TILE, Q4_PACKED, Q8_PACKED, TILE_INT8,
  TILE_F32) = range(12)
 KINDS = {"block_gemm", "small_gemm", "small_gemm_int8", "small_gemm_strips",
@@ -76,7 +77,7 @@ def _args(lin, name: str) -> tuple[int, list[torch.Tensor]] | None:
     k = lin.kernels
     bias = k.empty if k.bias is None else k.bias
     if name == "block_gemm":
-        if k.storage == cpu_linear.Q4:
+        if k.storage == kernel_set.Q4:
             return Q4_PACKED if k.grouped else Q4, [k.qs, k.d, k.m, bias]
         return Q8_PACKED if k.grouped else Q8, [k.qs, k.d, bias]
     if name == "small_gemm":
@@ -113,8 +114,8 @@ def _enable_team(stack) -> bool:
     if attention is None:
         return False
     factories = [m.team_factory() if m is not None else None
-                 for m in (cpu_linear.block_gemm_module(), cpu_linear.small_gemm_module(),
-                           cpu_linear.tile_gemm_module())]
+                 for m in (kernel_set.block_gemm_module(), kernel_set.small_gemm_module(),
+                           kernel_set.tile_gemm_module())]
     return bool(stack.enable_team(*factories, attention.team_factory()))
 
 

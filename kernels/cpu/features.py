@@ -3,7 +3,7 @@ about (AVX2, AVX-512, AVX512-BF16, AVX512-VNNI / AVX-VNNI, AMX), from the kernel
 the CPU (/proc/cpuinfo flags) cross-checked with torch's own dispatch level.
 
 Nothing here decides a kernel by itself: which implementation runs is measured at start-up
-(kernels/cpu/linear.py). Features only rule out paths that cannot work (no bf16 instructions: bf16
+(kernel_plan.py). Features only rule out paths that cannot work (no bf16 instructions: bf16
 weights would be emulated) and name the machine in logs and in compile-cache keys. A CPU
 lacking every feature is fine: the answer is an empty set, never an error.
 """

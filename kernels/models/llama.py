@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from tokenloom.kernels.attention import paged_attention, with_chunk_masks
+from tokenloom.kernels.cpu import kernel_plan, kernel_set
 from tokenloom.kernels.cpu import linear as cpu_linear
 from tokenloom.kernels.forward_context import AttentionMetadata
 from tokenloom.kernels.kv_store import KVCache, store_kv
@@ -25,6 +26,7 @@ from tokenloom.kernels.models.layers import (
     silu_and_mul,
 )
 from tokenloom.kernels.models.model_spec import ModelSpec
+from tokenloom.startup_log import startup_log
 
 # On CPU, decoder layers whose weights fit in a core's cache and whose multiply-add work for
 # the step is below these run on one thread; the LM head keeps every thread. Such small
@@ -349,7 +351,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _use_cpu_weight_layout(self) -> None:
         """On CPU, every projection and the LM head get the kernel that measures fastest on
-        this machine for each band of batch sizes (cpu_linear.plan): MKL, oneDNN with a
+        this machine for each band of batch sizes (kernel_plan.plan): MKL, oneDNN with a
         prepacked weight, or the C++ small-batch kernel. Same values; the sums may round
         differently in the last bit, as they do between batch sizes."""
         self._layout_done = True
@@ -369,7 +371,7 @@ class LlamaForCausalLM(nn.Module):
         self._count_layer_params()   # before the weights leave the parameters
         act = self.rope.cos.dtype if self.rope is not None else self.embed_tokens.weight.dtype
         blocks = blocks or {}
-        head_storage = cpu_linear.Q8 if storage == cpu_linear.Q4 else storage
+        head_storage = kernel_set.Q8 if storage == kernel_set.Q4 else storage
         excluded = self._copy_kernels_excluded(storage)
         first = self.layers[0]
         names = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
@@ -377,17 +379,17 @@ class LlamaForCausalLM(nn.Module):
         # Whether a decode step streams the weights from memory (the planner then times
         # decode-sized calls with the caches flushed) or finds them in the cache.
         streamed = (sum(lin.weight.numel() for lin in linears) * len(self.layers)
-                    * cpu_linear.weight_bytes_per_element(storage, act))
-        from_memory = streamed > cpu_linear.last_level_cache_bytes()
-        layer_plan = cpu_linear.cached_plan(
+                    * kernel_plan.weight_bytes_per_element(storage, act))
+        from_memory = streamed > kernel_plan.last_level_cache_bytes()
+        layer_plan = kernel_plan.cached_plan(
             [(lin.weight, lin.bias) for lin in linears], storage, act,
             cache_dir=self.plan_cache_dir, excluded=excluded,
             blocks=[blocks.get(f"layers.0.{n}") for n in names], from_memory=from_memory)
-        head_plan = cpu_linear.cached_plan([(self.lm_head.weight, None)], head_storage, act,
-                                           cpu_linear.HEAD_ROW_LADDER,
-                                           cache_dir=self.plan_cache_dir, excluded=excluded,
-                                           blocks=[blocks.get("lm_head")],
-                                           from_memory=from_memory)
+        head_plan = kernel_plan.cached_plan([(self.lm_head.weight, None)], head_storage, act,
+                                            kernel_set.HEAD_ROW_LADDER,
+                                            cache_dir=self.plan_cache_dir, excluded=excluded,
+                                            blocks=[blocks.get("lm_head")],
+                                            from_memory=from_memory)
         from tokenloom.kernels.cpu.allocator import huge_page_bytes, weight_arena
         # The arena counts every byte it ever placed (the plans' trial copies too, and other
         # models in this process): this model's weights are what is placed from here.
@@ -419,12 +421,12 @@ class LlamaForCausalLM(nn.Module):
         self.cpu_kernels = chosen   # part of a compiled program's cache key
         self.cpu_weights_placed_bytes = weight_arena().placed_bytes - placed_before
         placed, huge = self.cpu_weights_placed_bytes >> 20, huge_page_bytes() >> 20
-        cpu_linear.log.info(f"CPU projections ({storage} weights, "
-                            f"{str(act).removeprefix('torch.')} activations): "
-                            f"layers {chosen['layers']}; head {chosen['head']}; "
-                            f"{placed} MiB of weights placed for huge pages, {huge} MiB of the "
-                            f"process on huge pages", storage=storage, weights_placed_mib=placed,
-                            huge_pages_mib=huge, **chosen)
+        startup_log.info(f"CPU projections ({storage} weights, "
+                         f"{str(act).removeprefix('torch.')} activations): "
+                         f"layers {chosen['layers']}; head {chosen['head']}; "
+                         f"{placed} MiB of weights placed for huge pages, {huge} MiB of the "
+                         f"process on huge pages", storage=storage, weights_placed_mib=placed,
+                         huge_pages_mib=huge, **chosen)
         return chosen
 
     def _copy_kernels_excluded(self, storage: str) -> frozenset:
@@ -435,7 +437,7 @@ class LlamaForCausalLM(nn.Module):
         import os
 
         act = self.rope.cos.dtype if self.rope is not None else self.embed_tokens.weight.dtype
-        quantized = storage in (*cpu_linear.BLOCK_STORAGES, cpu_linear.INT8)
+        quantized = storage in (*kernel_set.BLOCK_STORAGES, kernel_set.INT8)
         fp32_copy = act == torch.bfloat16
         if not quantized and not fp32_copy:
             return frozenset()
@@ -450,13 +452,12 @@ class LlamaForCausalLM(nn.Module):
         if act_copy + wide_copy <= available // 2:
             return frozenset()
         if fp32_copy and act_copy <= available // 2:
-            cpu_linear.log.info(f"{storage}: no fp32 copy for prefill (memory)",
-                                copy_mb=wide_copy >> 20, available_mb=available >> 20)
+            startup_log.info(f"{storage}: no fp32 copy for prefill (memory)",
+                             copy_mb=wide_copy >> 20, available_mb=available >> 20)
             return frozenset({"copy_fp32"})
-        cpu_linear.log.info(f"{storage}: no dequantized copies for prefill (memory)",
-                            copy_mb=(act_copy + wide_copy) >> 20,
-                            available_mb=available >> 20)
-        return frozenset(cpu_linear.COPY_KERNELS)
+        startup_log.info(f"{storage}: no dequantized copies for prefill (memory)",
+                         copy_mb=(act_copy + wide_copy) >> 20, available_mb=available >> 20)
+        return frozenset(kernel_set.COPY_KERNELS)
 
     def _count_layer_params(self) -> None:
         params = list(self.layers[0].parameters())

@@ -5,7 +5,7 @@ Measured teacher-forced over the text (every position predicts the next token fr
 prefix, so one early flip does not cascade), once as one prefill and, over the last
 DECODE_POSITIONS positions, once as one-token decode steps: a step's kernels depend on its
 row count (a decode row may run a quantized kernel where a prefill runs a dequantized copy,
-kernels/cpu/linear.py), and both must be measured:
+kernels/cpu/kernel_plan.py), and both must be measured:
 - greedy agreement: the fraction of positions whose argmax token equals fp32's;
 - per-token divergence: KL(fp32 || quantized) of the next-token distributions, in nats,
   its mean and 99th percentile over positions;

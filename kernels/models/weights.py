@@ -2,7 +2,7 @@
 
 "int8": weight-only int8 with per-output-channel scales for every projection and the LM
 head (the embedding stays in the model dtype: a lookup reads one row a token), through the
-kernels cpu_linear.plan measures fastest here. Before the engine serves, the quantized
+kernels kernel_plan.plan measures fastest here. Before the engine serves, the quantized
 model is compared with the fp32 model on a held-out text (quality_gate.py); a mode that
 fails refuses to start unless `model.force_quantized` is set. The verdict is remembered in
 `cache_dir/quality_gate.json`, keyed by everything that could change it (weights digest,
@@ -103,7 +103,7 @@ def file_blocks(model, model_dir: Path, mode: str) -> dict:
     blocks per module, where they are in the mode's format and dequantize exactly to the
     weights loaded. Other modules are quantized from the dense weights."""
     from tokenloom.kernels.cpu import blocks as blk
-    from tokenloom.kernels.cpu.linear import BLOCK_STORAGES, Q4
+    from tokenloom.kernels.cpu.kernel_set import BLOCK_STORAGES, Q4
     from tokenloom.kernels.models import gguf_blocks
     from tokenloom.kernels.models.loader import gguf_source
 

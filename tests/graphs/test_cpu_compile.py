@@ -85,8 +85,8 @@ def _drive(runner: ModelRunner, prompts, tables, steps: int, decode_sets):
 
 
 def _pinned_kernel() -> str:
-    from tokenloom.kernels.cpu import linear as cpu_linear
-    return "small_gemm" if cpu_linear.small_gemm_module() is not None else "mkl"
+    from tokenloom.kernels.cpu import kernel_set
+    return "small_gemm" if kernel_set.small_gemm_module() is not None else "mkl"
 
 
 @pytest.fixture(autouse=True)
@@ -96,10 +96,10 @@ def _pinned_kernels(monkeypatch):
     timings taken on a loaded machine (a bucket whose fastest measured kernel is oneDNN
     stays eager, which a test here would see as a missing program). The rule itself is
     tested with its own plan below."""
-    from tokenloom.kernels.cpu import linear as cpu_linear
+    from tokenloom.kernels.cpu import kernel_plan
 
-    pinned = cpu_linear.Plan(((1 << 30, _pinned_kernel()),), {})
-    monkeypatch.setattr(cpu_linear, "cached_plan", lambda *a, **k: pinned)
+    pinned = kernel_plan.Plan(((1 << 30, _pinned_kernel()),), {})
+    monkeypatch.setattr(kernel_plan, "cached_plan", lambda *a, **k: pinned)
 
 
 def _build(path, tmp_path, sizes=(1, 4)):
@@ -266,11 +266,11 @@ def test_buckets_whose_fastest_kernel_cannot_be_compiled_stay_eager(tiny_dir, tm
                                                                      monkeypatch):
     """A bucket compiles only when its program would call the kernels measured fastest for
     it: where that is oneDNN (untraceable), the eager path is faster, so it stays eager."""
-    from tokenloom.kernels.cpu import linear as cpu_linear
+    from tokenloom.kernels.cpu import kernel_plan
 
-    forced = cpu_linear.Plan(((1, "mkl"), (8, "onednn")),
+    forced = kernel_plan.Plan(((1, "mkl"), (8, "onednn")),
                              {1: {"mkl": 1.0, "onednn": 2.0}, 8: {"mkl": 3.0, "onednn": 1.0}})
-    monkeypatch.setattr(cpu_linear, "cached_plan", lambda *a, **k: forced)
+    monkeypatch.setattr(kernel_plan, "cached_plan", lambda *a, **k: forced)
     monkeypatch.setattr(cpu_compile.torch, "compile", _FakeCompile())
     model, spec, kv, dispatcher, programs, events = _build(tiny_dir, tmp_path, sizes=(1, 4))
     assert programs.sizes == (1,) and dispatcher.table.sizes == (1,)
@@ -282,12 +282,12 @@ def test_a_bucket_whose_fastest_kernel_is_an_avx2_tile_compiles_and_matches_eage
     """tile_gemm_f32 registers a shape function: a bucket whose plan picks it compiles
     (it is not left eager), and the program's logits are eager's (the same opaque kernel;
     Inductor's fused fp32 code around it may differ in the last bits)."""
-    from tokenloom.kernels.cpu import linear as cpu_linear
+    from tokenloom.kernels.cpu import kernel_plan
 
-    if not cpu_linear._available("tile_gemm_f32"):
+    if not kernel_plan._available("tile_gemm_f32"):
         pytest.skip("tile_gemm_f32 not built here (no AVX2 + FMA)")
-    pinned = cpu_linear.Plan(((1 << 30, "tile_gemm_f32"),), {})
-    monkeypatch.setattr(cpu_linear, "cached_plan", lambda *a, **k: pinned)
+    pinned = kernel_plan.Plan(((1 << 30, "tile_gemm_f32"),), {})
+    monkeypatch.setattr(kernel_plan, "cached_plan", lambda *a, **k: pinned)
     model, spec = _model(tiny_dir)
     kv = _kv(spec)
     kv.pool.normal_(generator=torch.Generator().manual_seed(0))

@@ -11,13 +11,14 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 from tokenloom.kernels.cpu import blocks as blk
+from tokenloom.kernels.cpu import kernel_set
 from tokenloom.kernels.cpu import linear as cpu_linear
 from tokenloom.kernels.models import gguf_blocks, quality_gate
 from tokenloom.kernels.models.loader import load_model
 
 from tinymodel import VOCAB, build_tiny_model
 
-needs_kernel = pytest.mark.skipif(cpu_linear.block_gemm_module() is None,
+needs_kernel = pytest.mark.skipif(kernel_set.block_gemm_module() is None,
                                   reason="no C++ toolchain")
 
 
@@ -53,7 +54,7 @@ def test_widths_that_are_not_whole_blocks_are_refused():
 
 
 def _packed_built() -> bool:
-    module = cpu_linear.block_gemm_module()
+    module = kernel_set.block_gemm_module()
     return module is not None and module.packed_built()
 
 
@@ -63,7 +64,7 @@ def path(request):
     "next" (the AVX2 or plain-loop one: the widest turned off), "packed" (the widest kernel
     over pack_groups' layout: VNNI, else AVX2) or "packed-next" (the AVX2 kernel over that
     layout, on a VNNI build too)."""
-    module = cpu_linear.block_gemm_module()
+    module = kernel_set.block_gemm_module()
     if request.param.startswith("packed") and not _packed_built():
         pytest.skip("built without AVX2")
     module.use_widest_path(request.param not in ("next", "packed-next"))
@@ -188,12 +189,12 @@ def test_every_block_candidate_matches_the_dequantized_weight(storage, act):
     copies, plain and oneDNN-packed) all compute x . dequantize(W)^T + b."""
     torch.manual_seed(3)
     w, b = torch.randn(48, 576) * 0.1, torch.randn(48) * 0.1   # a packed group and a pair
-    kernels = cpu_linear.KernelSet(w, b, storage, act)
+    kernels = kernel_set.KernelSet(w, b, storage, act)
     assert {"copy_mkl"} <= set(kernels.names)
     assert kernels.grouped == _packed_built()
     # the bf16 copy is offered to fp32 models only, where tile_gemm is built
     assert ("copy_tile_bf16" in kernels.names) == (act == torch.float32 and
-                                                    cpu_linear.tile_gemm_module() is not None)
+                                                    kernel_set.tile_gemm_module() is not None)
     deq = blk.dequantize(kernels.blocks())
     tol = 1e-4 if act == torch.float32 else 3e-2
     for rows in (1, 6, 40):
@@ -213,9 +214,9 @@ def test_every_block_candidate_matches_the_dequantized_weight(storage, act):
 
 def test_copies_are_left_out_when_excluded():
     w = torch.randn(8, 64)
-    kernels = cpu_linear.KernelSet(w, None, "q4", torch.float32,
-                                   excluded=frozenset(cpu_linear.COPY_KERNELS))
-    assert not set(kernels.names) & cpu_linear.COPY_KERNELS
+    kernels = kernel_set.KernelSet(w, None, "q4", torch.float32,
+                                   excluded=frozenset(kernel_set.COPY_KERNELS))
+    assert not set(kernels.names) & kernel_set.COPY_KERNELS
     assert getattr(kernels, "w", None) is None
 
 

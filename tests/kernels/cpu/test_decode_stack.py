@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from tokenloom.actors.execution.batch_inputs import build_batch_inputs
-from tokenloom.kernels.cpu import decode_stack
-from tokenloom.kernels.cpu import linear as cpu_linear
+from tokenloom.kernels.cpu import decode_stack, kernel_plan, kernel_set, onednn
 from tokenloom.kernels.cpu.attention import load_cpu_decode_kernel, paged_decode_cpu
 from tokenloom.kernels.kv_store import KVCache
 from tokenloom.kernels.models.random_model import SHAPES, random_model
@@ -55,8 +54,8 @@ def _model(storage: str, bias: bool, dtype: torch.dtype = torch.float32,
             for layer in model.layers:
                 layer.self_attn.qkv_proj.bias.normal_(0, 0.5, generator=gen)
     if kernel is not None:
-        forced = cpu_linear.Plan(((1 << 30, kernel),), {})
-        monkeypatch.setattr(cpu_linear, "cached_plan", lambda *a, **k: forced)
+        forced = kernel_plan.Plan(((1 << 30, kernel),), {})
+        monkeypatch.setattr(kernel_plan, "cached_plan", lambda *a, **k: forced)
     model.specialize_cpu(storage)
     model.set_decode_kernel(paged_decode_cpu)
     assert decode_stack.install(model)
@@ -105,7 +104,7 @@ def _stack_equals_module(spec, model, dtype, row_counts=(1, 3), pool_dtype=None)
         # q4/q8 block kernels quantize activations to int8 blocks per call: such a
         # last-bit difference can flip one rounding there (measured up to ~4e-5 relative
         # here; before the biases were seeded, other draws flipped more, up to 1.9e-4).
-        blocks = model.layers[0].mlp.down_proj.storage in cpu_linear.BLOCK_STORAGES
+        blocks = model.layers[0].mlp.down_proj.storage in kernel_set.BLOCK_STORAGES
         tol = (1e-4 if blocks else 1e-5) if dtype == torch.float32 else 2e-2
         pool_tol = tol
         if pool_dtype is not None:
@@ -145,12 +144,12 @@ def test_an_fp32_model_over_a_two_byte_pool_runs_on_the_stack(storage, pool_dtyp
     ("q4", "copy_tile_bf16"), ("int8", "tile_gemm_int8"), ("float", "tile_gemm_f32")])
 def test_every_kernel_the_stack_calls_at_decode_and_padded_row_counts(storage, kernel,
                                                                         monkeypatch):
-    # 20 rows: oneDNN is called at a padded row count above 16 (kernels/cpu/linear.py).
-    if "onednn" in kernel and not cpu_linear.onednn_available():
+    # 20 rows: oneDNN is called at a padded row count above 16 (kernels/cpu/onednn.py).
+    if "onednn" in kernel and not onednn.onednn_available():
         pytest.skip("this torch build has no oneDNN packed linear")
-    if kernel == "int8pack_bf16" and not cpu_linear.has_int8_weight_op():
+    if kernel == "int8pack_bf16" and not kernel_set.has_int8_weight_op():
         pytest.skip("this torch build has no int8 weight matmul")
-    if "tile" in kernel and not cpu_linear._available(kernel):
+    if "tile" in kernel and not kernel_plan._available(kernel):
         pytest.skip("tile_gemm not built here (no AVX512-BF16, no AVX2 + FMA)")
     # torch's int8 matmul is a candidate only with bf16 activations, tile_gemm is bf16 only
     dtype = torch.bfloat16 if kernel in ("int8pack_bf16", "tile_gemm") else torch.float32
@@ -253,19 +252,19 @@ def test_one_openmp_team_per_step_is_bit_identical_to_a_team_per_kernel(storage,
     per-call path's, at decode row counts 1, 3 and 16, on the default model's widths (the
     packed layout's groups of 16 blocks and its tail), in fp32 and bf16 activations."""
     spec = dataclasses.replace(SHAPES["smollm2-135m"], num_layers=2, vocab_size=256)
-    if "tile" in kernel and not cpu_linear._available(kernel):
+    if "tile" in kernel and not kernel_plan._available(kernel):
         pytest.skip("tile_gemm not built here (no AVX2 + FMA)")
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("the team path needs 2 CPUs (it steps aside for more threads than CPUs)")
     bf16_tiles = kernel in ("copy_tile_bf16", "tile_gemm")
-    if bf16_tiles and cpu_linear.tile_gemm_module().tile_gemm_path() != "fma":
+    if bf16_tiles and kernel_set.tile_gemm_module().tile_gemm_path() != "fma":
         pytest.skip("bf16 tiles run vdpbf16ps here: no team kernel (the per-call path)")
     if (dtype == torch.bfloat16 and storage == "float"
-            and cpu_linear.small_gemm_module().bf16_dot_build()):
+            and kernel_set.small_gemm_module().bf16_dot_build()):
         pytest.skip("bf16 x bf16 runs vdpbf16ps here: no team kernel (the per-call path)")
     model = random_model(spec, dtype, "cpu", max_positions=512, seed=11)
-    forced = cpu_linear.Plan(((1 << 30, kernel),), {})
-    monkeypatch.setattr(cpu_linear, "cached_plan", lambda *a, **k: forced)
+    forced = kernel_plan.Plan(((1 << 30, kernel),), {})
+    monkeypatch.setattr(kernel_plan, "cached_plan", lambda *a, **k: forced)
     model.specialize_cpu(storage)
     model.set_decode_kernel(paged_decode_cpu)
     assert decode_stack.install(model)

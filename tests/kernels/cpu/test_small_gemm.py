@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tokenloom.kernels.cpu.features import detect
-from tokenloom.kernels.cpu.linear import small_gemm_module
+from tokenloom.kernels.cpu.kernel_set import small_gemm_module
 
 module = small_gemm_module()
 pytestmark = pytest.mark.skipif(module is None, reason="no C++ toolchain")

@@ -98,9 +98,9 @@ def test_verdict_is_remembered_per_weights(tiny_dir, tmp_path, monkeypatch):
     cfg = ModelConfig(weight_dtype="int8", force_quantized=True)
     # The verdict is keyed by the kernels chosen; pin them (timings on a loaded machine
     # could choose others for the second load, which is then rightly measured anew).
-    from tokenloom.kernels.cpu import linear as cpu_linear
-    pinned = cpu_linear.Plan(((1 << 30, "copy_mkl"),), {})
-    monkeypatch.setattr(cpu_linear, "cached_plan", lambda *a, **k: pinned)
+    from tokenloom.kernels.cpu import kernel_plan
+    pinned = kernel_plan.Plan(((1 << 30, "copy_mkl"),), {})
+    monkeypatch.setattr(kernel_plan, "cached_plan", lambda *a, **k: pinned)
     first = weights.apply_weight_dtype(_load(tiny_dir), tiny_dir, cfg, torch.float32,
                                        torch.device("cpu"), _fake_tokenizer(), "d2", tmp_path)
     assert first.positions > 0 and (tmp_path / "quality_gate.json").is_file()

@@ -250,7 +250,7 @@ def test_bf16_on_cpu_stays_close_to_transformers(tiny_model, tmp_path, name):
         assert logits.dtype == torch.float32
         fp32 = hf_last_logits(m.hf, prompt)
         # Within 4 bf16 steps at the logits' magnitude: which kernel each projection runs
-        # is measured at start-up (cpu_linear.plan), and the C++ one sums in fp32 and rounds
+        # is measured at start-up (kernel_plan.plan), and the C++ one sums in fp32 and rounds
         # once, so the last bits differ from oneDNN's by a step or two per layer.
         ref = hf_last_logits(hf_bf16, prompt)
         step = 2.0 ** (math.floor(math.log2(ref.abs().max().item())) - 7)
