@@ -24,6 +24,7 @@ RequestOutputs streams are sent).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from typing import Callable
@@ -214,13 +215,20 @@ class Scheduler:
             admissible = slot_plan.admissible
         waiting = self.fair.order(admissible, time.monotonic())
         drafts = self.spec.plan_step(self.running) if self.spec is not None else None
+        # Forked siblings join the running queue with the KV manager's answer: their
+        # sequence slots are kept free too.
+        limits = (self.limits if not forks else dataclasses.replace(
+            self.limits, max_num_seqs=self.limits.max_num_seqs - len(forks)))
         d = schedule(self.running, waiting, self.view.num_free_blocks, self.view.held,
-                     self.limits, self.view.freeable,
+                     limits, self.view.freeable,
                      prefill_budget=self.chunks.prefill_budget(self.running, waiting, drafts),
                      admission=self._admission_params(),
                      preempt_mode=self.preemptor.mode_fn(self.view),
                      drafts=drafts, spec_lookahead=self.spec_lookahead)
         swap_outs = self.preemptor.apply(d, self.view, self.running, self.waiting)
+        if forks and d.preempted:   # a sibling 0 preempted now is not forked from
+            victims = {r.request_id for r in d.preempted}
+            forks = [f for f in forks if f[0] not in victims]
         if d.blocked is not None and d.blocked[1] == "kv":
             self.num_kv_plan_waits += 1
         if d.preempted:

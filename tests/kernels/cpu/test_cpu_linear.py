@@ -177,7 +177,7 @@ def test_onednn_calls_at_every_row_count_build_a_bounded_set_of_primitives(monke
     (w, b), = _weights(5, shapes=((48, 32),))
     kernels = kernel_set.KernelSet(w, b, "float", torch.float32, {"onednn"})
 
-    def onednn(x):
+    def packed(x):
         return kernels.run("onednn", x)
     real = torch.ops.mkldnn._linear_pointwise
     seen = set()
@@ -191,7 +191,7 @@ def test_onednn_calls_at_every_row_count_build_a_bounded_set_of_primitives(monke
     with torch.inference_mode():
         for rows in range(1, 401):
             x = torch.randn(rows, 32, generator=g)
-            y = onednn(x)
+            y = packed(x)
             assert y.shape == (rows, 48) and y.is_contiguous()
             torch.testing.assert_close(y, torch.nn.functional.linear(x, w, b),
                                        rtol=1e-4, atol=1e-4)
