@@ -7,7 +7,8 @@ TORCH   ?= torch==2.13.0
 STAMP   := $(VENV)/.installed
 PIPQ    := $(BIN)/pip install --quiet --disable-pip-version-check
 
-.PHONY: install serve lint test test-fast browser redis bench gpu-check gpu-wheels clean
+.PHONY: install serve lint test test-fast test-families browser redis bench gpu-check \
+	gpu-wheels clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,10 +19,10 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-# q4: the shipped model's own Q4_1 blocks, 1.7x faster batch-1 decode than fp32 on CPU
-# (docs/cpu.md), over an fp16 KV cache (llama-server's default cache type; 1.2x at ~1,100
-# tokens of context, docs/kv-quantization.md); `make serve SERVE_ARGS=` serves fp32 with an
-# fp32 cache, greedy-identical to transformers.
+# q4: the shipped model's own Q4_1 blocks, over an fp16 KV cache (llama-server's default
+# cache type): the fastest CPU mode whose quality gates pass (docs/cpu.md,
+# docs/kv-quantization.md; measured in benchmarks/README.md). `make serve SERVE_ARGS=` serves
+# fp32 with an fp32 cache, greedy-identical to transformers.
 SERVE_ARGS ?= --set model.weight_dtype=q4 --set cache.kv_dtype=fp16
 serve: $(STAMP)
 	$(BIN)/tokenloom serve --host 127.0.0.1 --port 8000 $(SERVE_ARGS)
@@ -30,9 +31,14 @@ serve: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
+# The wide matrix of model families x schedules runs apart (make test-families): the default
+# run checks a few cases per family.
 test: $(STAMP) browser redis
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q --durations=25 -m "not families"
+
+test-families: $(STAMP)
+	$(BIN)/python -m pytest -q -m families
 
 # The diagnosis report's test screenshots it in a real browser (tests/screenshot.py).
 browser:
@@ -46,7 +52,7 @@ redis:
 
 test-fast: $(STAMP) browser redis
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow and not families"
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/offline.py
@@ -57,7 +63,7 @@ bench: $(STAMP)
 # failed or skipped CUDA test, a missed target, a parity miss, zero graph replays or an
 # engine-part failure.
 GPU_PY  ?= python3
-GPU_OUT ?= benchmarks/results/gpu_check
+GPU_OUT ?= benchmarks/raw/gpu_check
 gpu-check:
 	$(GPU_PY) benchmarks/gpu_check.py --wheels gpu-wheels --out $(GPU_OUT) $(GPU_CHECK_ARGS)
 

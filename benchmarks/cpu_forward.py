@@ -54,9 +54,9 @@ import urllib.request
 from pathlib import Path
 
 import torch
-from records import read_bandwidth_gbs, record_run, write_raw
 
 from harness import PEERS, VOCAB_HI, VOCAB_LO, start_llama_server
+from records import read_bandwidth_gbs, record_run, write_raw
 
 GGUF = "SmolLM2-135M-Instruct.{}.gguf"
 MODES = {  # name: (LLM options, llama.cpp GGUF type, KV bytes per element)

@@ -31,6 +31,7 @@ import statistics
 import time
 
 import torch
+
 from records import record_run, write_raw
 
 MODES = {

@@ -40,10 +40,10 @@ from pathlib import Path
 
 import aiohttp
 import numpy as np
-from records import record_run, write_raw
 
 from harness import model_name, percentile, start_tokenloom
 from interference import _stream
+from records import record_run, write_raw
 
 SETUPS = {
     "colocated": [],

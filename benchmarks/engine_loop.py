@@ -47,7 +47,6 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
-from records import record_run, write_raw
 
 import interference  # benchmarks/interference.py
 from harness import (
@@ -67,6 +66,7 @@ from harness import (
     start_vllm_cpu,
     summarise,
 )
+from records import record_run, write_raw
 
 
 # -- servers -----------------------------------------------------------------------------

@@ -23,9 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from records import record_run
-
 from harness import start_tokenloom, tests_module
+from records import record_run
 
 ST = str(Path(sys.executable).with_name("st"))
 CHECKS = "not_a_server_error,status_code_conformance,content_type_conformance," \

@@ -18,6 +18,7 @@ import argparse
 import time
 
 import torch
+
 from records import read_bandwidth_gbs, record_run, write_raw
 
 STORAGES = {  # name: (KernelSet storage, activation dtype)

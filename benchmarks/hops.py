@@ -43,9 +43,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-from records import record_run, write_raw
 
 from harness import build_tiny_vocab_model, percentile, resolve_dir
+from records import record_run, write_raw
 
 
 def _queries():

@@ -26,9 +26,9 @@ import time
 
 import aiohttp
 import numpy as np
-from records import record_run, write_raw
 
 from harness import model_name, percentile, start_tokenloom
+from records import record_run, write_raw
 
 
 async def _stream(session, url, model, prompt, max_tokens) -> dict:

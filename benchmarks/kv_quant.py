@@ -41,7 +41,6 @@ import time
 from pathlib import Path
 
 import torch
-from records import record_run, write_raw
 
 from harness import (
     PEERS,
@@ -55,6 +54,7 @@ from harness import (
     start_tokenloom,
     summarise,
 )
+from records import record_run, write_raw
 
 MODES = ["auto", "bf16", "fp16", "int8", "fp8_e4m3", "fp8_e5m2"]
 HALF = ("bf16", "fp16")   # 2-byte caches: no scales, no rotation, no runtime check

@@ -39,11 +39,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from records import record_run, write_raw
-
 from tokenloom import LLM, SamplingParams
 
 from harness import VOCAB_HI, VOCAB_LO, percentile
+from records import record_run, write_raw
 
 BS = 16
 

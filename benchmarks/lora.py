@@ -37,7 +37,6 @@ import time
 from pathlib import Path
 
 import torch
-from records import record_run, write_raw
 
 from harness import (
     PEERS,
@@ -52,6 +51,7 @@ from harness import (
     summarise,
     tests_module,
 )
+from records import record_run, write_raw
 
 STREAMS = 16
 PROMPT_LEN, OUTPUT_LEN = 128, 64

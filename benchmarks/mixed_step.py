@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from records import record_run, write_raw
 
 ROOT = Path(__file__).resolve().parent

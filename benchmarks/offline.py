@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from records import read_bandwidth_gbs, record_run, write_raw
 
 

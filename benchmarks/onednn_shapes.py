@@ -27,9 +27,10 @@ import sys
 import time
 
 import torch
-from records import record_run
 
 from tokenloom.kernels.cpu import onednn
+
+from records import record_run
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))   # (out, in)
 

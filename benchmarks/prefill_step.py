@@ -33,6 +33,7 @@ import sys
 import time
 
 import torch
+
 from records import record_run, write_raw
 
 MODES = {"bf16": dict(dtype="bfloat16"), "fp32": dict(dtype="float32")}

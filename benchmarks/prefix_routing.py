@@ -43,9 +43,9 @@ import urllib.request
 from pathlib import Path
 
 import aiohttp
-from records import record_run, write_raw
 
 from harness import Server, percentile, start_tokenloom
+from records import record_run, write_raw
 
 BLOCK = 16
 

@@ -35,8 +35,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from records import record_run, write_raw
-
 from harness import (
     SUMMARY_COLUMNS,
     build_tiny_vocab_model,
@@ -51,6 +49,7 @@ from harness import (
     summary_row,
     text_prompts,
 )
+from records import record_run, write_raw
 
 
 def run_offline(model: str, prompts, output_len: int, settings: list[str],

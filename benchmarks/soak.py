@@ -43,9 +43,9 @@ import time
 from pathlib import Path
 
 import aiohttp
-from records import record_run
 
 from harness import percentile, start_tokenloom, tests_module
+from records import record_run
 
 PREFIXES = [" ".join(f"w{(i * 7 + j) % 97}" for j in range(120)) for i in range(3)]
 KINDS = {  # kind -> weight

@@ -33,9 +33,9 @@ import random
 import sys
 import time
 
-from records import record_run, write_raw
-
 from tokenloom import LLM, SamplingParams
+
+from records import record_run, write_raw
 
 PASSAGES = [
     "The lighthouse keeper counted the ships that night and wrote each name in the ledger: "

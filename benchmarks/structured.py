@@ -36,9 +36,8 @@ import json
 import statistics
 import time
 
-from records import record_run, write_raw
-
 from harness import percentile
+from records import record_run, write_raw
 
 SCHEMA = {
     "type": "object",

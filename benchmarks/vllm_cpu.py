@@ -41,7 +41,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-from records import record_run, write_raw
 
 import interference  # benchmarks/interference.py
 from harness import (
@@ -58,6 +57,7 @@ from harness import (
     start_vllm_cpu,
     summarise,
 )
+from records import record_run, write_raw
 
 MODES = {  # tokenloom settings per mode
     "bf16": ["model.dtype=bfloat16"],

@@ -28,8 +28,9 @@ DOCS = ROOT / "docs"
 LINKED = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted(DOCS.glob("*.md"))]
 TOP_LEVEL = ("actors", "daemon", "graphs", "kernels", "config", "systemd", "deploy",
              "benchmarks", "tests", "docs")
-# Written by the benchmarks, not checked in (.gitignore).
-GENERATED = ("benchmarks/results",)
+# Written by the benchmarks (their run records, committed as each run makes them), so a doc
+# may name a path before the run that creates it.
+GENERATED = ("benchmarks/results", "benchmarks/raw")
 
 
 def mkdocs_build(config: Path, site: Path) -> subprocess.CompletedProcess:
