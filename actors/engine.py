@@ -426,11 +426,29 @@ class Engine(EngineFront):
     # -- running -------------------------------------------------------------------------
     async def run(self) -> None:
         self.loop = asyncio.get_running_loop()
-        async with asyncio.TaskGroup() as tg:
-            for actor in self.actors:
-                task = tg.create_task(actor.run(), name=actor.name)
-                if actor is self.scheduler:
-                    task.add_done_callback(lambda _: self._stop_back_end())
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for actor in self.actors:
+                    task = tg.create_task(actor.run(), name=actor.name)
+                    if actor is self.scheduler:
+                        task.add_done_callback(lambda _: self._stop_back_end())
+        finally:
+            self._release_memory()
+
+    def _release_memory(self) -> None:
+        """The actors have stopped: let go of what holds memory (the weights, the KV pool,
+        the host swap pool, captured graphs, the draft model), so that a process building
+        engine after engine (the test suite, a notebook) gets it back even while something
+        still references the engine itself — aiohttp, for one, caches each application's
+        middleware chain (up to 1,024 of them), and the application holds the engine."""
+        runner = self.runner.model_runner
+        for name in ("model", "kv", "host_pool", "graphs", "piecewise", "proposer", "lora"):
+            setattr(runner, name, None)
+        self.kv = None
+        if self.info.torch_device.type == "cpu":
+            from tokenloom.kernels.cpu.allocator import release_freed_memory, weight_arena
+            weight_arena().retire()     # its last chunk: its weights may be gone
+            release_freed_memory()      # the heap's free pages (keep_freed_memory keeps them)
 
     def shutdown(self) -> None:
         """Stop front to back. The KV manager and runner serve only the scheduler, which may

@@ -6,6 +6,8 @@ falls back says why (a missing kernel, no CUDA device...) on the "tokenloom.star
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from tokenloom.config.schema import ConfigError
@@ -63,6 +65,9 @@ def select_decode_backend(model, wanted: str, device: torch.device,
         return "torch"
     if device.type == "cpu":
         from tokenloom.kernels.cpu import layer_ops
+        from tokenloom.kernels.cpu.cpp_build import prebuild
+        if not os.environ.get("TOKENLOOM_DISABLE_CPU_KERNEL"):
+            prebuild()   # a fresh machine's kernels, in parallel (one compiler process each)
         if layer_ops.install(model):   # residual add + RMSNorm and SiLU*mul in C++
             startup_log.info("CPU layer ops: C++ residual add + RMSNorm and SiLU*mul")
     if device.type != "cpu":

@@ -112,6 +112,13 @@ class WeightArena:
         return out
 
 
+    def retire(self) -> None:
+        """Start the next placement in a new chunk: the current one is freed when the last
+        tensor placed in it is (an engine that stopped calls this; others keep theirs)."""
+        self._chunk = None
+        self._used = 0
+
+
 _arena: WeightArena | None = None
 
 

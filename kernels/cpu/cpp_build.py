@@ -24,6 +24,13 @@ from pathlib import Path
 from tokenloom.kernels.cpu import features as cpu_features
 
 CSRC = Path(__file__).parent / "csrc"
+# Every extension module and its source (each built on first use by the module that needs it).
+KERNELS = (("tokenloom_paged_decode_cpu", "paged_decode_cpu.cpp"),
+           ("tokenloom_decode_stack_cpu", "decode_stack_cpu.cpp"),
+           ("tokenloom_block_gemm_cpu", "block_gemm_cpu.cpp"),
+           ("tokenloom_tile_gemm_cpu", "tile_gemm_cpu.cpp"),
+           ("tokenloom_small_gemm_cpu", "small_gemm_cpu.cpp"),
+           ("tokenloom_layer_ops_cpu", "layer_ops_cpu.cpp"))
 
 
 def build_name(base: str, source: str | None = None) -> str:
@@ -92,3 +99,36 @@ def build(base: str, source: str):
     return load(name=name, sources=[str(staged_sources(name, source))],
                 extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
                 extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def is_built(base: str, source: str) -> bool:
+    """Whether the cached build of `source` for this CPU and these sources exists."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    name = build_name(base, source)
+    return any(root.glob(f"*/{name}/{name}*.so"))   # (torch adds a pyXY_cpu folder)
+
+
+def prebuild(jobs: int | None = None) -> list[str]:
+    """Compile the kernels not built yet, `jobs` at a time in child processes (default: the
+    CPUs this process may use). Each module is one source file, which one compiler process
+    builds on one core: built one after another on first use, a fresh machine's six took
+    ~3 minutes on 2 cores. Returns the modules whose build failed (each is retried, and its
+    error logged, by the module that uses it)."""
+    import subprocess
+
+    pending = [k for k in KERNELS if not is_built(*k)]
+    jobs = jobs or len(os.sched_getaffinity(0))
+    code = "import sys; from tokenloom.kernels.cpu.cpp_build import build; build(*sys.argv[1:])"
+    failed, running = [], []
+    while pending or running:
+        while pending and len(running) < jobs:
+            base, source = pending.pop(0)
+            running.append((base, subprocess.Popen([sys.executable, "-c", code, base, source],
+                                                   stdout=subprocess.DEVNULL,
+                                                   stderr=subprocess.DEVNULL)))
+        base, proc = running.pop(0)
+        if proc.wait() != 0:
+            failed.append(base)
+    return failed

@@ -98,7 +98,7 @@ def _available(name: str) -> bool:
 PLAN_VERSION = "kernels-6"
 CPP_KERNELS = (("tokenloom_small_gemm_cpu", "small_gemm_cpu.cpp"),
                ("tokenloom_block_gemm_cpu", "block_gemm_cpu.cpp"),
-               ("tokenloom_tile_gemm_cpu", "tile_gemm_cpu.cpp"))
+               ("tokenloom_tile_gemm_cpu", "tile_gemm_cpu.cpp"))   # the projections
 
 
 def plan_cache_key(weights: list[tuple[torch.Tensor, torch.Tensor | None]], storage: str,
