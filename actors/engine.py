@@ -290,6 +290,7 @@ class Engine(EngineFront):
                                               lora=lora[1] if lora is not None else None),
                                   scheduler_inbox)
         self.runner.lora_snapshot = self.runner.model_runner.lora_stats()
+        self.runner.pooled_sink = self.streams.deliver   # embeddings (SamplingParams.pooling)
         core = Scheduler(limits, eos, info.max_model_len, self._emit_scheduled,
                          PrefixTracker(info.fingerprint, info.block_size, caching),
                          config=sc, swap=swap, block_bytes=block_bytes,

@@ -102,6 +102,9 @@ class GenerateRequest(_Msg):
     # min_tokens) to whatever the context window leaves after the prompt.
     fit_max_tokens: bool = False
     meta: RequestMeta = msgspec.field(default_factory=RequestMeta)
+    # Extra variables for the chat template (vLLM's chat_template_kwargs), e.g. Qwen3's
+    # {"enable_thinking": false}; None: none.
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class AddRequest(_Msg):
@@ -325,6 +328,15 @@ class SampledToken(_Msg):
     # Set when the request cannot go on (its output constraint leaves no legal token): the
     # scheduler ends it with this error and drops token_id.
     error: str | None = None
+
+
+class PooledOutput(_Msg):
+    """runner -> the request's stream (SamplingParams.pooling): the final-normed hidden state
+    pooled over the request's prompt, sent before the request's finished output. Not
+    normalized: the caller normalizes (or not) as the model's pooling config says."""
+    request_id: str
+    data: list[float]
+    error: str | None = None   # set instead of data when the request cannot be pooled
 
 
 class PromptLogprobs(_Msg):

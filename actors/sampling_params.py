@@ -24,16 +24,33 @@ SEED_RANGE = (-(2**63), 2**64 - 1)
 
 
 GUIDED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+# SamplingParams.pooling: which prompt positions' hidden states make the embedding.
+POOLING_KINDS = ("last", "mean", "cls")
+
+
+class ReasoningGate(msgspec.Struct, frozen=True):
+    """Where a constraint starts when the model thinks first: structured output and tool
+    calls apply to the answer, not the thinking (daemon/openai/reasoning.py). Tokens pass
+    unconstrained while the output is thinking, which it is from the start when `opened`
+    (the prompt opened it), or once its first token is `start_token_id` (-1: the output
+    never opens it itself); the constraint starts after `end_token_id`. The tags must be
+    single tokens."""
+
+    end_token_id: int
+    start_token_id: int = -1
+    opened: bool = False
 
 
 class GuidedDecoding(msgspec.Struct, frozen=True):
     """A constraint on the output (structured output): `kind` in GUIDED_KINDS and its `spec`
     as text: a JSON schema (json_schema), a regex, a JSON list of strings (choice), an EBNF
     grammar (grammar), or "" (json_object: any JSON object). Compiled by
-    actors/execution/guided.py."""
+    actors/execution/guided.py. `gate`: the thinking it starts after (None: from the first
+    token)."""
 
     kind: str
     spec: str = ""
+    gate: ReasoningGate | None = None
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
@@ -73,6 +90,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
     # Structured output: the output must match this constraint (None: unconstrained).
     # Constrained requests never speculate (the verifier has no grammar masks).
     guided: GuidedDecoding | None = None
+    # Embeddings (POST /v1/embeddings): the request computes its prompt only and the runner
+    # returns the final-normed hidden state pooled over it: the last position's ("last"),
+    # the mean of all ("mean") or the first's ("cls"), as messages.PooledOutput.
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         _check_int(self, "n", lo=1, hi=MAX_N)
@@ -106,6 +127,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
                              f"got {self.speculative!r}")
         if self.guided is not None:
             _check_guided(self)
+        if self.pooling is not None and self.pooling not in POOLING_KINDS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLING_KINDS)}, got "
+                             f"{self.pooling!r}")
 
     @classmethod
     def greedy(cls, max_tokens: int = 16, **kwargs: Any) -> SamplingParams:

@@ -23,6 +23,11 @@ Contract:
   token (a preempted request has nothing speculative to undo).
 - The grammar's end allows only the engine's EOS tokens, so a finished constraint ends the
   request with finish_reason "stop".
+- A constraint with a reasoning gate (GuidedDecoding.gate) applies to the answer after the
+  model's thinking: while the output thinks, every token is allowed and none reaches the
+  grammar; the end tag's token starts it. Where the output may open its thinking itself,
+  the first token may be the start tag beside whatever the grammar allows. Drafts are
+  verified only once the grammar has started (until then a proposal is cut to nothing).
 """
 
 from __future__ import annotations
@@ -138,23 +143,53 @@ def _matches_nothing(compiled, vocab_size: int) -> bool:
     return not bool(mask.any())
 
 
-class GuidedMatcher:
-    """One request's grammar state (see the module docstring)."""
+# Where a gated matcher is (GuidedDecoding.gate): thinking (every token allowed), at its
+# first token (the grammar's tokens or the start tag), or in the grammar.
+_THINKING, _FIRST, _GRAMMAR = 0, 1, 2
 
-    def __init__(self, compiled):
+
+def _set_bit(bitmask: torch.Tensor, row: int, token_id: int) -> None:
+    word, bit = divmod(token_id, 32)
+    value = 1 << bit
+    bitmask[row, word] |= value - (1 << 32) if value >= 1 << 31 else value   # int32 words
+
+
+class GuidedMatcher:
+    """One request's grammar state (see the module docstring). `gate`: the request's
+    sampling_params.guided.gate (None: the grammar applies from the first token)."""
+
+    def __init__(self, compiled, gate=None):
         import xgrammar as xgr
 
         self._matcher = xgr.GrammarMatcher(compiled)
         self.num_accepted = 0
         self.error: str | None = None
+        self._gate = gate
+        if gate is None:
+            self._phase = _GRAMMAR
+        elif gate.opened:
+            self._phase = _THINKING
+        else:
+            self._phase = _FIRST if gate.start_token_id >= 0 else _GRAMMAR
 
     @property
     def terminated(self) -> bool:
         """The grammar accepted EOS: the request has ended (EOS always ends a guided
         request), though a step planned before its end may still sample it."""
-        return self._matcher.is_terminated()
+        return self._phase == _GRAMMAR and self._matcher.is_terminated()
 
     def accept(self, token_id: int) -> bool:
+        if self._phase == _FIRST:
+            self._phase = _GRAMMAR
+            if token_id == self._gate.start_token_id:
+                self._phase = _THINKING
+                self.num_accepted += 1
+                return True
+        if self._phase == _THINKING:
+            if token_id == self._gate.end_token_id:
+                self._phase = _GRAMMAR
+            self.num_accepted += 1
+            return True
         if self._matcher.is_terminated():
             ok = False
         else:
@@ -167,14 +202,19 @@ class GuidedMatcher:
         return all(self.accept(t) for t in token_ids)
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        if self._phase == _THINKING:
+            bitmask[row] = -1
+            return
         self._matcher.fill_next_token_bitmask(bitmask, row)
+        if self._phase == _FIRST:
+            _set_bit(bitmask, row, self._gate.start_token_id)
 
     def legal_prefix(self, drafts) -> int:
         """How many leading drafts the grammar allows, stopping before one that ends it
         (EOS is left to the sampler: nothing follows it to verify). The rest would be
         rejected for certain, so they are not worth verifying. The matcher is left as it
         was."""
-        if self.error is not None:
+        if self.error is not None or self._phase != _GRAMMAR:
             return 0
         n = 0
         for d in drafts:
@@ -194,8 +234,11 @@ class GuidedMatcher:
         `kept` drafts are verified, over rows row..row+kept. Returns kept, or None when the
         grammar allows nothing at all (row `row` empty: no legal token). The matcher is
         left as it was."""
-        if self.error is not None or self._matcher.is_terminated():
+        if self.error is not None or self.terminated:
             return None
+        if self._phase != _GRAMMAR:   # thinking, or its first token: no drafts verified
+            self.fill(bitmask, row)
+            return 0
         self._matcher.fill_next_token_bitmask(bitmask, row)
         if not bool(bitmask[row].any()):
             return None

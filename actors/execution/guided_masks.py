@@ -55,7 +55,7 @@ class GuidedMasks:
         if p.guided is None:
             return None
         assert self.compiler is not None, f"{request_id}: guided decoding needs a compiler"
-        matcher = GuidedMatcher(self.compiler.compile(p.guided))
+        matcher = GuidedMatcher(self.compiler.compile(p.guided), p.guided.gate)
         if not matcher.replay(outputs):
             matcher.error = no_token_error(p)
         return matcher

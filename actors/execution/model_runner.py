@@ -25,6 +25,7 @@ from tokenloom.actors.execution import prompt_logprobs
 from tokenloom.actors.execution.batch_inputs import build_batch_inputs
 from tokenloom.actors.execution.guided import GuidedMatcher
 from tokenloom.actors.execution.guided_masks import GuidedMasks, no_token_error
+from tokenloom.actors.execution.pooling import Pooler
 from tokenloom.actors.messages import (
     PLACEHOLDER,
     ExecuteBatch,
@@ -70,6 +71,10 @@ class LaunchedStep:
     idle_seconds: float = 0.0               # how long the runner waited for this batch
     # Chunks that asked for prompt logprobs: their rows and values (on the device).
     prompt: tuple | None = None
+    # Pooling requests whose prompt this step completed: (request, vector on the device or
+    # an error); `finish` turns them into `pooled_outputs` (messages.PooledOutput).
+    pooled: list = dataclasses.field(default_factory=list)
+    pooled_outputs: list = dataclasses.field(default_factory=list)
 
     def done(self) -> bool:
         return self.event is None or self.event.query()
@@ -118,6 +123,8 @@ class ModelRunner:
         self.kv_check = None
         # Multi-LoRA serving (actors/execution/lora_cache.LoRACache; None: off).
         self.lora = lora
+        # Embeddings: pooling requests' hidden states (actors/execution/pooling.py).
+        self.pooler = Pooler()
 
     def offload(self, offloads: list) -> None:
         """Copy device blocks (block id, BlockMeta, committed) to the KV tiers. A failure
@@ -191,6 +198,7 @@ class ModelRunner:
         for rid in request_ids:
             self._seqs.pop(rid, None)
             self._failed.discard(rid)
+            self.pooler.forget(rid)
 
     def forget_failed(self, batch: ExecuteBatch) -> None:
         """The step raised: drop its requests' state (the scheduler fails them) and skip
@@ -198,6 +206,7 @@ class ModelRunner:
         for s in batch.sequences:
             self._seqs.pop(s.request_id, None)
             self._failed.add(s.request_id)
+            self.pooler.forget(s.request_id)
 
     def _resolve_inputs(self, batch: ExecuteBatch,
                         prev: "LaunchedStep | None") -> tuple[list[int], list[int]]:
@@ -301,6 +310,7 @@ class ModelRunner:
             logits, sample_ids, launched.prompt = self._forward(batch, patch_src)  # [S, V]
         finally:   # (a failed step still waits: nothing else may touch a matcher meanwhile)
             fill = guided[1].result() if guided is not None else None
+        launched.pooled = self.pooler.take()
         if fill is not None:
             assert sample_ids == guided[0], "guided masks filled for other rows"
             logits = masks.mask(logits, fill)
@@ -357,6 +367,8 @@ class ModelRunner:
                 sampled.append(SampledToken(request_id=rid, token_id=tok.token_id, logprob=lp))
         spec, draft_seconds = self._speculation(batch, launched.emitted)
         prompt = launched.prompt
+        if launched.pooled:
+            launched.pooled_outputs = self.pooler.messages(launched.pooled)
         return StepOutput(step=batch.step, sampled=sampled,
                           compute_seconds=time.perf_counter() - launched.t0,
                           swap_seconds=launched.swap_seconds, spec=spec,
@@ -520,6 +532,7 @@ class ModelRunner:
             logits = self.model.logits(h, inputs.logits_indices)
         plan = prompt_logprobs.plan_rows(batch, self._seqs, self.device)
         prompt = None if plan is None else (plan, prompt_logprobs.compute(self.model, h, plan))
+        self.pooler.collect(self.model, h, batch, self._seqs)
         if mirror is not None:
             mirror(inputs)
         return logits, inputs.sample_ids, prompt

@@ -79,6 +79,10 @@ class RunnerActor(Actor):
         self.kv_quant_snapshot = runner.kv_quant_stats(*self.kv_quant_labels)
         self.lora_snapshot = runner.lora_stats()
         self._snapshot_time = 0.0
+        # Where pooling requests' PooledOutputs go (the engine's stream registry); they are
+        # posted before the step's output, so each reaches its stream before the request's
+        # finished output does.
+        self.pooled_sink = None
 
     def send(self, msg: Any) -> None:
         self.inbox.put(msg)
@@ -188,6 +192,9 @@ class RunnerActor(Actor):
             self.graph_snapshot = self.model_runner.graph_stats()
             self.kv_quant_snapshot = self.model_runner.kv_quant_stats(*self.kv_quant_labels)
             self.lora_snapshot = self.model_runner.lora_stats()
+        if self.pooled_sink is not None:
+            for pooled in launched.pooled_outputs:
+                self._post(self.pooled_sink, pooled)
         self._post(self.scheduler_inbox.put_nowait, out)
 
     def _fail(self, batch: ExecuteBatch, e: Exception) -> None:

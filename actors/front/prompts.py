@@ -32,7 +32,9 @@ def encode_prompt(tokenizer, req: GenerateRequest) -> list[int]:
         return ids
     if req.messages is not None:
         try:
-            extra = {"tools": req.tools} if req.tools else {}
+            extra = dict(req.chat_template_kwargs or {})
+            if req.tools:
+                extra["tools"] = req.tools
             return list(tokenizer.apply_chat_template(
                 req.messages, add_generation_prompt=True, tokenize=True, return_dict=False,
                 **extra))

@@ -58,6 +58,15 @@ class StreamRegistry:
         if out.finished:
             self._queues.pop(out.request_id, None)
 
+    def deliver(self, out) -> None:
+        """Put an output that does not end its stream (messages.PooledOutput, from the
+        runner) on its request's queue, ahead of the finished output that follows it; one
+        for a stream nobody holds any more is dropped."""
+        q = self._queues.get(out.request_id)
+        if q is not None:
+            with contextlib.suppress(Exception):   # (its finished output still ends it)
+                q.put_nowait(out)
+
     @staticmethod
     def _deliver(queue: OutputQueue, out: RequestOutput) -> None:
         queue.put_nowait(out)
