@@ -301,6 +301,19 @@ class ServerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     # for it stays bounded by the kernel's and the transport's buffers).
     write_timeout_seconds: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)] = 30.0
     keepalive_timeout_seconds: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)] = 75.0
+    # How a model's thinking is split from its answer (reasoning_content, Responses'
+    # reasoning items, Messages' thinking blocks): "auto" picks by the served model (the
+    # <think> parser for a chat template that emits <think>, or Qwen3), "none" splits
+    # nothing; the names are daemon/openai/reasoning.py's registry (--reasoning-parser).
+    reasoning_parser: Literal["auto", "none", "think", "qwen3", "deepseek_r1"] = "auto"
+    # POST /v1/embeddings with the served model beside generation (--embeddings), pooled as
+    # the model directory's sentence-transformers config says (last token by default).
+    embeddings: bool = False
+    # POST /v1/responses with store=true: responses kept in memory for previous_response_id
+    # (and GET /v1/responses/{id}), the oldest dropped beyond this many (0: store refused),
+    # each for at most responses_store_ttl_seconds.
+    responses_store_size: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 1024
+    responses_store_ttl_seconds: Annotated[float, msgspec.Meta(gt=0.0, le=7 * 86400.0)] = 3600.0
 
 
 class GraphsConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -691,6 +704,14 @@ class EngineConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     record: RecordConfig = RecordConfig()
     lora: LoRAConfig = LoRAConfig()
     kv_transfer: KVTransferConfig = KVTransferConfig()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.server.embeddings and self.workers.count > 1:
+            # The runner hands pooled hidden states to the in-process stream registry; the
+            # worker wire does not carry them.
+            raise ConfigError("server.embeddings needs workers.count = 1 (embeddings are "
+                              "served by the in-process engine)", key="server.embeddings")
 
 
 def resolve_cache_dir(

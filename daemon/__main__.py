@@ -67,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="LoRA adapters (PEFT directories) a request names in `model`")
     s.add_argument("--enable-lora", action="store_true",
                    help="serve LoRA adapters (also implied by --lora-modules)")
+    s.add_argument("--embeddings", action="store_true",
+                   help="serve POST /v1/embeddings with the model (server.embeddings)")
+    s.add_argument("--reasoning-parser", metavar="NAME",
+                   help="split thinking from answers: auto, none, think, qwen3, deepseek_r1 "
+                        "(default: server.reasoning_parser, auto)")
     _common(s)
     from tokenloom.daemon.admin import cli as admin_cli
     admin_cli.add_parser(sub)
@@ -118,6 +123,10 @@ def cmd_serve(args) -> int:
         overrides["workers.count"] = args.workers
     if args.enable_lora:
         overrides["lora.enable"] = True
+    if args.embeddings:
+        overrides["server.embeddings"] = True
+    if args.reasoning_parser is not None:
+        overrides["server.reasoning_parser"] = args.reasoning_parser
     if args.lora_modules:
         modules = {}
         for item in args.lora_modules:

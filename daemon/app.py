@@ -20,7 +20,7 @@ from tokenloom.daemon.admin import server as admin_server
 from tokenloom.daemon.drain import DrainController
 from tokenloom.daemon.errors import APIError
 from tokenloom.daemon.metrics import CONTENT_TYPE, Metrics
-from tokenloom.daemon.openai import endpoints, render
+from tokenloom.daemon.openai import embeddings, endpoints, messages_api, render, responses_api
 from tokenloom.daemon.openai.chat import chat_completions
 from tokenloom.daemon.openai.completions import completions
 from tokenloom.daemon.openai.protocol import Limits
@@ -48,16 +48,16 @@ async def error_middleware(request: web.Request, handler):
             log.error("request failed", status=e.status, error=e.message)
         else:
             log.info("request refused", status=e.status, error=e.message, param=e.param)
-        return e.response()
+        return _error_response(request, e)
     except web.HTTPException as e:
         status = e.status
         if e.status < 400:
             raise
         reason = {404: f"no route for {request.method} {request.path}",
                   405: f"method {request.method} is not allowed on {request.path}"}
-        return APIError(e.status, reason.get(e.status, e.reason),
-                        headers={k: v for k, v in e.headers.items()
-                                 if k.lower() == "allow"}).response()
+        return _error_response(request, APIError(
+            e.status, reason.get(e.status, e.reason),
+            headers={k: v for k, v in e.headers.items() if k.lower() == "allow"}))
     except (asyncio.CancelledError, ConnectionResetError):
         status = 499  # the client went away (nginx's convention)
         raise
@@ -73,6 +73,14 @@ async def error_middleware(request: web.Request, handler):
             log.info("http", method=request.method, path=request.path, status=status,
                      seconds=round(time.monotonic() - t0, 6))
         structlog.contextvars.clear_contextvars()
+
+
+def _error_response(request: web.Request, e: APIError) -> web.Response:
+    """An error in the shape of the API the path belongs to: Anthropic's for the Messages
+    API, OpenAI's everywhere else."""
+    if request.path.startswith("/v1/messages"):
+        return messages_api.error_response(e)
+    return e.response()
 
 
 def engine_problem(state: ServerState) -> str | None:
@@ -150,7 +158,8 @@ async def openapi_json(request: web.Request) -> web.Response:
         cap = min(cap or state.config.server.max_tokens, state.config.server.max_tokens)
     return web.json_response(document(limits, max_tokens=cap,
                                       max_logprobs=state.config.server.max_logprobs,
-                                      lora_updates=state.config.lora.allow_runtime_updates))
+                                      lora_updates=state.config.lora.allow_runtime_updates,
+                                      embeddings=state.config.server.embeddings))
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -219,6 +228,25 @@ async def _start_engine(state: ServerState):
                           speculation=state.config.speculative.method != "off")
     state.metrics = Metrics(state.model_name, engine.info.max_model_len)
     state.token_text = endpoints.token_text_cache(engine.tokenizer)
+    from tokenloom.daemon.openai.reasoning import ModelReasoning, for_model
+    parser = for_model(state.config.server.reasoning_parser,
+                       getattr(engine.tokenizer, "chat_template", None),
+                       engine.info.spec.architecture)
+    state.reasoning = ModelReasoning(parser, engine.tokenizer)
+    if parser is not None:
+        startup_log.info(f"reasoning parser: {parser.name} ({parser.start} ... {parser.end})",
+                         reasoning_parser=parser.name)
+    if state.config.server.embeddings:
+        from tokenloom.config.schema import ConfigError
+        from tokenloom.daemon.openai import pooling_config
+        try:
+            state.pooling = pooling_config.load(engine.info.model_dir,
+                                                engine.info.spec.hidden_size)
+        except pooling_config.PoolingConfigError as e:
+            raise ConfigError(f"server.embeddings: {e}", key="server.embeddings") from None
+        startup_log.info(f"embeddings: {state.pooling.kind} pooling"
+                         + (", normalized" if state.pooling.normalize else ""),
+                         pooling=state.pooling.kind)
     startup_log.info("warming up")
     await warm_up(engine)
     return engine
@@ -282,6 +310,9 @@ def create_app(config: EngineConfig, engine=None, notifier: Notifier | None = No
                         metrics=Metrics(config.server.served_model_name or "loading"),
                         notifier=notifier or Notifier())
     state.drain = DrainController(state)
+    from tokenloom.daemon.openai.responses_store import ResponseStore
+    state.responses_store = ResponseStore(config.server.responses_store_size,
+                                          config.server.responses_store_ttl_seconds)
     app[STATE] = state
     app.cleanup_ctx.append(engine_ctx)
     app.cleanup_ctx.append(admin_server.admin_ctx)  # after the engine is up; closed first
@@ -289,6 +320,15 @@ def create_app(config: EngineConfig, engine=None, notifier: Notifier | None = No
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions/render", render.render_completion)
     app.router.add_post("/v1/chat/completions/render", render.render_chat)
+    # The agent APIs: OpenAI Responses (Codex CLI) and Anthropic Messages (Claude Code).
+    app.router.add_post("/v1/responses", responses_api.create_response)
+    app.router.add_get("/v1/responses/{response_id}", responses_api.get_response)
+    app.router.add_post("/v1/responses/render", responses_api.render_response)
+    app.router.add_post("/v1/messages", messages_api.create_message)
+    app.router.add_post("/v1/messages/count_tokens", messages_api.count_tokens)
+    app.router.add_post("/v1/messages/render", messages_api.render_message)
+    if config.server.embeddings:   # as vLLM and llama-server: only when asked for
+        app.router.add_post("/v1/embeddings", embeddings.embeddings)
     app.router.add_get("/v1/models", endpoints.models)
     if config.lora.allow_runtime_updates:   # vLLM: 404 unless runtime updates are allowed
         app.router.add_post("/v1/load_lora_adapter", endpoints.load_lora_adapter)

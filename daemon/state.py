@@ -41,6 +41,12 @@ class ServerState:
     connections: ConnectionStats | None = None  # once serving
     recorder: Recorder | None = None        # recording traffic (admin record / record.*)
     kv_transfer: Any = None                 # KVTransferService with [kv_transfer] port set
+    # The served model's thinking (daemon/openai/reasoning.ModelReasoning), once loaded.
+    reasoning: Any = None
+    # /v1/responses kept with store=true (daemon/openai/responses_store.ResponseStore).
+    responses_store: Any = None
+    # server.embeddings: how the model pools (daemon/openai/pooling_config.PoolingConfig).
+    pooling: Any = None
 
 
 STATE = web.AppKey("tokenloom_state", ServerState)

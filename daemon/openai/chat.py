@@ -17,6 +17,7 @@ from tokenloom.daemon.openai.endpoints import check_serving, read_body
 from tokenloom.daemon.openai.formatter import Formatter
 from tokenloom.daemon.openai.generation import Choice, Delta, Generation
 from tokenloom.daemon.openai.handlers import serve
+from tokenloom.daemon.openai.reasoning import with_thinking
 from tokenloom.daemon.state import STATE
 
 
@@ -28,6 +29,7 @@ class ChatFormatter(Formatter):
     def __init__(self, state, request_id: str, parsed: protocol.ParsedRequest):
         super().__init__(state, request_id, parsed)
         self.calls_tools = parsed.tools is not None and parsed.tools.choice != "none"
+        self.thinking = parsed.thinking   # reasoning.Thinking, or None: no split
 
     def _entry(self, token_id: int, logprob: float) -> dict:
         text = self.token_text(token_id)
@@ -46,17 +48,23 @@ class ChatFormatter(Formatter):
     def choice(self, c: Choice, lps: dict | None) -> dict:
         calls, reason = None, "tool_calls"
         tools = self.parsed.tools
+        text, thought = c.full_text, {}
+        if self.thinking is not None:   # tools and structured output are the answer's
+            reasoning, text = self.thinking.split(text)
+            thought = {"reasoning_content": reasoning}
         if self.calls_tools and c.finish_reason == "stop":
-            calls = T.parse_calls(c.full_text, tools)
+            calls = T.parse_calls(text, tools)
         elif self.calls_tools and tools.forced and c.finish_reason:
             # A forced call cut off (e.g. by max_tokens): the calls as far as they got, as
             # the streamed response sends them, with the reason it ended.
-            calls, reason = T.partial_calls(c.full_text), c.finish_reason
+            calls, reason = T.partial_calls(text), c.finish_reason
         if calls is None:
+            content = None if not text and thought.get("reasoning_content") is not None else text
             return {"index": c.index,
-                    "message": {"role": "assistant", "content": c.full_text, "refusal": None},
+                    "message": {"role": "assistant", "content": content, "refusal": None,
+                                **thought},
                     "logprobs": lps, "finish_reason": c.finish_reason}
-        message = {"role": "assistant", "content": None, "refusal": None}
+        message = {"role": "assistant", "content": None, "refusal": None, **thought}
         if calls:
             message["tool_calls"] = calls
         return {"index": c.index, "message": message, "logprobs": lps, "finish_reason": reason}
@@ -85,6 +93,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     check_serving(state)
     parsed = protocol.parse_chat(await read_body(request, state), state.limits,
                                  request.headers, state.config.scheduler.priority_classes)
+    parsed = with_thinking(state.reasoning, parsed)
     messages, template_tools = template_inputs(state, parsed)
     return await serve(request, state, parsed, ChatFormatter, "chatcmpl", prompts=[None],
                        messages=messages, tools=template_tools)

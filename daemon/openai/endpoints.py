@@ -136,9 +136,10 @@ async def tokenize(request: web.Request) -> web.Response:
         raise APIError(400, "give exactly one of prompt and messages", param="prompt")
     if req.messages is not None:
         messages = chat_messages(req.messages)
+        kwargs = protocol.check_template_kwargs(req.chat_template_kwargs) or {}
         try:
             ids = list(tok.apply_chat_template(messages, add_generation_prompt=True,
-                                               tokenize=True, return_dict=False))
+                                               tokenize=True, return_dict=False, **kwargs))
         except Exception as e:
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from e
     else:

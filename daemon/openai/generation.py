@@ -77,9 +77,10 @@ class Generation:
                  prompts: list[str | list[int] | None], messages: list[dict] | None,
                  params: SamplingParams, fit_max_tokens: bool, meta: RequestMeta = RequestMeta(),
                  metrics=None, log=None, tools: list[dict] | None = None,
-                 prompt_only: bool = False):
+                 prompt_only: bool = False, chat_template_kwargs: dict | None = None):
         """`prompt_only` (completions' max_tokens 0): the engine's generated tokens are
-        dropped; the choices carry their finish reason and prompt data only."""
+        dropped; the choices carry their finish reason and prompt data only.
+        `chat_template_kwargs`: the chat template's extra variables (with `messages`)."""
         self.engine = engine
         self.request_id = request_id
         self.metrics = metrics
@@ -91,7 +92,8 @@ class Generation:
         self.prompt_only = prompt_only
         self._requests: list[GenerateRequest] = fan_out(
             request_id, prompts, params, arrival_time=self.arrival, messages=messages,
-            fit_max_tokens=fit_max_tokens, meta=meta, tools=tools)
+            fit_max_tokens=fit_max_tokens, meta=meta, tools=tools,
+            chat_template_kwargs=chat_template_kwargs)
         for index, req in enumerate(self._requests):
             self.choices[req.request_id] = Choice(index, req.request_id)
         self._by_index = {c.index: c for c in self.choices.values()}

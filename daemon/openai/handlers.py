@@ -42,7 +42,8 @@ async def serve(request: web.Request, state: ServerState, parsed: protocol.Parse
     gen = Generation(state.engine, request_id, prompts if prompts is not None else parsed.prompts,
                      messages, parsed.params, parsed.fit_max_tokens, parsed.meta,
                      metrics=state.metrics, log=log, tools=tools,
-                     prompt_only=parsed.prompt_only)
+                     prompt_only=parsed.prompt_only,
+                     chat_template_kwargs=parsed.chat_template_kwargs)
     state.inflight.add(request_id, gen)  # drain waits for it; admin cancel/trace find it
     fmt = formatter(state, request_id, parsed)
     log.info("request", endpoint=formatter.object, stream=parsed.stream,

@@ -14,8 +14,12 @@ from typing import Any
 
 import msgspec
 
+from tokenloom.daemon.openai import embeddings as E
+from tokenloom.daemon.openai import messages_api as MA
+from tokenloom.daemon.openai import messages_protocol as M
 from tokenloom.daemon.openai import protocol as Q
 from tokenloom.daemon.openai import responses as R
+from tokenloom.daemon.openai import responses_protocol as RP
 
 REF = "#/components/schemas/{name}"
 JSON = "application/json"
@@ -39,12 +43,72 @@ _POST_ERRORS = {
 }
 
 
-def _post(summary: str, body: type, ok: dict) -> dict:
+def _post(summary: str, body: type, ok: dict, error: type = R.ErrorResponse) -> dict:
+    """`error`: the error body's type (the Messages API answers in Anthropic's shape)."""
+    def err(why: str) -> dict:
+        return {"description": why, "content": {JSON: {"schema": _ref(error)}}}
     return {"post": {"summary": summary,
                      "requestBody": {"required": True,
                                      "content": {JSON: {"schema": _ref(body)}}},
-                     "responses": {"200": ok, **{code: _error(why) for code, why
+                     "responses": {"200": ok, **{code: err(why) for code, why
                                                  in _POST_ERRORS.items()}}}}
+
+
+def _events(response: type) -> dict:
+    """A response, or with `stream: true` its API's named SSE events."""
+    return {"description": "the response (JSON), or with `stream: true` SSE events "
+                           "(`event: <type>` and `data: <event object>`)",
+            "content": {JSON: {"schema": _ref(response)},
+                        "text/event-stream": {"schema": {
+                            "type": "object", "required": ["data"],
+                            "properties": {"data": {"type": "string", "minLength": 1}}}}}}
+
+
+# Hand-written where the Structs decode `list[Any]` and the handler checks items by hand.
+_TEXT_PARTS = {"type": "array", "items": {
+    "type": "object", "required": ["type", "text"],
+    "properties": {"type": {"enum": ["input_text", "output_text", "text"]},
+                   "text": {"type": "string"}}}}
+_RESPONSE_INPUT = {"anyOf": [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "minItems": 1, "items": {"anyOf": [
+        {"type": "object", "required": ["role", "content"], "properties": {
+            "type": {"const": "message"},
+            "role": {"enum": ["user", "assistant", "system", "developer"]},
+            "content": {"anyOf": [{"type": "string"}, _TEXT_PARTS]}}},
+        {"type": "object", "required": ["type", "call_id", "name", "arguments"],
+         "properties": {"type": {"const": "function_call"},
+                        "call_id": {"type": "string", "minLength": 1},
+                        "name": {"type": "string", "minLength": 1},
+                        "arguments": {"type": "string"}}},
+        {"type": "object", "required": ["type", "call_id", "output"],
+         "properties": {"type": {"const": "function_call_output"},
+                        "call_id": {"type": "string", "minLength": 1},
+                        "output": {"anyOf": [{"type": "string"}, _TEXT_PARTS]}}},
+        {"type": "object", "required": ["type"],
+         "properties": {"type": {"const": "reasoning"}}}]}}]}
+_FUNCTION_TOOL = {"type": "object", "required": ["type", "name"], "properties": {
+    "type": {"const": "function"}, "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+    "description": {"type": "string"}, "parameters": {"type": "object"},
+    "strict": {"type": "boolean"}}}
+_BLOCKS = {"type": "array", "items": {"anyOf": [
+    {"type": "object", "required": ["type", "text"],
+     "properties": {"type": {"const": "text"}, "text": {"type": "string"},
+                    "cache_control": {"type": "object"}}},
+    {"type": "object", "required": ["type", "id", "name", "input"],
+     "properties": {"type": {"const": "tool_use"}, "id": {"type": "string", "minLength": 1},
+                    "name": {"type": "string", "minLength": 1}, "input": {"type": "object"}}},
+    {"type": "object", "required": ["type", "tool_use_id"],
+     "properties": {"type": {"const": "tool_result"},
+                    "tool_use_id": {"type": "string", "minLength": 1},
+                    "content": {"type": "string"}, "is_error": {"type": "boolean"}}},
+    {"type": "object", "required": ["type", "thinking"],
+     "properties": {"type": {"const": "thinking"}, "thinking": {"type": "string"},
+                    "signature": {"type": "string"}}}]}}
+_ANTHROPIC_TOOL = {"type": "object", "required": ["name", "input_schema"], "properties": {
+    "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+    "description": {"type": "string"}, "input_schema": {"type": "object"},
+    "cache_control": {"type": "object"}}}
 
 
 def _get(summary: str, ok: dict, errors: dict[str, str] | None = None,
@@ -107,18 +171,74 @@ def _apply_limits(components: dict, limits: Q.Limits | None, max_tokens: int | N
                 maximum=max_logprobs)
     _set_bounds(components["DetokenizeRequest"]["properties"]["tokens"].get("items", {}),
                 minimum=0)
+    models = (({"type": "string", "enum": sorted(limits.model_names)}
+               if limits.lora_adapters is None else {"type": "string"})
+              if limits is not None else None)
+    cap = {"maximum": max_tokens} if max_tokens else {}
+    for name, field in (("ResponsesRequest", "max_output_tokens"),
+                        ("MessagesRequest", "max_tokens")):
+        props = components[name]["properties"]
+        _set_bounds(props[field], minimum=1, **cap)
+        _set_bounds(props["temperature"], minimum=0)
+        _set_bounds(props["top_p"], exclusiveMinimum=0, maximum=1)
+        _set_bounds(props["priority"], minimum=-(2**31), maximum=2**31 - 1)
+    for name in ("ResponsesRequest", "MessagesRequest", "CountTokensRequest",
+                 "EmbeddingRequest"):
+        if models is not None and name in components:
+            components[name]["properties"]["model"] = models
+    responses = components["ResponsesRequest"]["properties"]
+    responses["input"] = _RESPONSE_INPUT
+    responses["tools"] = {"anyOf": [{"type": "array", "items": _FUNCTION_TOOL},
+                                    {"type": "null"}]}
+    responses["tool_choice"] = {"anyOf": [
+        {"enum": ["none", "auto", "required"]}, {"type": "null"},
+        {"type": "object", "required": ["type", "name"],
+         "properties": {"type": {"const": "function"}, "name": {"type": "string"}}}]}
+    responses["reasoning"] = {"anyOf": [{"type": "object", "properties": {"effort": {
+        "anyOf": [{"enum": list(RP.EFFORTS)}, {"type": "null"}]}}}, {"type": "null"}]}
+    for name in ("MessagesRequest", "CountTokensRequest"):
+        props = components[name]["properties"]
+        props["system"] = {"anyOf": [{"type": "string"}, {"type": "null"}, _BLOCKS]}
+        props["tools"] = {"anyOf": [{"type": "array", "items": _ANTHROPIC_TOOL},
+                                    {"type": "null"}]}
+        props["tool_choice"] = {"anyOf": [{"type": "null"}, {
+            "type": "object", "required": ["type"], "properties": {
+                "type": {"enum": ["auto", "any", "tool", "none"]}, "name": {"type": "string"},
+                "disable_parallel_tool_use": {"type": "boolean"}}}]}
+        props["thinking"] = {"anyOf": [{"type": "null"}, {
+            "type": "object", "required": ["type"], "properties": {
+                "type": {"enum": ["enabled", "disabled"]},
+                "budget_tokens": {"type": "integer", "minimum": M.MIN_THINKING_BUDGET}}}]}
+    components["AnthropicMessage"]["properties"]["role"] = {"enum": ["user", "assistant"]}
+    components["AnthropicMessage"]["properties"]["content"] = {"anyOf": [
+        {"type": "string"}, _BLOCKS]}
+    if "EmbeddingRequest" in components:
+        ids = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+        emb = components["EmbeddingRequest"]["properties"]
+        emb["input"] = {"anyOf": [
+            {"type": "string", "minLength": 1}, ids,
+            {"type": "array", "minItems": 1, "maxItems": E.MAX_INPUTS,
+             "items": {"type": "string", "minLength": 1}},
+            {"type": "array", "minItems": 1, "maxItems": E.MAX_INPUTS, "items": ids}]}
+        emb["encoding_format"] = {"enum": ["float", "base64"]}
+        _set_bounds(emb["dimensions"], minimum=1)
 
 
 def document(limits: Q.Limits | None = None, max_tokens: int | None = None,
              max_logprobs: int = 20, title: str = "tokenloom",
-             lora_updates: bool = False) -> dict:
+             lora_updates: bool = False, embeddings: bool = False) -> dict:
     """The OpenAPI 3.1 document. `limits`: the running server's (None: no server bounds);
     `max_tokens`: the most tokens one choice may ask for (None: unbounded here);
-    `lora_updates`: the runtime LoRA endpoints are served (lora.allow_runtime_updates)."""
+    `lora_updates`: the runtime LoRA endpoints are served (lora.allow_runtime_updates);
+    `embeddings`: /v1/embeddings is served (server.embeddings)."""
     types = [Q.CompletionRequest, Q.ChatCompletionRequest, Q.TokenizeRequest,
              Q.DetokenizeRequest, R.CompletionResponse, R.ChatCompletionResponse, R.ModelList,
              R.TokenizeResponse, R.DetokenizeResponse, R.ReadyResponse, R.ErrorResponse,
-             R.RenderedPrompt, Q.LoadLoRAAdapterRequest, Q.UnloadLoRAAdapterRequest]
+             R.RenderedPrompt, Q.LoadLoRAAdapterRequest, Q.UnloadLoRAAdapterRequest,
+             RP.ResponsesRequest, R.ResponseObject, M.MessagesRequest, M.CountTokensRequest,
+             R.MessageObject, MA.AnthropicError, MA.CountTokensResponse]
+    if embeddings:
+        types += [E.EmbeddingRequest, E.EmbeddingResponse]
     _, components = msgspec.json.schema_components(types, ref_template=REF)
     _apply_limits(components, limits, max_tokens, max_logprobs)
     json_ok = lambda t: {"description": "OK", "content": {JSON: {"schema": _ref(t)}}}  # noqa
@@ -135,6 +255,24 @@ def document(limits: Q.Limits | None = None, max_tokens: int | None = None,
         "/v1/chat/completions/render": _post(
             "The conversation's prompt token ids, without generating (vLLM's render "
             "endpoint)", Q.ChatCompletionRequest, json_ok(R.RenderedPrompt)),
+        "/v1/responses": _post("Create a response (OpenAI Responses API)",
+                               RP.ResponsesRequest, _events(R.ResponseObject)),
+        "/v1/responses/{response_id}": _get(
+            "A response kept with store: true", json_ok(R.ResponseObject),
+            {"404": "no such response (never stored, or expired)"},
+            [{"name": "response_id", "in": "path", "required": True,
+              "schema": {"type": "string"}}]),
+        "/v1/responses/render": _post(
+            "The response's prompt token ids, without generating", RP.ResponsesRequest,
+            json_ok(R.RenderedPrompt)),
+        "/v1/messages": _post("Create a message (Anthropic Messages API)", M.MessagesRequest,
+                              _events(R.MessageObject), error=MA.AnthropicError),
+        "/v1/messages/count_tokens": _post(
+            "Count a conversation's input tokens (Anthropic Messages API)",
+            M.CountTokensRequest, json_ok(MA.CountTokensResponse), error=MA.AnthropicError),
+        "/v1/messages/render": _post(
+            "The message's prompt token ids, without generating", M.MessagesRequest,
+            json_ok(R.RenderedPrompt), error=MA.AnthropicError),
         "/v1/models": _get("The served model", json_ok(R.ModelList)),
         "/v1/requests/{request_id}/trace": _get(
             "The per-request trace of a recent request",
@@ -156,6 +294,9 @@ def document(limits: Q.Limits | None = None, max_tokens: int | None = None,
         "/openapi.json": _get("This document", {"description": "OpenAPI 3.1", "content": {
             JSON: {"schema": {"type": "object"}}}}),
     }
+    if embeddings:
+        paths["/v1/embeddings"] = _post("Create embeddings (OpenAI-compatible)",
+                                        E.EmbeddingRequest, json_ok(E.EmbeddingResponse))
     if lora_updates:
         text_ok = {"description": "done", "content": {"text/plain": {"schema": {
             "type": "string"}}}}
@@ -164,9 +305,11 @@ def document(limits: Q.Limits | None = None, max_tokens: int | None = None,
             Q.LoadLoRAAdapterRequest, text_ok)
         paths["/v1/unload_lora_adapter"] = _post(
             "Stop serving a LoRA adapter", Q.UnloadLoRAAdapterRequest, text_ok)
-    for item in paths.values():
+    for path, item in paths.items():
         for op in item.values():
-            op["responses"].setdefault("405", _error("the wrong method"))
+            op["responses"].setdefault("405", {"description": "the wrong method", "content": {
+                JSON: {"schema": _ref(MA.AnthropicError if path.startswith("/v1/messages")
+                                      else R.ErrorResponse)}}})
     return {"openapi": "3.1.0",
             "info": {"title": title, "version": "0.1.0",
                      "description": "OpenAI-compatible LLM serving (tokenloom)"},

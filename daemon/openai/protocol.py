@@ -103,6 +103,8 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     tools: list[Any] | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None   # false: at most one call per answer
+    # vLLM's: extra variables for the chat template, e.g. {"enable_thinking": false}.
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -110,6 +112,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
@@ -177,6 +180,10 @@ class ParsedRequest:
     prompt_only: bool = False                   # max_tokens 0: no generated text or tokens
     prompt_logprobs_field: str = "prompt_logprobs"   # the field a refusal names
     kv_transfer: dict | None = None             # the body's kv_transfer_params
+    chat_template_kwargs: dict | None = None    # chat: extra chat template variables
+    # chat: the model's thinking and how this prompt leaves it (daemon/openai/reasoning.py);
+    # None: answers are not split.
+    thinking: Any = None
 
 
 # -- decoding ----------------------------------------------------------------------------
@@ -354,10 +361,30 @@ def _prompt_options(req: CompletionRequest, limits: Limits) -> tuple[int | None,
     return prompt_k, False, req.max_tokens
 
 
+# apply_chat_template's own parameters: chat_template_kwargs may not set them.
+RESERVED_TEMPLATE_KWARGS = frozenset((
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "processor_kwargs"))
+
+
+def check_template_kwargs(kwargs: dict | None, param: str = "chat_template_kwargs"
+                          ) -> dict | None:
+    """The chat template's extra variables, or APIError naming the one that is not one."""
+    for key in kwargs or ():
+        if key in RESERVED_TEMPLATE_KWARGS or not key.isidentifier():
+            raise APIError(400, f"{param}.{key[:64]} is not a chat template variable this "
+                                "server passes (it is reserved or not an identifier)",
+                           param=f"{param}.{key[:64]}")
+    return kwargs or None
+
+
 def parse_chat(body: bytes, limits: Limits, headers=None,
                priority_classes: dict[str, int] | None = None) -> ParsedRequest:
     req = decode(body, ChatCompletionRequest)
     model = _check_model(req, limits)
+    kwargs = check_template_kwargs(req.chat_template_kwargs)
     messages = chat_messages(req.messages)
     tools = parse_tools(req.tools, req.tool_choice, unsupported_keyword,
                         req.parallel_tool_calls)
@@ -386,7 +413,8 @@ def parse_chat(body: bytes, limits: Limits, headers=None,
                              request_meta(req, headers or {}, priority_classes or {}),
                              lora=limits.adapter(model)),
                          tools=tools, continuous_usage=_continuous_usage(req),
-                         cache_salt=req.cache_salt, kv_transfer=req.kv_transfer_params)
+                         cache_salt=req.cache_salt, kv_transfer=req.kv_transfer_params,
+                         chat_template_kwargs=kwargs)
 
 
 def resolve_priority(body_value: int | str | None, header: str | None,

@@ -57,10 +57,18 @@ async def render_chat(request: web.Request) -> web.Response:
     check_serving(state)
     parsed = protocol.parse_chat(await read_body(request, state), state.limits,
                                  request.headers, state.config.scheduler.priority_classes)
+    return struct_response(await render_conversation(state, parsed, "chatcmpl"))
+
+
+async def render_conversation(state: ServerState, parsed: protocol.ParsedRequest,
+                              id_prefix: str) -> R.RenderedPrompt:
+    """A chat-shaped request's prompt (chat, and the Responses and Messages APIs, which
+    become the same conversation)."""
     messages, tools = template_inputs(state, parsed)
     [req] = fan_out("render", [None], _one(parsed.params), meta=parsed.meta,
-                    messages=messages, tools=tools, fit_max_tokens=parsed.fit_max_tokens)
-    return struct_response(await _render(state, req, parsed, "chatcmpl"))
+                    messages=messages, tools=tools, fit_max_tokens=parsed.fit_max_tokens,
+                    chat_template_kwargs=parsed.chat_template_kwargs)
+    return await _render(state, req, parsed, id_prefix)
 
 
 def _one(params: SamplingParams) -> SamplingParams:

@@ -93,8 +93,12 @@ class ChatLogprobs(msgspec.Struct, kw_only=True):
 
 class AssistantMessage(msgspec.Struct, kw_only=True):
     role: str
-    content: str
+    content: str | None
     refusal: str | None
+    # With a reasoning parser (server.reasoning_parser): the model's thinking, apart from
+    # the answer in `content` (vLLM's field).
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -176,3 +180,54 @@ class ReadyResponse(msgspec.Struct, kw_only=True, omit_defaults=True):
     workers_up: int | None = None       # with worker processes: how many serve
     workers: int | None = None
     roles_up: dict[str, int] | None = None   # disaggregation: workers up per role
+
+
+# -- the agent APIs (documentation types: the handlers build these shapes as dicts) ----------
+class ResponseUsage(msgspec.Struct, kw_only=True):
+    """The Responses API's usage: input tokens (cached_tokens: prefix-cache hits) and
+    output tokens (reasoning_tokens: spent thinking)."""
+    input_tokens: int
+    input_tokens_details: dict[str, int]
+    output_tokens: int
+    output_tokens_details: dict[str, int]
+    total_tokens: int
+
+
+class ResponseObject(msgspec.Struct, kw_only=True):
+    """POST /v1/responses: a response (daemon/openai/responses_api.py). `output` holds
+    `reasoning`, `message` and `function_call` items."""
+    id: str
+    object: str
+    created_at: int
+    status: str
+    error: dict[str, Any] | None
+    incomplete_details: dict[str, Any] | None
+    model: str
+    output: list[dict[str, Any]]
+    usage: ResponseUsage | None
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    store: bool = False
+    parallel_tool_calls: bool = True
+    tool_choice: str | dict[str, Any] = "auto"
+    tools: list[dict[str, Any]] = []
+
+
+class MessageUsage(msgspec.Struct, kw_only=True):
+    input_tokens: int
+    output_tokens: int
+    cache_creation_input_tokens: int | None
+    cache_read_input_tokens: int | None
+
+
+class MessageObject(msgspec.Struct, kw_only=True):
+    """POST /v1/messages: an Anthropic message (daemon/openai/messages_api.py). `content`
+    holds `thinking`, `text` and `tool_use` blocks."""
+    id: str
+    type: str
+    role: str
+    model: str
+    content: list[dict[str, Any]]
+    stop_reason: str | None
+    stop_sequence: str | None
+    usage: MessageUsage

@@ -1,9 +1,11 @@
-"""Streaming responses: SSE frames written with a deadline, and tool calls streamed in
+"""Streaming responses: SSE frames written with a deadline, thinking streamed apart from
+the answer (`reasoning_content` deltas, as vLLM streams them), and tool calls streamed in
 OpenAI's incremental shape."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import structlog
 from aiohttp import web
@@ -82,9 +84,14 @@ async def stream(request: web.Request, gen: Generation, fmt: Formatter,
             await out.write(sse.frame(first))
         remaining = len(gen.choices)
         calls = ToolCallStream(fmt, parsed.tools) if fmt.calls_tools else None
+        thoughts = ReasoningDeltas(fmt) if getattr(fmt, "thinking", None) else None
         async for delta in gen.deltas():
             if delta.finish_reason is not None:
                 remaining -= 1
+            if thoughts is not None:   # the reasoning goes out first; the answer goes on
+                frame, delta = thoughts.split(delta)
+                if frame is not None:
+                    await out.write(frame)
             if calls is not None:
                 last = remaining == 0 and not parsed.include_usage
                 for frame in calls.feed(delta, gen if last else None):
@@ -103,6 +110,31 @@ async def stream(request: web.Request, gen: Generation, fmt: Formatter,
     await out.write(sse.DONE)
     await out.eof()
     return resp
+
+
+class ReasoningDeltas:
+    """Streamed chat with a reasoning parser: each delta's text is split by its choice's
+    splitter (daemon/openai/reasoning.py) into a `reasoning_content` chunk and the answer's
+    delta, which then goes the usual way (content, or tool calls)."""
+
+    def __init__(self, fmt: Formatter):
+        self.fmt = fmt
+        self.splitters: dict[int, object] = {}
+
+    def split(self, d: Delta) -> tuple[bytes | None, Delta]:
+        splitter = self.splitters.get(d.index)
+        if splitter is None:
+            splitter = self.splitters[d.index] = self.fmt.thinking.splitter()
+        reasoning, answer = splitter.feed(d.text)
+        if d.finish_reason is not None:
+            more = splitter.finish()
+            reasoning, answer = reasoning + more[0], answer + more[1]
+        frame = None
+        if reasoning:
+            chunk = self.fmt.chunk(Delta(d.index, "", [], []), None)
+            chunk["choices"][0]["delta"] = {"reasoning_content": reasoning}
+            frame = sse.frame(chunk)
+        return frame, dataclasses.replace(d, text=answer)
 
 
 class ToolCallStream:

@@ -39,7 +39,7 @@ def fuzz_server(tiny_model_dir, tmp_path_factory):
 
     s = ServerThread(tiny_config(tiny_model_dir, tmp_path_factory.mktemp("cache"),
                                  **{"server.max_n": 4, "server.max_tokens": 16,
-                                    "admin.enabled": False}))
+                                    "admin.enabled": False, "server.embeddings": True}))
     yield s
     s.close()
 
@@ -63,6 +63,14 @@ async def test_the_document_covers_every_route_with_the_configured_bounds(fuzz_s
     assert model_name in props["model"]["enum"]
     chat = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]
     assert chat["max_completion_tokens"]["anyOf"][0]["maximum"] == 16
+    schemas = doc["components"]["schemas"]
+    assert schemas["ResponsesRequest"]["properties"]["max_output_tokens"]["anyOf"][0][
+        "maximum"] == 16
+    assert schemas["MessagesRequest"]["properties"]["max_tokens"]["maximum"] == 16
+    assert model_name in schemas["EmbeddingRequest"]["properties"]["model"]["enum"]
+    # The Messages API documents Anthropic's error shape.
+    bad = doc["paths"]["/v1/messages"]["post"]["responses"]["400"]
+    assert bad["content"]["application/json"]["schema"]["$ref"].endswith("/AnthropicError")
 
 
 async def test_real_responses_decode_into_the_documented_types(fuzz_server, model_name):
@@ -79,6 +87,17 @@ async def test_real_responses_decode_into_the_documented_types(fuzz_server, mode
             body = await r.json()
             msgspec.convert(body, R.ChatCompletionResponse)
             assert body["choices"][1]["logprobs"]["content"][0]["top_logprobs"]
+        async with session.post(fuzz_server.url + "/v1/responses", json=dict(
+                model=model_name, input="w5 w6", max_output_tokens=3)) as r:
+            msgspec.convert(await r.json(), R.ResponseObject)
+        async with session.post(fuzz_server.url + "/v1/messages", json=dict(
+                model=model_name, max_tokens=3,
+                messages=[{"role": "user", "content": "w5"}])) as r:
+            msgspec.convert(await r.json(), R.MessageObject)
+        async with session.post(fuzz_server.url + "/v1/embeddings", json=dict(
+                model=model_name, input=["w5", "w6 w7"])) as r:
+            from tokenloom.daemon.openai.embeddings import EmbeddingResponse
+            msgspec.convert(await r.json(), EmbeddingResponse)
         async with session.post(fuzz_server.url + "/v1/completions",
                                 json=dict(base, prompt="w5", max_tokens=17)) as r:
             assert r.status == 400
