@@ -49,7 +49,8 @@ GROUPS = (
                 "python benchmarks/serve.py --shared-prefix"),
         Section("interference"), Section("engine_loop"), Section("hops"),
         Section("prefix_routing"), Section("disagg"), Section("kv_tiers"), Section("kv_quant"),
-        Section("lora"), Section("speculative"), Section("structured"), Section("vllm_cpu"))),
+        Section("lora"), Section("speculative"), Section("structured"), Section("agent_apis"),
+        Section("vllm_cpu"))),
     ("On a GPU", (Section("gpu_check"),)),
     ("Robustness", (Section("soak"), Section("fuzz_api"))),
 )
