@@ -47,10 +47,10 @@ CONTEXTS = (300, 1100)
 def capture_steps(options: dict) -> tuple[object, dict[int, tuple]]:
     """The engine's model and one real decode step's inputs per context length."""
     from tokenloom import LLM, SamplingParams
-    from tokenloom.kernels.models import llama
+    from tokenloom.kernels.models import decoder
 
     captured: dict = {}
-    original = llama.LlamaForCausalLM.forward_hidden
+    original = decoder.CausalLM.forward_hidden
 
     def spy(self, input_ids, positions, kv, meta):
         if input_ids.shape[0] == 1 and not meta.prefills:
@@ -58,7 +58,7 @@ def capture_steps(options: dict) -> tuple[object, dict[int, tuple]]:
             captured["last"] = (input_ids.clone(), positions.clone(), kv, meta)
         return original(self, input_ids, positions, kv, meta)
 
-    llama.LlamaForCausalLM.forward_hidden = spy
+    decoder.CausalLM.forward_hidden = spy
     steps = {}
     try:
         llm = LLM(device="cpu", quiet=True, enable_prefix_caching=False, chunking="static",
@@ -71,7 +71,7 @@ def capture_steps(options: dict) -> tuple[object, dict[int, tuple]]:
         finally:
             llm.close()
     finally:
-        llama.LlamaForCausalLM.forward_hidden = original
+        decoder.CausalLM.forward_hidden = original
     return captured["model"], steps
 
 

@@ -47,10 +47,10 @@ PARTS = {  # part: (attribute path from a layer, attribute)
 def capture_prefill(options: dict, tokens: int):
     """The engine's model and the inputs of one real prefill step of `tokens` tokens."""
     from tokenloom import LLM, SamplingParams
-    from tokenloom.kernels.models import llama
+    from tokenloom.kernels.models import decoder
 
     captured: dict = {}
-    original = llama.LlamaForCausalLM.forward_hidden
+    original = decoder.CausalLM.forward_hidden
 
     def spy(self, input_ids, positions, kv, meta):
         if input_ids.shape[0] == tokens:
@@ -58,7 +58,7 @@ def capture_prefill(options: dict, tokens: int):
             captured["args"] = (input_ids.clone(), positions.clone(), kv, meta)
         return original(self, input_ids, positions, kv, meta)
 
-    llama.LlamaForCausalLM.forward_hidden = spy
+    decoder.CausalLM.forward_hidden = spy
     try:
         llm = LLM(device="cpu", quiet=True, enable_prefix_caching=False, chunking="static",
                   max_num_batched_tokens=max(2048, tokens), **options)
@@ -69,7 +69,7 @@ def capture_prefill(options: dict, tokens: int):
         finally:
             llm.close()
     finally:
-        llama.LlamaForCausalLM.forward_hidden = original
+        decoder.CausalLM.forward_hidden = original
     return captured["model"], captured["args"]
 
 

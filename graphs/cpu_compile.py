@@ -118,8 +118,8 @@ def use_cache_dir(path: Path) -> None:
 
 
 def _layer_step(layer, m, h, cos, sin, kv_layer, meta, add_norm):
-    """llama.decoder_layer_step with the layer's K and V given as one [2, ...] pool view."""
-    from tokenloom.kernels.models.llama import decoder_layer_step
+    """decoder.decoder_layer_step with the layer's K and V given as one [2, ...] pool view."""
+    from tokenloom.kernels.models.decoder import decoder_layer_step
     return decoder_layer_step(layer, m, h, cos, sin, kv_layer[0], kv_layer[1], meta, add_norm)
 
 
@@ -151,11 +151,12 @@ class CompiledDecode:
         b = self.buffers
         model = self.model
         meta = b.meta(size)
-        h = model.embed_tokens(b.input_ids[:size])
-        cos, sin = model.rope.lookup(b.positions[:size])
+        h = model.embed(b.input_ids[:size])
+        ropes = model.rope_lookup(b.positions[:size])
         m = torch.zeros_like(h)
         pool = self.kv.pool
         for i, layer in enumerate(model.layers):
+            cos, sin = ropes[layer.self_attn.local_rope]
             # The layer's K and V as one view of the pool: a single input that the KV store
             # updates in place. (K and V as two inputs aliasing one storage would make the
             # compiler rebuild and copy their common base around every store.)

@@ -42,7 +42,7 @@ from tokenloom.graphs.capture import (
 from tokenloom.kernels.attention import with_chunk_masks
 from tokenloom.kernels.forward_context import AttentionMetadata
 from tokenloom.kernels.kv_store import KVCache
-from tokenloom.kernels.models.llama import layer_after_attention, layer_before_attention
+from tokenloom.kernels.models.decoder import layer_after_attention, layer_before_attention
 
 PAD_SLOT = -1
 

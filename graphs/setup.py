@@ -50,6 +50,17 @@ def build_decode_graphs(cfg: GraphsConfig, model, kv: KVCache, *, max_num_seqs: 
                         cache_dir: Path | None = None) -> tuple[Dispatcher, DecodeGraphs | None]:
     """Capture on CUDA, compile on CPU (unless disabled); otherwise an eager-only
     dispatcher with its reason."""
+    reason = None
+    if getattr(model.rope, "long_offset", 0):
+        # Static decode programs rotate by position; a longrope model's rows depend on each
+        # sequence's length at admission too.
+        reason = "a longrope model's RoPE rows depend on the sequence"
+    elif model.kv_groups.num_groups > 1:
+        # (their static buffers hold one block table per row)
+        reason = "the model's layer groups keep a block table each"
+    if reason is not None:
+        startup_log.info(f"decode programs off: {reason}; decode runs eager", reason=reason)
+        return Dispatcher(None, reason), None
     if device.type == "cpu":
         return build_cpu_programs(cfg, model, kv, max_num_seqs=max_num_seqs,
                                   max_model_len=max_model_len, cache_dir=cache_dir)
@@ -130,6 +141,11 @@ def build_piecewise_graphs(cfg: GraphsConfig, model, kv: KVCache, dispatcher: Di
     elif has_lora(model):
         # (the pieces' static buffers carry no per-row adapter slots yet)
         reason = "LoRA adapters are served"
+    elif getattr(model.rope, "long_offset", 0) or model.rope_local is not None:
+        # (their static cos/sin buffers hold one table's rows by position)
+        reason = "the model's RoPE needs more than one table"
+    elif model.kv_groups.num_groups > 1:
+        reason = "the model's layer groups keep a block table each"
     if reason is not None:
         dispatcher.piecewise_reason = f"prefill in batch ({reason})"
         startup_log.info(f"piecewise CUDA graphs off ({reason}); steps with prefill tokens "

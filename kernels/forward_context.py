@@ -22,6 +22,8 @@ class PrefillSegment:
     # [query_len, context_len] additive mask (0 visible, -inf not) in the model's dtype, for
     # a chunk with start_pos > 0: built once per step (attention.with_chunk_masks), not per layer.
     mask: torch.Tensor | None = None
+    # The same for the model's sliding-window layers (every chunk), when it has them.
+    window_mask: torch.Tensor | None = None
 
     @property
     def context_len(self) -> int:
@@ -38,9 +40,17 @@ class AttentionMetadata:
     decode_max_context: int
     prefills: list[PrefillSegment]
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks*block_size] bool
+    decode_window_mask: torch.Tensor | None = None   # the same for sliding-window layers
     # True when slot_mapping may hold -1 (padded rows of a graph bucket): the reference
     # store must then filter (a host sync), a store kernel skips them in place.
     has_skip_slots: bool = False
+    # Layer groups 1.. (actors/kv/groups.py): the same step through each group's own block
+    # tables (slot mapping, decode tables, prefill segments); None: every layer reads
+    # these (one group).
+    group_metas: tuple["AttentionMetadata", ...] | None = None
+    # [num_tokens] int64: each token's row in the RoPE tables where it is not its position
+    # (a longrope model's sequences past the original window read the long set); None.
+    rope_rows: torch.Tensor | None = None
     # Which LoRA adapter slot each row runs with (kernels/lora/stacks.LoRABatch); None: every
     # row runs the base model. Carried here because it is per step, like the rest.
     lora: object | None = None

@@ -36,24 +36,27 @@ class KVCache:
     def allocate(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str,
                  k_format: KVFormat | None = None,
-                 v_format: KVFormat | None = None) -> "KVCache":
+                 v_format: KVFormat | None = None,
+                 layer_slots: tuple[int, ...] | None = None) -> "KVCache":
         """`dtype` is the model dtype; K and V are stored in it unless a 1-byte format is
-        given for both (kv_quant.py)."""
+        given for both (kv_quant.py). `layer_slots[l]`: the pool slot layer l's K and V
+        live in (layer groups share a block's memory, actors/kv/groups.py); None: slot l."""
         # One allocation for the whole pool, viewed per layer: the pool's size is decided
         # once, up front, from the memory budget.
-        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        slots = layer_slots if layer_slots is not None else tuple(range(num_layers))
+        num_slots = max(slots) + 1
+        shape = (num_slots, 2, num_blocks, block_size, num_kv_heads, head_dim)
         if (k_format is None) != (v_format is None):
             raise ValueError("K and V must both be quantized or both in the model dtype")
         if k_format is not None:
             pool = torch.zeros(shape, dtype=torch.uint8, device=device)
-            scales = torch.zeros((num_layers, 2, num_blocks, block_size, num_kv_heads),
+            scales = torch.zeros((num_slots, 2, num_blocks, block_size, num_kv_heads),
                                  dtype=torch.float32, device=device)
             keys, values = make_caches(pool, scales, k_format, v_format, dtype)
-            return cls(key=keys, value=values, num_blocks=num_blocks, block_size=block_size,
-                       pool=pool, scales=scales)
+            return cls(key=[keys[s] for s in slots], value=[values[s] for s in slots],
+                       num_blocks=num_blocks, block_size=block_size, pool=pool, scales=scales)
         pool = torch.zeros(shape, dtype=dtype, device=device)
-        return cls(key=[pool[i, 0] for i in range(num_layers)],
-                   value=[pool[i, 1] for i in range(num_layers)],
+        return cls(key=[pool[s, 0] for s in slots], value=[pool[s, 1] for s in slots],
                    num_blocks=num_blocks, block_size=block_size, pool=pool)
 
     @property
@@ -83,7 +86,12 @@ class KVCache:
         device = self.pool.device if self.pool is not None else self.key[0].device
         src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=device)
         dst = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=device)
+        seen = set()   # (layer groups share slots: each slot's cache once)
         for cache in (*self.key, *self.value):
+            key = cache.data_ptr() if isinstance(cache, torch.Tensor) else id(cache)
+            if key in seen:
+                continue
+            seen.add(key)
             if isinstance(cache, QuantizedCache):
                 cache.copy_blocks(src, dst)
             else:

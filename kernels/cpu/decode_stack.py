@@ -61,10 +61,30 @@ def module():
     return _module
 
 
+def unsupported(spec) -> str | None:
+    """The first option of the model's family the C++ stack does not implement (its
+    layers then run the module forward), or None."""
+    checks = (("q/k norms", spec.qk_norm), ("an output-projection bias", spec.o_bias),
+              (f"the {spec.activation} activation", spec.activation != "silu"),
+              ("sandwich norms", spec.sandwich_norms),
+              ("sliding-window layers", spec.has_sliding_layers),
+              ("attention soft-capping", spec.attn_logit_softcap is not None),
+              ("partial rotary", spec.rope.rotary_dim not in (0, spec.head_dim)),
+              ("a second RoPE table", spec.rope_local is not None
+               or spec.rope.rope_type == "longrope"))
+    return next((what for what, present in checks if present), None)
+
+
 def install(model) -> bool:
     """Give an fp32 or bf16 CPU model its decode stacks (the C++ decode attention must be
     loaded: the stack calls its operator)."""
     if model.embed_tokens.weight.dtype not in ACTIVATIONS or module() is None:
+        return False
+    missing = unsupported(model.spec)
+    if missing is not None:
+        log.info(f"C++ decode stack off: it does not implement {missing} "
+                 f"({model.spec.family}); decode steps run the module forward",
+                 family=model.spec.family, reason=missing)
         return False
     model.decode_stacks = DecodeStacks(model)
     return True
@@ -189,7 +209,7 @@ class DecodeStacks:
             meta) -> torch.Tensor:
         """The residual stream after the last layer, [rows, hidden]."""
         model = self.model
-        h = model.embed_tokens(input_ids)
+        h = model.embed(input_ids)
         cos, sin = model.rope.lookup(positions)
         self.steps += 1
         bs = kv.pool.shape[3]

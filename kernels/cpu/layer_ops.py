@@ -1,6 +1,6 @@
 """The CPU decode step's small per-layer ops in C++ (csrc/layer_ops_cpu.cpp): residual add +
 RMSNorm and SiLU(gate) * up, each one pass over the row instead of torch's chain of ops.
-Installed through LlamaForCausalLM.set_fused_kernels with the same contracts as the GPU's
+Installed through CausalLM.set_fused_kernels with the same contracts as the GPU's
 Triton kernels; fp32 and bf16 (bf16 rounds where the torch reference does; compiled programs
 use the torch reference)."""
 

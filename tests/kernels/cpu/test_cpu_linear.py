@@ -112,7 +112,7 @@ def test_copies_are_kept_only_where_memory_allows(monkeypatch, available_gb, sto
     import os
     from types import SimpleNamespace
 
-    from tokenloom.kernels.models.llama import LlamaForCausalLM
+    from tokenloom.kernels.models.decoder import CausalLM
 
     # 300 M weights: a bf16 copy is 0.6 GB, an fp32 one 1.2 GB; half of 2 GB is 1 GB
     weights = SimpleNamespace(numel=lambda: 150_000_000)
@@ -122,7 +122,7 @@ def test_copies_are_kept_only_where_memory_allows(monkeypatch, available_gb, sto
                             layers=[layer], lm_head=SimpleNamespace(weight=weights))
     pages = {"SC_AVPHYS_PAGES": (2 * available_gb) * 10 ** 9 // 4096, "SC_PAGE_SIZE": 4096}
     monkeypatch.setattr(os, "sysconf", lambda name: pages[name])
-    assert LlamaForCausalLM._copy_kernels_excluded(model, storage) == frozenset(want)
+    assert CausalLM._copy_kernels_excluded(model, storage) == frozenset(want)
 
 
 def test_plan_bands_cover_every_row_count_and_dispatch():

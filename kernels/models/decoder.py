@@ -1,8 +1,11 @@
-"""The Llama-family decoder (Llama 2/3, Mistral-style, SmolLM, Qwen2 with qkv bias).
+"""The decoder every family runs: our own forward over a paged KV cache.
 
-Our own forward over a paged KV cache. q/k/v and gate/up projections are fused into one
-matmul each (the loader concatenates the checkpoint's weights once). The model is built on
-the meta device; the loader assigns real tensors.
+One module, `CausalLM`, built from a `ModelSpec`: the options a family sets
+(kernels/models/families/) are options of its layers — q/k norms, biases, the gated MLP's
+activation, sandwich norms, soft-capping, sliding-window layers with their own RoPE, an
+embedding multiplier. q/k/v and gate/up projections are fused into one matmul each (the
+loader concatenates the checkpoint's weights once, or takes them fused where the checkpoint
+stores them so). The model is built on the meta device; the loader assigns real tensors.
 """
 
 from __future__ import annotations
@@ -12,18 +15,20 @@ import contextlib
 import torch
 from torch import nn
 
+from tokenloom.actors.kv.groups import KVGroups
 from tokenloom.kernels.attention import paged_attention, with_chunk_masks
 from tokenloom.kernels.cpu import kernel_plan, kernel_set
 from tokenloom.kernels.cpu import linear as cpu_linear
 from tokenloom.kernels.forward_context import AttentionMetadata
 from tokenloom.kernels.kv_store import KVCache, store_kv
 from tokenloom.kernels.models.layers import (
+    GATED_ACTIVATIONS,
     RMSNorm,
     RotaryEmbedding,
     add_rms_norm,
     apply_rope,
     rope_and_store,
-    silu_and_mul,
+    softcap,
 )
 from tokenloom.kernels.models.model_spec import ModelSpec
 from tokenloom.startup_log import startup_log
@@ -38,25 +43,38 @@ ONE_THREAD_LAYER_BYTES = 2 << 20
 ONE_THREAD_LAYER_WORK = 4_000_000
 
 
+def rms_norm(spec: ModelSpec, size: int) -> RMSNorm:
+    return RMSNorm(size, spec.rms_norm_eps, fp32_scale=spec.norm_offset != 0)
+
+
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, layer: int):
         super().__init__()
         self.num_heads = spec.num_heads
         self.num_kv_heads = spec.num_kv_heads
         self.head_dim = spec.head_dim
         self.q_size, self.kv_size = spec.q_size, spec.kv_size
-        self.scale = spec.head_dim ** -0.5
+        self.scale = spec.scale
+        # The layer's options: the last `window` positions only (None: all), scores
+        # soft-capped (None: not), which RoPE table it rotates with.
+        self.window = spec.window(layer)
+        self.softcap = spec.attn_logit_softcap
+        self.local_rope = spec.rope_local is not None and self.window is not None
+        self.kv_group = 0   # its layer group's block tables (CausalLM sets it)
         self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=spec.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
-        self.decode_fn = None  # None: torch reference; see LlamaForCausalLM.set_decode_kernel
-        self.prefill_fn = None  # None: torch SDPA; see LlamaForCausalLM.set_prefill_kernel
-        self.store_fn = None   # None: kv_store.store_kv; see LlamaForCausalLM.set_kv_store_kernel
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
+        # Qwen3, Gemma 3: RMSNorm over each head of q and k, before RoPE.
+        self.q_norm = rms_norm(spec, spec.head_dim) if spec.qk_norm else None
+        self.k_norm = rms_norm(spec, spec.head_dim) if spec.qk_norm else None
+        self.decode_fn = None  # None: torch reference; see CausalLM.set_decode_kernel
+        self.prefill_fn = None  # None: torch SDPA; see CausalLM.set_prefill_kernel
+        self.store_fn = None   # None: kv_store.store_kv; see CausalLM.set_kv_store_kernel
         # None: rope_and_store + the KV store above; else a kernel that rotates q and k and
-        # writes k and v into the cache in one launch (LlamaForCausalLM.set_fused_kernels).
+        # writes k and v into the cache in one launch (CausalLM.set_fused_kernels).
         self.rope_store_fn = None
         # The runtime check of a quantized KV cache (kernels/kv_quality_check.py) and this
-        # layer's index in it; None: off (LlamaForCausalLM.set_kv_check).
+        # layer's index in it; None: off (CausalLM.set_kv_check).
         self.kv_check = None
         self.layer_index = 0
         # cache.kv_rotation: an orthonormal [D, D] rotation applied to q, k and v before the
@@ -64,7 +82,7 @@ class Attention(nn.Module):
         self.kv_rotation: torch.Tensor | None = None
         self.kv_unrotation: torch.Tensor | None = None   # its transpose, contiguous
         # LoRA deltas of the qkv and o projections (kernels/lora/stacks.LoRADelta); None:
-        # the engine serves no adapters (LlamaForCausalLM.enable_lora).
+        # the engine serves no adapters (CausalLM.enable_lora).
         self.lora_qkv = None
         self.lora_o = None
 
@@ -100,6 +118,8 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)                                          # [T, q + 2kv]
         if lora is not None and self.lora_qkv is not None:
             qkv = self.lora_qkv(x, qkv, lora)
+        if self.q_norm is not None:
+            qkv = self.norm_qk(qkv)
         if self.rope_store_fn is not None:
             return self.rope_store_fn(qkv, cos, sin, h, kvh, d, key_cache, value_cache,
                                       slot_mapping)
@@ -123,6 +143,13 @@ class Attention(nn.Module):
             self.store_fn(k, v, key_cache, value_cache, slot_mapping)
         return q, k, v
 
+    def norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv with each head of q and of k RMS-normed (their own weights), v as it was."""
+        t, h, kvh, d = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_norm(qkv[:, :h * d].reshape(t, h, d)).view(t, h * d)
+        k = self.k_norm(qkv[:, h * d:(h + kvh) * d].reshape(t, kvh, d)).view(t, kvh * d)
+        return torch.cat((q, k, qkv[:, (h + kvh) * d:]), dim=-1)
+
     def attend(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                meta: AttentionMetadata, k: torch.Tensor | None = None,
                v: torch.Tensor | None = None) -> torch.Tensor:
@@ -130,7 +157,17 @@ class Attention(nn.Module):
         The one part of a layer whose work depends on the batch's contexts: a piecewise
         graph runs it eagerly between its captured pieces."""
         return paged_attention(q, key_cache, value_cache, meta, self.scale, k, v, self.decode_fn,
-                               self.prefill_fn)
+                               self.prefill_fn, self.window, self.softcap)
+
+
+def kernel_serves(kernel, attn: Attention) -> bool:
+    """Whether an attention kernel implements the layer's options: a kernel lists the ones
+    it takes in `kernel.options` ("window", "softcap"); a layer without options takes any."""
+    if kernel is None:
+        return True
+    needs = {name for name, value in (("window", attn.window), ("softcap", attn.softcap))
+             if value is not None}
+    return needs <= set(getattr(kernel, "options", ()))
 
 
 def _rotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
@@ -143,7 +180,9 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
-        self.act_fn = silu_and_mul   # or a fused kernel (LlamaForCausalLM.set_fused_kernels)
+        self.activation = spec.activation
+        # gate_up [T, 2I] -> act(gate) * up [T, I]; or a fused kernel (set_fused_kernels)
+        self.act_fn = GATED_ACTIVATIONS[spec.activation]
         self.lora_gate_up = None     # LoRA deltas (see Attention.lora_qkv)
         self.lora_down = None
 
@@ -155,12 +194,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, layer: int):
         super().__init__()
-        self.self_attn = Attention(spec)
+        self.self_attn = Attention(spec, layer)
         self.mlp = MLP(spec)
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.input_layernorm = rms_norm(spec, spec.hidden_size)
+        self.post_attention_layernorm = rms_norm(spec, spec.hidden_size)   # before the MLP
+        # Gemma's sandwich: each sublayer's output normed before it joins the residual.
+        self.attn_output_norm = rms_norm(spec, spec.hidden_size) if spec.sandwich_norms else None
+        self.mlp_output_norm = rms_norm(spec, spec.hidden_size) if spec.sandwich_norms else None
 
 
 def decoder_layer_step(layer: DecoderLayer, m: torch.Tensor, h: torch.Tensor, cos: torch.Tensor,
@@ -173,8 +215,15 @@ def decoder_layer_step(layer: DecoderLayer, m: torch.Tensor, h: torch.Tensor, co
     batch size and runs it for all layers (graphs/cpu_compile.py)."""
     x, h = add_norm(m, h, layer.input_layernorm)
     a = layer.self_attn(x, cos, sin, key_cache, value_cache, meta)
+    if layer.attn_output_norm is not None:
+        a = layer.attn_output_norm(a)
     x, h = add_norm(a, h, layer.post_attention_layernorm)
-    return layer.mlp(x, meta.lora), h
+    return mlp_output(layer, layer.mlp(x, meta.lora)), h
+
+
+def mlp_output(layer: DecoderLayer, m: torch.Tensor) -> torch.Tensor:
+    """What the MLP adds to the residual stream (Gemma: normed first)."""
+    return m if layer.mlp_output_norm is None else layer.mlp_output_norm(m)
 
 
 def layer_before_attention(layer: DecoderLayer, m: torch.Tensor, h: torch.Tensor,
@@ -194,19 +243,30 @@ def layer_after_attention(layer: DecoderLayer, o: torch.Tensor, h: torch.Tensor,
     attn = layer.self_attn
     if attn.kv_rotation is not None:
         o = attn.unrotate(o.view(o.shape[0], -1, attn.head_dim)).reshape(o.shape)
-    x, h = add_norm(attn.o_proj(o), h, layer.post_attention_layernorm)
-    return layer.mlp(x), h
+    a = attn.o_proj(o)
+    if layer.attn_output_norm is not None:
+        a = layer.attn_output_norm(a)
+    x, h = add_norm(a, h, layer.post_attention_layernorm)
+    return mlp_output(layer, layer.mlp(x)), h
 
 
-class LlamaForCausalLM(nn.Module):
+class CausalLM(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.norm = rms_norm(spec, spec.hidden_size)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        self.rope: RotaryEmbedding | None = None  # built by init_rope() on the real device
+        # Built by init_rope() on the real device; rope_local: the sliding-window layers'
+        # own table (Gemma 3), else None.
+        self.rope: RotaryEmbedding | None = None
+        self.rope_local: RotaryEmbedding | None = None
+        self.window = spec.sliding_window if spec.has_sliding_layers else None
+        # Layers of one attention type share block tables (actors/kv/groups.py).
+        self.kv_groups = KVGroups.plan([spec.window(i) for i in range(spec.num_layers)])
+        for layer, group in zip(self.layers, self.kv_groups.layer_group):
+            layer.self_attn.kv_group = group
         self._layer_params: int | None = None     # counted at the first forward
         self._layout_done = False                 # see _use_cpu_weight_layout
         # (x, residual, norm) -> (norm(residual + x), residual + x); see set_fused_kernels.
@@ -218,20 +278,28 @@ class LlamaForCausalLM(nn.Module):
         self.decode_stacks = None
 
     def init_rope(self, max_positions: int, device: torch.device, dtype: torch.dtype) -> None:
-        self.rope = RotaryEmbedding(self.spec.rope, self.spec.head_dim, max_positions,
-                                    dtype).to(device)
+        spec = self.spec
+        self.rope = RotaryEmbedding(spec.rope, spec.head_dim, max_positions, dtype).to(device)
+        if any(layer.self_attn.local_rope for layer in self.layers):
+            self.rope_local = RotaryEmbedding(spec.rope_local, spec.head_dim, max_positions,
+                                              dtype).to(device)
 
     def set_decode_kernel(self, decode_fn) -> None:
-        """Route decode attention through `decode_fn` (same contract as decode_attention)."""
+        """Route decode attention through `decode_fn` (same contract as decode_attention)
+        in every layer whose options it implements (`kernel_serves`); the others keep the
+        torch reference."""
         for layer in self.layers:
-            layer.self_attn.decode_fn = decode_fn
+            attn = layer.self_attn
+            attn.decode_fn = decode_fn if kernel_serves(decode_fn, attn) else None
 
     def set_prefill_kernel(self, prefill_fn) -> None:
         """Route prefill-chunk attention through `prefill_fn(q [n, H, D], k, v [KVH, ctx,
         D], scale)` (causal, query i at position ctx - n + i; a `prefill_fn.paged` form
-        reads the context through the block table); None: torch SDPA."""
+        reads the context through the block table) in every layer whose options it
+        implements; None (and the other layers): torch SDPA."""
         for layer in self.layers:
-            layer.self_attn.prefill_fn = prefill_fn
+            attn = layer.self_attn
+            attn.prefill_fn = prefill_fn if kernel_serves(prefill_fn, attn) else None
 
     def set_kv_check(self, check) -> None:
         """Route every layer's K/V and query through the runtime KV quality check (None:
@@ -269,6 +337,8 @@ class LlamaForCausalLM(nn.Module):
         `silu_mul_fn(gate_up)` and `rope_store_fn(qkv, cos, sin, H, KVH, D, key_cache,
         value_cache, slots)`, which also replaces the KV store. None restores the torch
         reference for that op."""
+        if self.spec.norm_offset and self.embed_tokens.weight.dtype != torch.float32:
+            rms_norm_fn = None   # (the kernels scale in the model dtype, Gemma in fp32)
         if rms_norm_fn is None:
             self.add_norm_fn = add_rms_norm
         else:
@@ -276,9 +346,12 @@ class LlamaForCausalLM(nn.Module):
                 return rms_norm_fn(x, norm.weight, norm.eps, residual), residual
             self.add_norm_fn = add_norm
         self._norm_fn = rms_norm_fn
+        partial = self.spec.rope.rotary_dim not in (0, self.spec.head_dim)
         for layer in self.layers:
-            layer.mlp.act_fn = silu_mul_fn or silu_and_mul
-            layer.self_attn.rope_store_fn = rope_store_fn
+            if layer.mlp.activation == "silu":
+                layer.mlp.act_fn = silu_mul_fn or GATED_ACTIVATIONS["silu"]
+            # (the fused kernel rotates whole heads)
+            layer.self_attn.rope_store_fn = None if partial else rope_store_fn
 
     def _norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         fn = self._norm_fn
@@ -304,8 +377,9 @@ class LlamaForCausalLM(nn.Module):
         """The step's residual stream after the last layer, [T, hidden]: `logits` turns any
         rows of it into logits (prompt logprobs need more rows than the sampled ones)."""
         self.prepare()
-        if self.layers[0].self_attn.prefill_fn is None:   # a kernel needs no mask
-            meta = with_chunk_masks(meta, self.embed_tokens.weight.dtype)  # once, not per layer
+        if self.layers[0].self_attn.prefill_fn is None or self.window is not None:
+            # once, not per layer (a kernel needs no mask)
+            meta = with_chunk_masks(meta, self.embed_tokens.weight.dtype, self.window)
         with self.layer_threads(input_ids, meta):
             stacks = self.decode_stacks
             if stacks is not None and stacks.usable(meta, kv):
@@ -337,17 +411,40 @@ class LlamaForCausalLM(nn.Module):
                       meta: AttentionMetadata) -> torch.Tensor:
         """The residual stream after the last decoder layer, [T, hidden]. Tensor code only
         (no host-side state), so a static-shape decode program can compile it."""
-        h = self.embed_tokens(input_ids)                                # [T, hidden]
-        cos, sin = self.rope.lookup(positions)                          # [T, 1, D] each
+        h = self.embed(input_ids)                                       # [T, hidden]
+        ropes = self.rope_lookup(positions if meta.rope_rows is None else meta.rope_rows)
         m = torch.zeros_like(h)   # h + 0 == h: the first layer's input norm sees h as is
+        metas = (meta, *meta.group_metas) if meta.group_metas else None
         for i, layer in enumerate(self.layers):
-            m, h = decoder_layer_step(layer, m, h, cos, sin, kv.key[i], kv.value[i], meta,
+            attn = layer.self_attn
+            cos, sin = ropes[attn.local_rope]
+            m, h = decoder_layer_step(layer, m, h, cos, sin, kv.key[i], kv.value[i],
+                                      meta if metas is None else metas[attn.kv_group],
                                       self.add_norm_fn)
         return h + m
 
+    def rope_lookup(self, rows: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """(cos, sin) [T, 1, rotary] of the step's table rows, for the global layers and
+        (index 1, `Attention.local_rope`) the local ones — once per step, not per layer."""
+        cos_sin = self.rope.lookup(rows)
+        return cos_sin, (self.rope_local.lookup(rows) if self.rope_local is not None
+                         else cos_sin)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings (Gemma: times sqrt(hidden), rounded to the model dtype
+        first, as transformers does)."""
+        h = self.embed_tokens(input_ids)
+        mult = self.spec.embedding_multiplier
+        if mult == 1.0:
+            return h
+        return h * torch.tensor(mult, dtype=h.dtype, device=h.device)
+
     def logits(self, h: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
-        """The sampled rows' logits (fp32) from the last residual stream."""
-        return self.lm_head(self._norm(h[logits_indices], self.norm)).float()
+        """The sampled rows' logits (fp32) from the last residual stream (soft-capped where
+        the family caps them)."""
+        logits = self.lm_head(self._norm(h[logits_indices], self.norm)).float()
+        cap = self.spec.final_logit_softcap
+        return logits if cap is None else softcap(logits, cap)
 
     def _use_cpu_weight_layout(self) -> None:
         """On CPU, every projection and the LM head get the kernel that measures fastest on
