@@ -22,7 +22,8 @@ from tokenloom.actors.execution.model_runner import ModelRunner
 from tokenloom.actors.execution.runner_actor import RunnerActor
 from tokenloom.actors.front.router_actor import RouterActor
 from tokenloom.actors.front.tokenizer_actor import TokenizerActor
-from tokenloom.actors.kv.block_hash import model_fingerprint
+from tokenloom.actors.kv.block_hash import long_rope_window, model_fingerprint
+from tokenloom.actors.kv.groups import KVGroups
 from tokenloom.actors.kv.kv_actor import KVManagerActor
 from tokenloom.actors.kv.kv_manager import KVCacheManager
 from tokenloom.actors.kv.tiers.record import KVLayout
@@ -75,22 +76,62 @@ from tokenloom.startup_log import startup_log
 log = structlog.get_logger("tokenloom.engine")
 
 
-def kv_block_bytes(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype) -> tuple[int, int]:
+def kv_block_bytes(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype,
+                   layers: int | None = None) -> tuple[int, int]:
     """(bytes a block takes from the budget, bytes per token of the block itself). A
-    quantized pool's blocks are 1-byte values plus scales; the runtime check's promotable
-    layers reserve their model-dtype copies too, so a promotion never overcommits."""
+    block holds `layers` layers (a layer group's, actors/kv/groups.py; default: every
+    layer). A quantized pool's blocks are 1-byte values plus scales; the runtime check's
+    promotable layers reserve their model-dtype copies too, so a promotion never
+    overcommits."""
     elem = torch.tensor([], dtype=dtype).element_size()
     bs = cfg.cache.block_size
+    layers = layers or spec.num_layers
     if not cfg.cache.kv_quantized:
         stored = torch.tensor([], dtype=kv_storage_dtype(cfg.cache, dtype)).element_size()
-        per_token = spec.kv_bytes_per_token(stored)
+        per_token = layers * 2 * spec.num_kv_heads * spec.head_dim * stored
         return per_token * bs, per_token
-    block = quantized_bytes_per_block(spec.num_layers, bs, spec.num_kv_heads, spec.head_dim)
+    block = quantized_bytes_per_block(layers, bs, spec.num_kv_heads, spec.head_dim)
     promotable = min(cfg.cache.kv_promote_layers, spec.num_layers)
     reserve = 0
     if cfg.cache.kv_check_fraction > 0:
         reserve = promotable * 2 * bs * spec.num_kv_heads * spec.head_dim * elem
     return block + reserve, cdiv(block, bs)
+
+
+def check_kv_groups(cfg: EngineConfig, groups: KVGroups) -> None:
+    """Refuse, naming them, the features that need every layer to keep every block (a
+    model with sliding-window layers keeps only their windows, in tables of their own)."""
+    if not groups.hybrid:
+        return
+    refusals = (("kv_tiers.enabled", cfg.kv_tiers.enabled,
+                 "the KV tiers store and restore a chain's blocks from its start"),
+                ("speculative.method", cfg.speculative.method == "draft",
+                 "a draft model reads the target's first block table from position 0"))
+    for key, on, why in refusals:
+        if on:
+            raise ConfigError(f"{key}: not available for a model with sliding-window layers "
+                              f"({why}; its {groups.num_groups} layer group(s) drop the "
+                              "blocks behind their windows)", key=key)
+
+
+def describe_groups(groups: KVGroups) -> str:
+    if groups.num_groups == 1:
+        return "one block table per request"
+    full = sum(w is None for w in groups.windows)
+    windows = sorted({w for w in groups.windows if w is not None})
+    return (f"{groups.num_groups} layer groups of {groups.num_slots} layers ({full} full "
+            f"attention, {groups.num_groups - full} sliding over {', '.join(map(str, windows))} "
+            "tokens), a block table each")
+
+
+def longest_sequence(groups: KVGroups, num_blocks: int, block_size: int) -> int:
+    """The most tokens one request alone can hold in `num_blocks` blocks."""
+    full = sum(w is None for w in groups.windows)
+    if full:   # each full group holds a block a position; sliding ones their windows
+        window_blocks = sum(groups.blocks_for(w, w, block_size) // groups.num_groups
+                            for w in groups.windows if w is not None)
+        return max(0, num_blocks - window_blocks - full) // full * block_size
+    return num_blocks * block_size
 
 
 def check_kv_storage(cache, dtype: torch.dtype, device: torch.device) -> None:
@@ -108,9 +149,9 @@ def check_kv_storage(cache, dtype: torch.dtype, device: torch.device) -> None:
 
 
 def size_kv_pool(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype,
-                 device: torch.device) -> tuple[int, int]:
+                 device: torch.device, layers: int | None = None) -> tuple[int, int]:
     """Number of blocks from the budget (bytes on CPU, fraction of free memory on CUDA)."""
-    per_block, per_token = kv_block_bytes(cfg, spec, dtype)
+    per_block, per_token = kv_block_bytes(cfg, spec, dtype, layers)
     if cfg.cache.num_blocks:
         return cfg.cache.num_blocks, per_token
     if device.type == "cuda":
@@ -212,9 +253,13 @@ class Engine(EngineFront):
         self.tokenizer = tokenizer
         sc = config.scheduler
         device, dtype = info.torch_device, info.torch_dtype
+        groups = info.kv_groups or KVGroups.single(info.spec.num_layers)
+        # (a hybrid layout's pool reserves NULL_BLOCK for its tables' dropped entries)
         limits = PolicyLimits(max_num_seqs=sc.max_num_seqs,
                               max_num_batched_tokens=sc.max_num_batched_tokens,
-                              block_size=info.block_size, num_blocks=info.num_blocks)
+                              block_size=info.block_size,
+                              num_blocks=info.num_blocks - groups.hybrid,
+                              kv_groups=info.kv_groups)
         eos = tuple(sorted(set(info.spec.eos_token_ids) | _tokenizer_eos(tokenizer)))
         self.info = info = msgspec.structs.replace(info, eos_token_ids=eos)
         cc = config.cache
@@ -222,7 +267,7 @@ class Engine(EngineFront):
                               info.spec.num_kv_heads, info.spec.head_dim,
                               kv_storage_dtype(cc, dtype) if not cc.kv_quantized else dtype,
                               device, kv_format(cc.side_dtype("k")),
-                              kv_format(cc.side_dtype("v")))
+                              kv_format(cc.side_dtype("v")), layer_slots=groups.layer_slot)
         self.kv = kv
         # Structured output: one compiler (and cache of compiled grammars) for the tokenizer
         # actor, which compiles and validates constraints off the loop, and the runner.
@@ -268,7 +313,8 @@ class Engine(EngineFront):
             info.block_size, prefix_caching=caching, speculative_method=config.speculative.method)
         kv_replies: asyncio.Queue = asyncio.Queue()
         self.kv_manager = KVManagerActor(KVCacheManager(info.num_blocks, info.block_size,
-                                                        enable_prefix_caching=caching),
+                                                        enable_prefix_caching=caching,
+                                                        groups=info.kv_groups),
                                          replies=kv_replies, scheduler_inbox=scheduler_inbox,
                                          publisher=publisher, tiers=self.tiers)
         from tokenloom.graphs.setup import build_decode_graphs, build_piecewise_graphs
@@ -298,7 +344,8 @@ class Engine(EngineFront):
                          spec_lookahead=lookahead, tiers=self.tiers if caching else None,
                          recompute_prior_s_per_token=(
                              config.kv_tiers.recompute_prior_ms_per_token / 1e3),
-                         lora=lora[0] if lora is not None else None)
+                         lora=lora[0] if lora is not None else None,
+                         long_rope_window=long_rope_window(info.spec))
         self.scheduler = SchedulerActor(core, inbox=scheduler_inbox,
                                         kv_inbox=self.kv_manager.inbox, kv_replies=kv_replies,
                                         runner=self.runner)
@@ -376,8 +423,10 @@ class Engine(EngineFront):
                                         kv_quantized=config.cache.kv_quantized)
         # (LoRA slots first: on a GPU the KV pool is sized from the memory left)
         lora = build_lora(config, spec, model, dtype, device)
-        num_blocks, per_token = size_kv_pool(config, spec, dtype, device)
-        capacity = num_blocks * config.cache.block_size
+        groups = model.kv_groups
+        check_kv_groups(config, groups)
+        num_blocks, per_token = size_kv_pool(config, spec, dtype, device, groups.num_slots)
+        capacity = longest_sequence(groups, num_blocks - groups.hybrid, config.cache.block_size)
         if capacity < max_len:
             # Any single request must fit alone, or a lone request could preempt itself forever.
             startup_log.info(f"max_model_len lowered from {max_len} to the KV capacity of "
@@ -403,7 +452,8 @@ class Engine(EngineFront):
                            weights_digest=digest, kv_dtype=kv_dtype_name(config.cache),
                            kv_rotation=rotation,
                            fingerprint=model_fingerprint(digest, str(dtype),
-                                                         config.cache.block_size))
+                                                         config.cache.block_size),
+                           kv_groups=groups if groups.hybrid else None)
         seconds = time.perf_counter() - t0
         startup_log.info(f"model {spec.architecture} from {model_dir} "
                          f"({str(dtype).removeprefix('torch.')}, {device}) "
@@ -416,12 +466,13 @@ class Engine(EngineFront):
             elem = (f"{torch.tensor([], dtype=stored).element_size()} bytes"
                     + ("" if stored == dtype else f" ({info.kv_dtype})"))
         startup_log.info(
-            f"KV cache: {num_blocks} blocks x {info.block_size} tokens = {capacity} tokens, "
-            f"{per_token} bytes/token ({spec.num_layers} layers x 2 x {spec.num_kv_heads} kv heads "
-            f"x {spec.head_dim} head dim x {elem}), "
-            f"{num_blocks * per_token * info.block_size / 2**20:.0f} MiB",
+            f"KV cache: {num_blocks} blocks x {info.block_size} tokens, "
+            f"{per_token} bytes/token a block ({groups.num_slots} layers x 2 x "
+            f"{spec.num_kv_heads} kv heads x {spec.head_dim} head dim x {elem}), "
+            f"{num_blocks * per_token * info.block_size / 2**20:.0f} MiB; "
+            f"{describe_groups(groups)}; one sequence up to {capacity} tokens",
             num_blocks=num_blocks, block_size=info.block_size, capacity_tokens=capacity,
-            kv_dtype=info.kv_dtype)
+            kv_dtype=info.kv_dtype, kv_groups=groups.num_groups)
         return cls(config, info, model, tokenizer, lora)
 
     # -- running -------------------------------------------------------------------------

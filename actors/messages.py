@@ -10,6 +10,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from tokenloom.actors.kv.groups import KVGroups
 from tokenloom.actors.kv.kv_manager import TableGrowth
 from tokenloom.actors.kv.prefix_cache import PrefixCacheStats, PrefixQuery
 from tokenloom.actors.kv.tiers.stats import TiersStats
@@ -71,6 +72,9 @@ class RuntimeInfo(_Msg, frozen=True):
     # "fp8_e4m3/int8" (K/V); kv_bytes_per_token then counts the 1-byte values and scales.
     kv_dtype: str = "auto"
     kv_rotation: str = "none"       # "hadamard": q/k/v rotated before the quantized cache
+    # How the layers share the KV pool (actors/kv/groups.py); None: one group, a block
+    # holding every layer (kv_bytes_per_token then is a block's bytes per token).
+    kv_groups: KVGroups | None = None
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -242,6 +246,10 @@ class KVUpdate(_Msg):
     # restores are dropped).
     tier_queries: list[TierQuery] = []
     tier_cancels: list[str] = []
+    # Sliding-window layer groups (actors/kv/groups.py): each running request's next
+    # position to compute, behind which its sliding groups drop their blocks (after the
+    # frees, before the grants); also where a swapped-in request's new tables start.
+    computed: dict[str, int] = {}
 
 
 class KVGrant(_Msg):
@@ -254,8 +262,14 @@ class KVGrant(_Msg):
     admitted: dict[str, TableGrowth] = {}
     held: dict[str, int] = {}                # report: blocks in each table
     exclusive: dict[str, int] = {}           # report: blocks each would free if released
+    logical: dict[str, int] = {}             # report: each one's tables' length in blocks
+                                             # (several layer groups only)
     tables: dict[str, list[int]] = {}        # tables_for: the block tables for the runner
+    group_tables: dict[str, list[list[int]]] = {}   # ... of layer groups 1.. (if several)
     forked: dict[str, list[int]] = {}        # child -> its new table
+    # Children whose sibling 0 no longer holds what they would read (a sliding window
+    # moved on): they are admitted like any request instead.
+    unforkable: list[str] = []
     copies: list[tuple[int, int]] = []       # (src, dst) blocks the runner must copy first
     swap_out: list[tuple[int, int]] = []     # (device block, host slot)
     swap_in: list[tuple[int, int]] = []      # (host slot, device block)
@@ -300,6 +314,9 @@ class ScheduledSequence(_Msg):
     prompt_logprobs: bool = False
     # The LoRA slot this request's rows run with (kernels/lora/stacks.py); -1: base model.
     lora_slot: int = -1
+    # The block tables of layer groups 1.. (actors/kv/groups.py; `block_table` is group
+    # 0's), NULL_BLOCK behind a sliding group's window; None: the model has one group.
+    group_tables: list[list[int]] | None = None
 
 
 class ExecuteBatch(_Msg):

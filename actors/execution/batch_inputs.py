@@ -54,10 +54,23 @@ def padded_block_tables(tables: list[list[int]]) -> np.ndarray:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class LongRope:
+    """A longrope model's table layout: the long set starts at row `offset`; a sequence
+    reads it throughout when it was admitted longer than `original` tokens
+    (`is_long(request_id)`: the scheduler recomputes one that grows past it, as
+    transformers does)."""
+    offset: int
+    original: int
+    is_long: object   # Callable[[str], bool]
+
+
 def build_batch_inputs(batch: ExecuteBatch, block_size: int, device: torch.device,
-                       with_decode_mask: bool = True) -> BatchInputs:
+                       with_decode_mask: bool = True,
+                       long_rope: LongRope | None = None) -> BatchInputs:
     """`with_decode_mask`: build the decode attention mask once per step (only the torch
-    reference decode reads it; kernels stop at each context length on their own)."""
+    reference decode reads it; kernels stop at each context length on their own).
+    `long_rope`: the RoPE table rows of a longrope model (`meta.rope_rows`)."""
     seqs = batch.sequences
     nd = batch.num_decodes
     decodes, prefills = seqs[:nd], seqs[nd:]
@@ -104,6 +117,16 @@ def build_batch_inputs(batch: ExecuteBatch, block_size: int, device: torch.devic
                 sample_ids.append(s.request_id)
 
     one = len(ids_parts) == 1
+    positions = dec_pos if one else np.concatenate(pos_parts)
+    rope_rows = None
+    if long_rope is not None:
+        long = np.fromiter((long_rope.is_long(s.request_id) for s in seqs for _ in s.token_ids),
+                           np.int64, len(positions))
+        rope_rows = _tensor(positions + long * long_rope.offset, device)
+    groups = None
+    if seqs and seqs[0].group_tables:
+        groups = tuple(_group_meta(seqs, nd, g, block_size, device, positions)
+                       for g in range(len(seqs[0].group_tables)))
     # LoRA: each token row's adapter slot (getattr: plain sequence-like objects have none).
     lora = None
     if any(getattr(s, "lora_slot", -1) >= 0 for s in seqs):
@@ -119,12 +142,40 @@ def build_batch_inputs(batch: ExecuteBatch, block_size: int, device: torch.devic
         decode_mask=(decode_mask(decode_lens, cdiv(max_ctx, block_size) * block_size)
                      if nd and with_decode_mask else None),
         lora=lora,
+        rope_rows=rope_rows,
     )
+    if groups is not None:
+        meta = dataclasses.replace(meta, group_metas=tuple(
+            dataclasses.replace(meta, slot_mapping=slots, decode_block_tables=tables,
+                                prefills=segs) for slots, tables, segs in groups))
     return BatchInputs(
         input_ids=_tensor(dec_ids if one else np.concatenate(ids_parts), device),
-        positions=_tensor(dec_pos if one else np.concatenate(pos_parts), device),
+        positions=_tensor(positions, device),
         meta=meta,
         logits_indices=_tensor(np.asarray(logits_indices, np.int64), device),
         sample_ids=sample_ids,
         num_tokens=t,
     )
+
+
+def _group_meta(seqs, nd: int, g: int, block_size: int, device: torch.device,
+                positions: np.ndarray):
+    """Layer group g + 1's slot mapping, decode block tables and prefill segments (its own
+    tables; actors/kv/groups.py): (slot_mapping, decode tables, segments)."""
+    tables = [s.group_tables[g] for s in seqs]
+    dec = padded_block_tables(tables[:nd]) if nd else np.zeros((0, 1), np.int64)
+    slot_parts, segments, t = [], [], nd
+    if nd:
+        pos = positions[:nd]
+        slot_parts.append(dec[np.arange(nd), pos // block_size] * block_size + pos % block_size)
+    for s, table in zip(seqs[nd:], tables[nd:]):
+        n = len(s.token_ids)
+        pos = positions[t:t + n]
+        table = np.asarray(table, np.int64)
+        slot_parts.append(table[pos // block_size] * block_size + pos % block_size)
+        segments.append(PrefillSegment(query_start=t, query_len=n, start_pos=s.start_pos,
+                                       block_table=_tensor(table, device)))
+        t += n
+    slots = np.concatenate(slot_parts) if slot_parts else np.zeros(0, np.int64)
+    return _tensor(slots, device), _tensor(dec, device), segments
+

@@ -22,7 +22,7 @@ import structlog
 import torch
 
 from tokenloom.actors.execution import prompt_logprobs
-from tokenloom.actors.execution.batch_inputs import build_batch_inputs
+from tokenloom.actors.execution.batch_inputs import LongRope, build_batch_inputs
 from tokenloom.actors.execution.guided import GuidedMatcher
 from tokenloom.actors.execution.guided_masks import GuidedMasks, no_token_error
 from tokenloom.actors.execution.pooling import Pooler
@@ -41,7 +41,7 @@ from tokenloom.graphs.capture import DecodeGraphs
 from tokenloom.graphs.dispatch import GRAPH, PIECEWISE, Dispatcher
 from tokenloom.graphs.piecewise import PiecewiseGraphs
 from tokenloom.kernels.kv_store import HostKVPool, KVCache, gather_blocks, scatter_blocks
-from tokenloom.kernels.models.llama import LlamaForCausalLM
+from tokenloom.kernels.models.decoder import CausalLM
 from tokenloom.kernels.sampling import (
     Sample,
     SamplingRow,
@@ -89,10 +89,13 @@ class _SeqState:
     draft_probs: torch.Tensor | None = None
     # Guided decoding: the request's grammar position (None: unconstrained).
     matcher: GuidedMatcher | None = None
+    # A longrope model: the sequence was (re)admitted longer than the original window, so
+    # all of it rotates with the long factors (layers.longrope_rows).
+    long_rope: bool = False
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv: KVCache, device: torch.device,
+    def __init__(self, model: CausalLM, kv: KVCache, device: torch.device,
                  eos_token_ids: tuple[int, ...], graphs: DecodeGraphs | None = None,
                  dispatcher: Dispatcher | None = None, host_pool: HostKVPool | None = None,
                  proposer=None, guided=None, piecewise: PiecewiseGraphs | None = None,
@@ -125,6 +128,11 @@ class ModelRunner:
         self.lora = lora
         # Embeddings: pooling requests' hidden states (actors/execution/pooling.py).
         self.pooler = Pooler()
+        # A longrope model: which RoPE rows each sequence's tokens read.
+        rope = getattr(model, "rope", None)
+        self.long_rope = (LongRope(rope.long_offset, rope.original_max_positions,
+                                   lambda rid: self._seqs[rid].long_rope)
+                          if getattr(rope, "long_offset", 0) else None)
 
     def offload(self, offloads: list) -> None:
         """Copy device blocks (block id, BlockMeta, committed) to the KV tiers. A failure
@@ -178,7 +186,10 @@ class ModelRunner:
     def _register(self, request_id: str, new: NewSequence) -> None:
         state = self._seqs.get(request_id)
         outputs = list(new.output_token_ids)
+        long_rope = (self.long_rope is not None
+                     and len(new.prompt_token_ids) + len(outputs) > self.long_rope.original)
         if state is not None:
+            state.long_rope = long_rope
             # Resumed after preemption: keep the RNG so seeded output is unchanged, and the
             # grammar state (rebuilt only if the output it followed is not this one).
             state.output_token_ids[:] = outputs
@@ -191,7 +202,8 @@ class ModelRunner:
         row = SamplingRow(params=p, generator=gen, prompt_token_ids=list(new.prompt_token_ids),
                           output_token_ids=outputs, eos_token_ids=self.eos_token_ids)
         self._seqs[request_id] = _SeqState(row=row, output_token_ids=outputs,
-                                           matcher=self.guided.new_matcher(request_id, p, outputs))
+                                           matcher=self.guided.new_matcher(request_id, p, outputs),
+                                           long_rope=long_rope)
 
     def forget(self, request_ids) -> None:
         """These requests have finished: drop their sampling state."""
@@ -505,7 +517,8 @@ class ModelRunner:
             logits = self.graphs.run(seqs, decision.padded_size, patch)  # [padded, vocab]
             if mirror is not None:
                 inputs = build_batch_inputs(batch, self.kv.block_size, self.device,
-                                            with_decode_mask=self._reference_decode())
+                                            with_decode_mask=self._reference_decode(),
+                                            long_rope=self.long_rope)
                 if patch is not None:
                     inputs.input_ids.index_copy_(0, patch[0], patch[1])
                 mirror(inputs)
@@ -516,7 +529,8 @@ class ModelRunner:
             index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
             return logits[index], sample_ids, None
         inputs = build_batch_inputs(batch, self.kv.block_size, self.device,
-                                    with_decode_mask=self._reference_decode())
+                                    with_decode_mask=self._reference_decode(),
+                                    long_rope=self.long_rope)
         if patch is not None:   # decodes come first in the flat batch: row i is token i
             inputs.input_ids.index_copy_(0, patch[0], patch[1])
         # (piecewise: h is a view of the static buffer, used before the next step)

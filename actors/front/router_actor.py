@@ -145,7 +145,9 @@ class WorkerRouterActor(Actor):
                                                           None],
                  emit: Callable[[RequestOutput], None], fingerprint: str, block_size: int,
                  prefix_caching: bool, clock: Callable[[], float] = time.monotonic,
-                 disagg: disaggregation.Settings | None = None):
+                 disagg: disaggregation.Settings | None = None,
+                 variant: Callable[[int], str | None] | None = None):
+        """`variant`: as PrefixTracker's (the workers hash with it)."""
         super().__init__()
         self.core = core
         self.disagg = disagg
@@ -156,6 +158,7 @@ class WorkerRouterActor(Actor):
         self.fingerprint = fingerprint
         self.clock = clock
         self._identities = Identities(fingerprint)
+        self._variant = variant
         self._requests: dict[str, _Routed] = {}
         self._affinity: dict[str, int] = {}     # affinity key -> worker it last went to
         self.num_rejected = 0
@@ -165,7 +168,9 @@ class WorkerRouterActor(Actor):
             return []
         # The workers' identity (salt and LoRA adapter): an adapter's prompts score only
         # against blocks computed with that adapter, which routes them to a worker holding it.
-        ident, _ = self._identities.encoded(msg.meta.cache_salt, msg.meta.lora)
+        n = len(msg.prompt_token_ids)
+        variant = self._variant(n) if self._variant is not None else None
+        ident, _ = self._identities.encoded(msg.meta.cache_salt, msg.meta.lora, variant)
         return hash_request_blocks(msg.prompt_token_ids, self.block_size, ident)
 
     def _add(self, msg: AddRequest, exclude: int | None = None) -> None:

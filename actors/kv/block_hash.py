@@ -33,17 +33,22 @@ BlockHash = bytes
 
 
 class CacheIdentity(msgspec.Struct, frozen=True, array_like=True):
-    """Everything besides the tokens that decides whether KV can be shared."""
+    """Everything besides the tokens that decides whether KV can be shared. `variant`: what
+    else the request's KV depends on — a longrope model rotates a whole sequence with its
+    long factors when the prompt outgrows the original window ("long"); None."""
     model_fingerprint: str
     cache_salt: str | None = None
     adapter: str | None = None
+    variant: str | None = None
 
     def encode(self) -> bytes:
+        if self.variant is None:   # (so identities without a variant keep their hashes)
+            return _encode((self.model_fingerprint, self.cache_salt, self.adapter))
         return _encode(self)
 
     def without_salt(self) -> CacheIdentity:
         """The identity whose chain gives a request's *content* hashes (miss explanation)."""
-        return CacheIdentity(self.model_fingerprint, None, self.adapter)
+        return CacheIdentity(self.model_fingerprint, None, self.adapter, self.variant)
 
 
 class Identities:
@@ -55,15 +60,16 @@ class Identities:
 
     def __init__(self, model_fingerprint: str):
         self.model_fingerprint = model_fingerprint
-        self._cache: dict[tuple[str | None, str | None], tuple[bytes, bytes | None]] = {}
+        self._cache: dict[tuple, tuple[bytes, bytes | None]] = {}
 
-    def encoded(self, salt: str | None, adapter: str | None = None) -> tuple[bytes, bytes | None]:
+    def encoded(self, salt: str | None, adapter: str | None = None,
+                variant: str | None = None) -> tuple[bytes, bytes | None]:
         """(identity bytes, content-identity bytes — the salt-free one — or None when
         unsalted, where the content hashes equal the block hashes)."""
-        key = (salt, adapter)
+        key = (salt, adapter, variant)
         ids = self._cache.get(key)
         if ids is None:
-            ident = CacheIdentity(self.model_fingerprint, salt, adapter)
+            ident = CacheIdentity(self.model_fingerprint, salt, adapter, variant)
             ids = (ident.encode(), ident.without_salt().encode() if salt is not None else None)
             if len(self._cache) < self.MAX_ENTRIES:
                 self._cache[key] = ids
@@ -95,6 +101,17 @@ def hash_request_blocks(token_ids: Sequence[int], block_size: int, identity: byt
     return out
 
 
+def group_hashes(hashes: Sequence[BlockHash], group: int) -> Sequence[BlockHash]:
+    """The keys a layer group's blocks are cached under (kv_manager.py): the chain's own
+    hashes for group 0, derived ones for the others (a block of group 2 holds other
+    layers' KV than group 0's block of the same tokens, so it must never be found for it).
+    Derived from the chain hash, so isolation carries over."""
+    if group == 0:
+        return hashes
+    tag = b"kv-group" + group.to_bytes(2, "little")
+    return [hashlib.sha256(tag + h).digest() for h in hashes]
+
+
 def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block_size: int,
                         identity: bytes) -> list[BlockHash]:
     """Append to ``hashes`` (a request's chain so far) the hashes of blocks of ``token_ids``
@@ -104,6 +121,22 @@ def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block
                               parent=hashes[-1] if hashes else None)
     hashes.extend(new)
     return new
+
+
+LONG_ROPE = "long_rope"
+
+
+def long_rope_window(spec) -> int | None:
+    """A longrope model's original window (a longer sequence rotates with the long factors
+    throughout), else None."""
+    rope = spec.rope
+    return rope.original_max_position_embeddings if rope.rope_type == "longrope" else None
+
+
+def rope_variant(spec, num_prompt_tokens: int) -> str | None:
+    """The identity variant of a new request's KV (CacheIdentity.variant) under `spec`."""
+    window = long_rope_window(spec)
+    return LONG_ROPE if window is not None and num_prompt_tokens > window else None
 
 
 def model_fingerprint(weights_digest: str, dtype: str, block_size: int) -> str:

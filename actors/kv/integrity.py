@@ -12,14 +12,17 @@ from tokenloom.actors.kv.prefix_cache import PrefixCache
 
 
 def check_tables(pool: BlockPool, tables: Mapping[str, list[int]], cache: PrefixCache | None,
-                 committed: Mapping[str, int]) -> None:
+                 committed: Mapping[str, int], reserved: int = 0,
+                 logical: Mapping[str, int] | None = None) -> None:
     """Raise ``AssertionError`` describing the first broken invariant, if any.
 
     Pool invariants, plus: every block in a table is used; no table holds a block twice;
     each table block's ref_cnt equals the number of tables holding it (blocks are shared
     only through prefix hits and forks); the distinct table blocks are exactly the used
     blocks; and, with caching, the prefix cache's own invariants and no request committed
-    beyond the table it holds.
+    beyond the table it holds. `reserved`: blocks the pool holds outside every table
+    (a hybrid layout's NULL_BLOCK); `logical`: each table's length in blocks where it is
+    not the number of blocks it holds (a sliding group's dropped entries).
     """
     pool.check_integrity()
     holders: dict[int, list[str]] = {}
@@ -42,13 +45,15 @@ def check_tables(pool: BlockPool, tables: Mapping[str, list[int]], cache: Prefix
             raise AssertionError(
                 f"block {block_id} has ref_cnt {ref_cnt} but {len(rids)} table(s) hold it"
             )
-    if len(holders) != pool.num_used_blocks:
+    if len(holders) + reserved != pool.num_used_blocks:
         raise AssertionError(
-            f"tables hold {len(holders)} blocks but the pool has {pool.num_used_blocks} used"
+            f"tables hold {len(holders)} blocks{f' (+ {reserved} reserved)' if reserved else ''}"
+            f" but the pool has {pool.num_used_blocks} used"
         )
     if cache is not None:
         cache.check_integrity()
         for rid, done in committed.items():
-            if rid not in tables or done > len(tables[rid]):
+            length = (logical or {}).get(rid, len(tables.get(rid, ())))
+            if rid not in tables or done > length:
                 raise AssertionError(f"request {rid!r} committed {done} blocks but holds "
-                                     f"{len(tables.get(rid, ()))}")
+                                     f"{length}")

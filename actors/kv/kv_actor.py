@@ -73,24 +73,30 @@ class KVManagerActor(Actor):
                                  c.token_ids, c.content_hashes, cache_salt=c.cache_salt,
                                  lora_name=c.lora_name)
         swap_out = [pair for rid, slots in update.swap_outs
-                    for pair in zip(m.block_table(rid), slots)]
+                    for pair in zip(m.swap_out_blocks(rid), slots)]
         freed = sum(m.free(rid) for rid in update.frees)
-        forked, copies = {}, []
+        forked, copies, unforkable = {}, [], []
         for parent, child, num_tokens in update.forks:
+            if not m.can_fork(parent, num_tokens):
+                unforkable.append(child)
+                continue
             made = m.fork(parent, child, num_tokens)
             if made is not None:  # None: no free block for the copy; the child waits
                 forked[child] = m.block_table(child)
                 copies.extend(made)
-        new_blocks, failed = self._allocate(update.grants)
+        # Sliding groups let go of what is behind their windows before anything grows.
+        freed += sum(m.drop_behind_windows(rid, n) for rid, n in update.computed.items())
+        new_blocks, failed = self._allocate(update.grants, update.computed)
         admitted = {}
         swap_in = []
         if new_blocks is not None:
             # Each admission may use its reserved blocks plus whatever nobody reserved:
             # reclaiming cached hit blocks that sit free costs free blocks too.
-            bs = m.block_size
-            slack = m.num_free_blocks - sum(cdiv(a.planned_tokens, bs) for a in update.admissions)
+            bs, groups = m.block_size, m.groups.num_groups
+            slack = m.num_free_blocks - sum(groups * cdiv(a.planned_tokens, bs)
+                                            for a in update.admissions)
             for a in update.admissions:
-                reserved = cdiv(a.planned_tokens, bs)
+                reserved = groups * cdiv(a.planned_tokens, bs)
                 before = m.num_free_blocks
                 growth = admitted[a.request_id] = m.admit(
                     a.request_id, a.planned_tokens, a.query, budget=reserved + max(0, slack),
@@ -99,14 +105,20 @@ class KVManagerActor(Actor):
                     self.tiers.restored(growth.restored_tiers)
                 slack -= max(0, before - m.num_free_blocks - reserved)
             swap_in = [pair for rid, slots in update.swap_ins
-                       for pair in zip(slots, m.block_table(rid))]
+                       for pair in m.swap_in_pairs(rid, slots)]
         return KVGrant(new_blocks=new_blocks, num_free_blocks=m.num_free_blocks,
                        num_used_blocks=m.num_used_blocks, freed=freed, admitted=admitted,
                        held={rid: m.num_held(rid) for rid in update.report},
                        exclusive={rid: m.num_exclusive(rid) for rid in update.report},
+                       logical=({rid: m.table_length(rid) for rid in update.report}
+                                if m.groups.hybrid else {}),
                        tables={rid: m.block_table(rid) for rid in update.tables_for
                                if m.has_request(rid)},
-                       forked=forked, copies=copies, swap_out=swap_out, swap_in=swap_in,
+                       group_tables=({rid: m.block_tables(rid)[1:] for rid in update.tables_for
+                                      if m.has_request(rid)}
+                                     if m.groups.num_groups > 1 else {}),
+                       forked=forked, copies=copies, unforkable=unforkable,
+                       swap_out=swap_out, swap_in=swap_in,
                        failed=failed, tier_held=held, tier_ready=ready, tier_plans=plans,
                        offloads=m.take_offloads())
 
@@ -141,20 +153,21 @@ class KVManagerActor(Actor):
         return StagedBlocks(start_block=staged.start_block,
                             payloads=[r.payload for r in staged.records], tiers=staged.tiers)
 
-    def _allocate(self, grants) -> tuple[dict[str, list[int]] | None, dict[str, str]]:
+    def _allocate(self, grants, computed) -> tuple[dict[str, list[int]] | None,
+                                                   dict[str, str]]:
         """Every grant at once (atomic: all or nothing). If that raises (a fault, not a lack
         of room, which is a refusal), retry one grant at a time so that the failure ends
         only the requests it touches: those come back in `failed` with the error."""
         if not grants:
             return {}, {}
         try:
-            return self.manager.allocate(grants), {}
+            return self.manager.allocate(grants, computed), {}
         except Exception as e:  # noqa: BLE001
             self.log.error("KV allocation failed; retrying grant by grant", error=repr(e))
         new_blocks, failed = {}, {}
         for grant in grants:
             try:
-                got = self.manager.allocate([grant])
+                got = self.manager.allocate([grant], computed)
             except Exception as e:  # noqa: BLE001
                 failed[grant[0]] = f"KV block allocation failed: {e!r}"
                 continue

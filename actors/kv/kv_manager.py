@@ -3,8 +3,11 @@
 Pure module (no torch, no asyncio); the KV-manager actor is a thin shell around it.
 
 Contract:
-- Each request id owns one block table (a list of physical block ids, in token order).
-  Tables only grow while a request runs; ``free`` releases a whole table.
+- Each request id owns one block table per layer group (a list of physical block ids, in
+  token order; groups.py). A model without sliding-window layers has one group: one table
+  per request. Tables only grow while a request runs; ``free`` releases all of them. A
+  sliding group's blocks behind its window are released as the request advances
+  (``drop_behind_windows``), their entries becoming ``NULL_BLOCK``.
 - ``allocate(grants)`` is atomic across all grants: either every table grows to hold its
   requested token count, or nothing changes and it returns ``None``. It never raises for
   lack of room: ``None`` means "does not fit" and the scheduler preempts or waits.
@@ -27,14 +30,15 @@ Sharing and prefix caching (``enable_prefix_caching=True``; off, behaviour is un
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
 
-from tokenloom.actors.kv.block_hash import BlockHash
+from tokenloom.actors.kv.block_hash import BlockHash, group_hashes
 from tokenloom.actors.kv.block_pool import BlockPool
 from tokenloom.actors.kv.events import KVEventPublisher
+from tokenloom.actors.kv.groups import NULL_BLOCK, KVGroups
 from tokenloom.actors.kv.integrity import check_tables
 from tokenloom.actors.kv.prefix_cache import (
     FlushResult,
@@ -92,18 +96,39 @@ class StagedBlocks(msgspec.Struct, frozen=True, gc=False):
     tiers: list[str]
 
 
+class _Hit(msgspec.Struct, frozen=True, gc=False):
+    """A prefix hit over every group: `num_blocks` leading blocks are cached, and group g
+    reuses blocks `first[g] ..` of them (`blocks[g]`; a sliding group needs only those
+    inside its window at the hit point)."""
+    num_blocks: int
+    blocks: list[list[int]]
+    first: list[int]
+
+    def distinct(self) -> set[int]:
+        return {b for group in self.blocks for b in group}
+
+
+
 class KVCacheManager:
-    """Maps request ids to block tables over one ``BlockPool``."""
+    """Maps request ids to block tables (one per layer group) over one ``BlockPool``."""
 
     def __init__(self, num_blocks: int, block_size: int, *,
                  enable_prefix_caching: bool = False,
                  events: KVEventPublisher | None = None,
-                 evicted_memory: int | None = None) -> None:
+                 evicted_memory: int | None = None,
+                 groups: KVGroups | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self._groups = groups if groups is not None else KVGroups.single(1)
         self._pool = BlockPool(num_blocks)
+        # A hybrid layout's tables hold NULL_BLOCK for dropped blocks: the pool reserves it.
+        self._reserved = 0
+        if self._groups.hybrid:
+            taken = self._pool.allocate(1)
+            assert taken == [NULL_BLOCK], f"a fresh pool allocated {taken} first"
+            self._reserved = 1
         self._block_size = block_size
-        self._tables: dict[str, list[int]] = {}
+        self._tables: dict[str, list[list[int]]] = {}
         self.events = events if events is not None else KVEventPublisher()
         self._cache: PrefixCache | None = None
         if enable_prefix_caching:
@@ -111,6 +136,9 @@ class KVCacheManager:
                                       evicted_memory=evicted_memory)
         # Leading table blocks already offered to the cache (hits count as offered).
         self._committed: dict[str, int] = {}
+        # Swapped-out requests: the table positions each group held, in the order the swap
+        # slots were given (a swap-in pairs them position by position).
+        self._swapped_shape: dict[str, list[list[int]]] = {}
         # KV tiers: device blocks the runner must copy out before anything overwrites them
         # (block id, identity, committed: write-through of a new block, else an eviction).
         self.offloads: list[tuple[int, Any, bool]] = []
@@ -121,6 +149,9 @@ class KVCacheManager:
         which ``wants(hash, committed)`` is true is queued in ``offloads``."""
         if self._cache is None:
             raise ValueError("KV tiers need prefix caching")
+        if self._groups.hybrid:
+            raise ValueError("KV tiers restore a chain's blocks from the start; this "
+                             "model's sliding-window layers keep only their windows")
         self._tier_wants = wants
 
         def sink(block_id: int, meta, committed: bool) -> None:
@@ -151,8 +182,13 @@ class KVCacheManager:
         return self._block_size
 
     @property
+    def groups(self) -> KVGroups:
+        return self._groups
+
+    @property
     def num_blocks(self) -> int:
-        return self._pool.num_blocks
+        """Blocks tables can hold (a hybrid layout reserves NULL_BLOCK)."""
+        return self._pool.num_blocks - self._reserved
 
     @property
     def num_free_blocks(self) -> int:
@@ -160,24 +196,34 @@ class KVCacheManager:
 
     @property
     def num_used_blocks(self) -> int:
-        return self._pool.num_used_blocks
+        return self._pool.num_used_blocks - self._reserved
 
     @property
     def usage(self) -> float:
         """Fraction of blocks in use, in [0, 1] (vLLM's ``kv_cache_usage_perc``)."""
-        return self._pool.num_used_blocks / self._pool.num_blocks
+        return self.num_used_blocks / self.num_blocks
 
     @property
     def capacity_tokens(self) -> int:
-        return self._pool.num_blocks * self._block_size
+        return self.num_blocks * self._block_size
 
     def num_held(self, request_id: str) -> int:
-        """Blocks currently held by ``request_id`` (0 if unknown)."""
-        return len(self._tables.get(request_id, ()))
+        """Blocks currently held by ``request_id`` over all its groups (0 if unknown)."""
+        return sum(b != NULL_BLOCK or not self._reserved
+                   for t in self._tables.get(request_id, ()) for b in t)
 
     def block_table(self, request_id: str) -> list[int]:
-        """A copy of the request's block table. ``KeyError`` if the request holds no table."""
-        return list(self._tables[request_id])
+        """A copy of the request's (first group's) block table. ``KeyError`` if the
+        request holds no table."""
+        return list(self._tables[request_id][0])
+
+    def block_tables(self, request_id: str) -> list[list[int]]:
+        """Copies of every group's table (``NULL_BLOCK`` where a sliding group dropped)."""
+        return [list(t) for t in self._tables[request_id]]
+
+    def physical_blocks(self, request_id: str) -> list[int]:
+        """The blocks the request holds, group by group in table order (swap order)."""
+        return [b for t in self._tables[request_id] for b in t if not self._null(b)]
 
     @property
     def num_requests(self) -> int:
@@ -187,18 +233,30 @@ class KVCacheManager:
     def has_request(self, request_id: str) -> bool:
         return request_id in self._tables
 
+    def table_length(self, request_id: str) -> int:
+        """The length of the request's tables in position blocks (0 if unknown)."""
+        return self._logical(request_id)
+
+    def _logical(self, request_id: str) -> int:
+        tables = self._tables.get(request_id)
+        return len(tables[0]) if tables else 0
+
+    def _null(self, block_id: int) -> bool:
+        return self._reserved > 0 and block_id == NULL_BLOCK
+
     def num_blocks_needed(self, request_id: str, num_total_tokens: int) -> int:
-        """Extra blocks ``request_id`` needs to hold ``num_total_tokens`` tokens (>= 0)."""
+        """Extra blocks ``request_id`` needs to hold ``num_total_tokens`` tokens (>= 0):
+        one per group for each position block its tables do not cover yet."""
         if num_total_tokens < 0:
             raise ValueError(f"num_total_tokens must be >= 0, got {num_total_tokens}")
         blocks_for_tokens = cdiv(num_total_tokens, self._block_size)
-        return max(0, blocks_for_tokens - self.num_held(request_id))
+        return self._groups.num_groups * max(0, blocks_for_tokens - self._logical(request_id))
 
     def snapshot(self) -> KVSnapshot:
         return KVSnapshot(
-            num_free_blocks=self._pool.num_free_blocks,
-            num_used_blocks=self._pool.num_used_blocks,
-            num_blocks=self._pool.num_blocks,
+            num_free_blocks=self.num_free_blocks,
+            num_used_blocks=self.num_used_blocks,
+            num_blocks=self.num_blocks,
             block_size=self._block_size,
         )
 
@@ -224,17 +282,21 @@ class KVCacheManager:
         The block holding the last token is never reused (it must be recomputed so that
         logits exist), so at most ``(len(token_ids) - 1) // block_size`` blocks hit. A
         request that already holds a table gets no hit. Valid until the next allocation:
-        ``free`` never removes cache entries, allocation may evict them.
+        ``free`` never removes cache entries, allocation may evict them. With sliding
+        groups a hit needs, besides the full groups' whole prefix, each sliding group's
+        blocks inside its window at the hit point.
         """
         self._check_query(query)
         if self._cache is None or request_id in self._tables:
             return PrefixLookup()
-        hits = self._match(query)
-        return PrefixLookup(num_hit_blocks=len(hits),
-                            num_cached_tokens=len(hits) * self._block_size,
-                            num_reclaimed_blocks=sum(self._pool.is_free(b) for b in hits))
+        hit = self._match(query)
+        return PrefixLookup(num_hit_blocks=hit.num_blocks,
+                            num_cached_tokens=hit.num_blocks * self._block_size,
+                            num_reclaimed_blocks=sum(self._pool.is_free(b)
+                                                     for b in hit.distinct()))
 
-    def allocate(self, grants: Sequence[tuple[str, int]]) -> dict[str, list[int]] | None:
+    def allocate(self, grants: Sequence[tuple[str, int]],
+                 computed: Mapping[str, int] | None = None) -> dict[str, list[int]] | None:
         """Grow every listed table to hold its token count, atomically.
 
         ``grants`` is a sequence of ``(request_id, num_total_tokens)`` with distinct ids.
@@ -242,14 +304,18 @@ class KVCacheManager:
         table is already large enough; tables never shrink), or ``None`` when the blocks
         needed by all entries together exceed the free blocks, in which case nothing is
         allocated. Never raises for lack of room. A request id seen here for the first
-        time gets a table, even if it needs no blocks yet.
+        time gets a table, even if it needs no blocks yet. ``computed[request_id]``: where
+        a new table of a request that computed that much before (a swap-in) starts its
+        sliding groups' windows.
         """
-        grown = self.allocate_with_prefix(grants, {})
+        grown = self.allocate_with_prefix(grants, {}, computed=computed)
         return None if grown is None else {rid: g.block_ids for rid, g in grown.items()}
 
     def allocate_with_prefix(self, grants: Sequence[tuple[str, int]],
                              prefixes: dict[str, PrefixQuery], *,
-                             count: bool = True) -> dict[str, TableGrowth] | None:
+                             count: bool = True,
+                             computed: Mapping[str, int] | None = None
+                             ) -> dict[str, TableGrowth] | None:
         """``allocate``, where each request in ``prefixes`` (new: it holds no table) starts
         its table with its cached prefix.
 
@@ -271,62 +337,87 @@ class KVCacheManager:
             raise ValueError(f"prefix queries for requests that hold a table: {holding}")
         for query in prefixes.values():
             self._check_query(query)
+        computed = computed or {}
         hits = {rid: self._match(q) for rid, q in prefixes.items()}
-        needed = [
-            max(0, self.num_blocks_needed(rid, num_tokens) - len(hits.get(rid, ())))
-            for rid, num_tokens in grants
-        ]
-        reclaimed = {b for blocks in hits.values() for b in blocks if self._pool.is_free(b)}
+        plans = [self._growth_plan(rid, n, hits.get(rid), computed.get(rid, 0))
+                 for rid, n in grants]
+        needed = [sum(fresh) for _, fresh in plans]
+        reclaimed = {b for hit in hits.values() for b in hit.distinct() if self._pool.is_free(b)}
         if sum(needed) + len(reclaimed) > self._pool.num_free_blocks:
             return None
         # Explain misses before the allocation below can evict what they look at.
-        reasons = {rid: self._cache.classify_miss(q, len(hits[rid]))
+        reasons = {rid: self._cache.classify_miss(q, hits[rid].num_blocks)
                    for rid, q in prefixes.items()} if self._cache is not None else {}
         # Commit point: nothing below can fail for lack of room.
         if self._cache is not None:
-            for blocks in hits.values():
-                self._cache.touch(blocks)
+            for hit in hits.values():
+                self._cache.touch([b for group in hit.blocks for b in group])
         new_blocks = self._allocate_blocks(sum(needed))
         assert new_blocks is not None, "free-block check passed but allocation failed"
         # Split one all-or-nothing pool allocation in grant order: deterministic, and no
         # partial state to roll back.
         result: dict[str, TableGrowth] = {}
         start = 0
-        for (rid, _), count in zip(grants, needed):
-            added = new_blocks[start : start + count]
-            start += count
+        for (rid, _), (prefix_tables, fresh) in zip(grants, plans):
+            added_all: list[int] = []
+            tables = self._tables.get(rid)
+            if tables is None:
+                tables = self._tables[rid] = [list(t) for t in prefix_tables]
+            for table, n in zip(tables, fresh):
+                added = new_blocks[start:start + n]
+                start += n
+                table.extend(added)
+                added_all.extend(added)
             if rid not in prefixes:
-                self._tables.setdefault(rid, []).extend(added)
-                result[rid] = TableGrowth(block_ids=added)
+                result[rid] = TableGrowth(block_ids=added_all)
                 continue
             hit = hits[rid]
-            self._tables[rid] = hit + added
-            if prefixes[rid].export and hit:
-                self._export_hits(hit)
+            hit_blocks = [b for group in hit.blocks for b in group]
+            if prefixes[rid].export and hit.num_blocks:
+                self._export_hits(hit.blocks[0])
             record = None
             if self._cache is not None:
-                self._committed[rid] = len(hit)
+                self._committed[rid] = hit.num_blocks
                 query = prefixes[rid]
                 record = PrefixRecord(num_query_tokens=len(query.token_ids),
-                                      num_hit_blocks=len(hit),
-                                      num_hit_tokens=len(hit) * self._block_size,
+                                      num_hit_blocks=hit.num_blocks,
+                                      num_hit_tokens=hit.num_blocks * self._block_size,
                                       miss_reason=reasons[rid])
                 if count:  # (a restoring admission counts under its own reason)
                     self._cache.record(record.num_query_tokens, record.num_hit_tokens,
                                        record.miss_reason)
-            result[rid] = TableGrowth(block_ids=hit + added,
-                                      num_cached_tokens=len(hit) * self._block_size,
+            result[rid] = TableGrowth(block_ids=hit_blocks + added_all,
+                                      num_cached_tokens=hit.num_blocks * self._block_size,
                                       prefix=record)
         return result
+
+    def _growth_plan(self, request_id: str, num_tokens: int, hit: _Hit | None,
+                     computed: int) -> tuple[list[list[int]], list[int]]:
+        """(the tables a new request starts with: NULL_BLOCK behind each sliding group's
+        window, then its hit blocks; the fresh blocks each group adds)."""
+        bs, g = self._block_size, self._groups
+        logical = cdiv(num_tokens, bs)
+        tables = self._tables.get(request_id)
+        if tables is not None:
+            have = len(tables[0])
+            return [], [max(0, logical - have)] * g.num_groups
+        if hit is None or hit.num_blocks == 0:
+            first = [min(logical, g.first_kept_block(i, computed, bs))
+                     for i in range(g.num_groups)]
+            return ([[NULL_BLOCK] * f for f in first],
+                    [logical - f for f in first])
+        have = max(logical, hit.num_blocks)
+        return ([[NULL_BLOCK] * f + blocks for f, blocks in zip(hit.first, hit.blocks)],
+                [have - hit.num_blocks] * g.num_groups)
 
     def admit(self, request_id: str, planned_tokens: int, query: PrefixQuery,
               budget: int | None = None, staged: StagedBlocks | None = None) -> TableGrowth:
         """Admit a new request the scheduler planned to compute ``planned_tokens`` tokens
         of from scratch, reusing its cached prefix when that fits ``budget`` free blocks.
 
-        The scheduler reserved ``ceil(planned_tokens / block_size)`` free blocks for it
-        (the default budget; the caller may add unreserved slack). With ``h`` hit blocks it
-        computes ``min(planned, len - h * block_size)`` tokens from position
+        The scheduler reserved ``groups x ceil(planned_tokens / block_size)`` free blocks
+        for it (the default budget; the caller may add unreserved slack). With ``h`` hit
+        blocks it computes ``min(planned, len - h * block_size)`` tokens from position
         ``h * block_size``; that costs the fresh blocks plus the hit blocks that are
         currently free (taking them back uses free blocks). The longest hit whose cost fits
         the budget is used — at worst none, which is exactly what was reserved — so an
@@ -336,18 +427,19 @@ class KVCacheManager:
         staging starts at or before it) are restored into fresh blocks, as many as fit
         the budget, and the request computes from after them.
         """
-        bs = self._block_size
-        reserved = cdiv(planned_tokens, bs)
+        bs, groups = self._block_size, self._groups.num_groups
+        reserved = groups * cdiv(planned_tokens, bs)
         if budget is not None:
             reserved = max(reserved, budget)
-        hits = self._match(query)
+        hit = self._match(query)
+        hits = hit.blocks[0] if groups == 1 else []
         length = len(query.token_ids)
-        h = len(hits)
+        h = hit.num_blocks
         reusable = max(0, (length - 1) // bs)
         restorable = 0
-        if staged is not None and staged.start_block <= h:
+        if staged is not None and groups == 1 and staged.start_block <= h:
             restorable = max(0, min(staged.start_block + len(staged.payloads), reusable) - h)
-        reclaimed = sum(self._pool.is_free(b) for b in hits)
+        reclaimed = sum(self._pool.is_free(b) for b in hit.distinct())
         r = restorable
         while r > 0:
             fresh = r + cdiv(min(planned_tokens, length - (h + r) * bs), bs)
@@ -356,12 +448,16 @@ class KVCacheManager:
             r -= 1
         if r > 0:
             return self._admit_restored(request_id, planned_tokens, query, hits, r, staged)
+        cut = hit
         while h > 0:
-            fresh = cdiv(min(planned_tokens, length - h * bs), bs)
-            if fresh + sum(self._pool.is_free(b) for b in hits[:h]) <= reserved:
+            # (a shorter hit may stop earlier still: a sliding group's window at h - 1
+            # need not be cached although its window at h is)
+            h = cut.num_blocks
+            fresh = groups * cdiv(min(planned_tokens, length - h * bs), bs)
+            if h == 0 or fresh + sum(self._pool.is_free(b) for b in cut.distinct()) <= reserved:
                 break
-            h -= 1
-        if h < len(hits):
+            cut = self._match(query, h - 1)
+        if h < hit.num_blocks:
             query = msgspec.structs.replace(
                 query, block_hashes=query.block_hashes[:h],
                 content_hashes=None if query.content_hashes is None else query.content_hashes[:h])
@@ -374,7 +470,7 @@ class KVCacheManager:
     def _admit_restored(self, request_id: str, planned_tokens: int, query: PrefixQuery,
                         hits: list[int], r: int, staged: StagedBlocks) -> TableGrowth:
         """``admit`` with all ``hits`` and ``r`` restored blocks after them (the budget
-        check is the caller's)."""
+        check is the caller's; one group only)."""
         bs = self._block_size
         h = len(hits)
         length = len(query.token_ids)
@@ -404,7 +500,10 @@ class KVCacheManager:
     def num_exclusive(self, request_id: str) -> int:
         """Blocks that freeing ``request_id`` would return to the free list right now
         (those it holds alone); shared prefix blocks stay with their other holders."""
-        return sum(self._pool.ref_count(b) == 1 for b in self._tables.get(request_id, ()))
+        return sum(self._pool.ref_count(b) == 1 for b in self._held_blocks(request_id))
+
+    def _held_blocks(self, request_id: str) -> list[int]:
+        return [b for t in self._tables.get(request_id, ()) for b in t if not self._null(b)]
 
     def commit_full_blocks(self, request_id: str, num_computed_tokens: int,
                            block_hashes: Sequence[BlockHash], token_ids: Sequence[int],
@@ -416,9 +515,11 @@ class KVCacheManager:
         Called after a step, with the request's whole chain so far (``block_hashes`` must
         cover those blocks; ``token_ids`` all its tokens). Blocks offered before are
         skipped, so calling it every step costs only the new blocks. A request that holds
-        no table (freed meanwhile) commits nothing. A no-op when caching is off.
-        ``cache_salt`` (the request's) is announced with a chain's first block;
-        ``lora_name`` (its adapter) with every stored run.
+        no table (freed meanwhile) commits nothing. A no-op when caching is off. Each
+        group's blocks are cached under the group's own hashes (block_hash.group_hashes);
+        only the first group's are announced in KV events. ``cache_salt`` (the request's)
+        is announced with a chain's first block; ``lora_name`` (its adapter) with every
+        stored run.
 
         A new run's parent must be cached when the run is announced, or a KV event
         subscriber could not place it (llm-d and Dynamo drop a store whose parent they do
@@ -426,39 +527,60 @@ class KVCacheManager:
         cached on another block (two requests computed it at once), and that other block
         may have been evicted since. Then the request's own copies of the missing parents
         (full, computed, held by it) are cached first, back to a cached ancestor or the
-        chain's start.
+        chain's start (or the window's, for a sliding first group).
         """
         if self._cache is None or request_id not in self._tables:
             return 0
-        table = self._tables[request_id]
+        tables = self._tables[request_id]
         bs = self._block_size
         num_full = num_computed_tokens // bs
-        if num_full > len(table):
+        if num_full > len(tables[0]):
             raise ValueError(f"request {request_id!r} computed {num_computed_tokens} tokens "
-                             f"but holds only {len(table)} blocks")
+                             f"but holds only {len(tables[0])} blocks")
         if len(block_hashes) < num_full or len(token_ids) < num_full * bs:
             raise ValueError(f"commit of {num_full} full blocks needs their hashes and tokens")
         done = self._committed.get(request_id, 0)
         if num_full <= done:
             return 0
-        start = done
-        while start > 0 and not self._cache.has_hash(block_hashes[start - 1]):
-            start -= 1
-        stored = self._cache.cache_blocks(
-            table[start:num_full], block_hashes[start:num_full],
-            block_hashes[start - 1] if start > 0 else None,
-            [token_ids[i * bs:(i + 1) * bs] for i in range(start, num_full)],
-            content_hashes[start:num_full] if content_hashes is not None else None,
-            cache_salt=cache_salt, lora_name=lora_name)
+        stored = 0
+        for g, table in enumerate(tables):
+            hashes = group_hashes(block_hashes[:num_full], g)
+            first = next((j for j in range(num_full) if not self._null(table[j])), num_full)
+            start = max(done, first)
+            if g == 0:
+                while start > first and not self._cache.has_hash(hashes[start - 1]):
+                    start -= 1
+            if start >= num_full:
+                continue
+            stored += self._cache.cache_blocks(
+                table[start:num_full], hashes[start:num_full],
+                hashes[start - 1] if start > 0 else None,
+                [token_ids[i * bs:(i + 1) * bs] for i in range(start, num_full)],
+                content_hashes[start:num_full] if content_hashes is not None and g == 0
+                else None, cache_salt=cache_salt, lora_name=lora_name, announce=g == 0)
         self._committed[request_id] = num_full
         return stored
+
+    def can_fork(self, parent_id: str, num_tokens: int) -> bool:
+        """Whether the parent still holds every block a child computing from position
+        `num_tokens` reads: a sliding group may have dropped some behind its window as the
+        parent moved on (the child then computes its prompt itself, with prefix hits)."""
+        tables = self._tables.get(parent_id)
+        if tables is None:
+            return False
+        bs = self._block_size
+        for g, table in enumerate(tables):   # (the partial block is copied: it counts too)
+            first = self._groups.first_kept_block(g, num_tokens, bs)
+            if any(self._null(b) for b in table[first:cdiv(num_tokens, bs)]):
+                return False
+        return True
 
     def fork(self, parent_id: str, child_id: str, num_tokens: int) -> list[tuple[int, int]] | None:
         """Give ``child_id`` (new) the parent's first ``num_tokens`` tokens of KV, for n>1
         siblings. Full blocks are shared (ref + 1); a partially filled last block is copied
-        into a fresh block. Returns the ``(src_block, dst_block)`` copies the runner must
-        execute before the child's next step, or ``None`` (nothing changed) when no block
-        is free for the copy.
+        into a fresh block (one per group). Returns the ``(src_block, dst_block)`` copies
+        the runner must execute before the child's next step, or ``None`` (nothing
+        changed) when not enough blocks are free for the copies.
 
         Copy-on-write happens at fork time rather than on first write: siblings diverge at
         their very first sampled token, which lands in that partial block, so a lazy copy
@@ -467,25 +589,66 @@ class KVCacheManager:
         """
         if child_id in self._tables:
             raise ValueError(f"fork into {child_id!r}, which already holds a table")
-        table = self._tables[parent_id]
+        tables = self._tables[parent_id]
         num_full, rem = divmod(num_tokens, self._block_size)
-        if num_tokens < 0 or num_full + (rem > 0) > len(table):
+        if num_tokens < 0 or num_full + (rem > 0) > len(tables[0]):
             raise ValueError(f"fork of {num_tokens} tokens from {parent_id!r}, which holds "
-                             f"{len(table)} blocks")
-        shared = table[:num_full]
+                             f"{len(tables[0])} blocks")
         copies: list[tuple[int, int]] = []
-        child = list(shared)
         if rem:
-            dst = self._allocate_blocks(1)
+            dst = self._allocate_blocks(len(tables))
             if dst is None:
                 return None
-            copies.append((table[num_full], dst[0]))
-            child.append(dst[0])
-        self._pool.incr_ref(shared)
-        self._tables[child_id] = child
+            copies = [(t[num_full], d) for t, d in zip(tables, dst)]
+        children = []
+        for g, table in enumerate(tables):
+            shared = table[:num_full]
+            self._pool.incr_ref([b for b in shared if not self._null(b)])
+            children.append(list(shared) + ([copies[g][1]] if rem else []))
+        self._tables[child_id] = children
         if self._cache is not None:
             self._committed[child_id] = min(self._committed.get(parent_id, 0), num_full)
         return copies
+
+    def drop_behind_windows(self, request_id: str, num_computed: int) -> int:
+        """Release the blocks each sliding group no longer needs once the next position to
+        compute is ``num_computed`` (their entries become NULL_BLOCK); returns how many.
+        Cached ones join the LRU free list, to be reused for prefix hits while they last.
+        A step still running may read them: nothing writes a reused block before that step
+        is done (the runner executes steps in order)."""
+        tables = self._tables.get(request_id)
+        if tables is None or not self._groups.hybrid:
+            return 0
+        dropped = []
+        for g, table in enumerate(tables):
+            first = min(len(table), self._groups.first_kept_block(g, num_computed,
+                                                                  self._block_size))
+            for j in range(first):
+                if not self._null(table[j]):
+                    dropped.append(table[j])
+                    table[j] = NULL_BLOCK
+        self._release(dropped)
+        return len(dropped)
+
+    def swap_out_blocks(self, request_id: str) -> list[int]:
+        """The blocks a swap-out copies to host slots, in slot order; which table position
+        each came from is kept for the swap-in."""
+        self._swapped_shape[request_id] = [
+            [j for j, b in enumerate(t) if not self._null(b)] for t in self._tables[request_id]]
+        return self.physical_blocks(request_id)
+
+    def swap_in_pairs(self, request_id: str, slots: Sequence[int]) -> list[tuple[int, int]]:
+        """(host slot, block) for a swap-in of the slots `swap_out_blocks` filled: each
+        slot into the block at its table position in the new tables. A slot whose position
+        has fallen behind a sliding window since (the request had computed more by the time
+        it was swapped out than when its tables were last trimmed) is not needed."""
+        shape = self._swapped_shape.pop(request_id, None)
+        tables = self._tables[request_id]
+        if shape is None:
+            return list(zip(slots, self.physical_blocks(request_id)))
+        positions = [(g, j) for g, held in enumerate(shape) for j in held]
+        return [(slot, tables[g][j]) for slot, (g, j) in zip(slots, positions)
+                if j < len(tables[g]) and not self._null(tables[g][j])]
 
     def flush(self, force: bool = False, num_running: int = 0) -> FlushResult:
         """Drop every unreferenced cached block (admin ``flush_cache``); see
@@ -495,31 +658,40 @@ class KVCacheManager:
         return self._cache.flush(force, num_running)
 
     def free(self, request_id: str) -> int:
-        """Release ``request_id``'s whole table; return the number of blocks released.
+        """Release ``request_id``'s tables; return the number of blocks released.
 
         Idempotent: an unknown or already freed request releases 0 blocks.
         """
-        table = self._tables.pop(request_id, None)
-        if table is None:
+        tables = self._tables.pop(request_id, None)
+        if tables is None:   # (ended while swapped out: its shape is not needed any more)
+            self._swapped_shape.pop(request_id, None)
             return 0
         self._committed.pop(request_id, None)
         # Reversed so a request's tail blocks are reused first: its leading blocks are the
         # ones most likely to be a shared prefix.
+        blocks = [b for t in tables for b in reversed(t) if not self._null(b)]
+        self._release(blocks)
+        return len(blocks)
+
+    def _release(self, blocks: list[int]) -> None:
         if self._cache is None:
-            self._pool.free(reversed(table))
-            return len(table)
-        reverse = table[::-1]
+            self._pool.free(blocks)
+            return
         # Blocks without a hash hold nothing reusable: reuse them before evicting any.
-        self._pool.free([b for b in reverse if not self._cache.is_cached(b)], front=True)
-        self._pool.free([b for b in reverse if self._cache.is_cached(b)])
-        return len(table)
+        self._pool.free([b for b in blocks if not self._cache.is_cached(b)], front=True)
+        self._pool.free([b for b in blocks if self._cache.is_cached(b)])
 
     # --------------------------------------------------------------- invariants
 
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` describing the first broken invariant, if any (see
         ``integrity.check_tables``)."""
-        check_tables(self._pool, self._tables, self._cache, self._committed)
+        check_tables(self._pool, {f"{rid}/{g}": [b for b in t if not self._null(b)]
+                                  for rid, tables in self._tables.items()
+                                  for g, t in enumerate(tables)},
+                     self._cache, {f"{rid}/0": n for rid, n in self._committed.items()},
+                     reserved=self._reserved,
+                     logical={f"{rid}/0": len(t[0]) for rid, t in self._tables.items()})
 
     # ------------------------------------------------------------------ helpers
 
@@ -536,11 +708,31 @@ class KVCacheManager:
                 len(query.content_hashes) != len(query.block_hashes):
             raise ValueError("content_hashes must be None or match block_hashes")
 
-    def _match(self, query: PrefixQuery) -> list[int]:
+    def _match(self, query: PrefixQuery, at_most: int | None = None) -> _Hit:
+        """The longest hit usable by every group, at most `at_most` blocks."""
+        g = self._groups
         if self._cache is None:
-            return []
+            return _Hit(0, [[] for _ in g.windows], [0] * g.num_groups)
         reusable = max(0, (len(query.token_ids) - 1) // self._block_size)
-        return self._cache.match(query.block_hashes[:reusable])
+        hashes = query.block_hashes[:reusable if at_most is None else min(reusable, at_most)]
+        per_group = [group_hashes(hashes, i) for i in range(g.num_groups)]
+        h = len(hashes)
+        for i, w in enumerate(g.windows):
+            if w is None:
+                h = min(h, len(self._cache.match(per_group[i])))
+        while h > 0:
+            blocks, first = [], []
+            for i in range(g.num_groups):
+                lo = g.first_kept_block(i, h * self._block_size, self._block_size)
+                got = [self._cache.block_of(x) for x in per_group[i][lo:h]]
+                if any(b is None for b in got):
+                    break
+                blocks.append(got)
+                first.append(lo)
+            else:
+                return _Hit(h, blocks, first)
+            h -= 1
+        return _Hit(0, [[] for _ in g.windows], [0] * g.num_groups)
 
     def __repr__(self) -> str:
         return (

@@ -168,6 +168,8 @@ class PrefixCache:
         # block about to be evicted (False), with what identifies it below the device.
         self.tier_sink: Callable[[int, BlockMeta, bool], None] | None = None
         self._tail_of: list[tuple[tuple[int, ...], str | None] | None] = [None] * n
+        # Blocks cached without events (announce=False): their removal is not announced.
+        self._quiet: set[int] = set()
 
     # ------------------------------------------------------------------ queries
 
@@ -186,6 +188,10 @@ class PrefixCache:
 
     def has_hash(self, block_hash: BlockHash) -> bool:
         return block_hash in self._block_of
+
+    def block_of(self, block_hash: BlockHash) -> int | None:
+        """The block cached under `block_hash`, or None."""
+        return self._block_of.get(block_hash)
 
     def match(self, block_hashes: Sequence[BlockHash]) -> list[int]:
         """Block ids of the longest leading run of ``block_hashes`` that is cached.
@@ -244,25 +250,32 @@ class PrefixCache:
         cached = [b for b in block_ids if self._hash_of[b] is not None]
         if cached and self.tier_sink is not None:
             for b in cached:
-                self.tier_sink(b, self._meta(b), False)
+                if b not in self._quiet:
+                    self.tier_sink(b, self._meta(b), False)
+        announced = [b for b in cached if b not in self._quiet]
         evicted = [self._unmap(b) for b in cached]
         if evicted:
             self._stats.evicted_blocks += len(evicted)
             self._remember_evicted(evicted)
-            self.events.publish(BlockRemoved(block_hashes=evicted, medium=self._medium))
+        if announced:
+            removed = [h for b, h in zip(cached, evicted) if b in announced]
+            self.events.publish(BlockRemoved(block_hashes=removed, medium=self._medium))
         return block_ids
 
     def cache_blocks(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash],
                      parent_hash: BlockHash | None,
                      token_ids_per_block: Sequence[Sequence[int]],
                      content_hashes: Sequence[BlockHash] | None = None, *,
-                     cache_salt: str | None = None, lora_name: str | None = None) -> int:
+                     cache_salt: str | None = None, lora_name: str | None = None,
+                     announce: bool = True) -> int:
         """Register consecutive full, computed blocks of one chain; return how many became
         cached. ``parent_hash`` is the hash of the block before ``block_ids[0]`` (``None``
         at the start of a sequence). A block already cached under the same hash is left as
         is; a hash already cached elsewhere keeps its block (this one stays uncached).
         Emits one ``BlockStored`` per run of consecutive newly cached blocks; a run that
-        starts the sequence carries ``cache_salt`` in its first block's extra keys."""
+        starts the sequence carries ``cache_salt`` in its first block's extra keys.
+        ``announce=False``: no events for these blocks (a layer group other than the one
+        routers score, kv_manager.py), and no tier copies."""
         if not (len(block_ids) == len(block_hashes) == len(token_ids_per_block)):
             raise ValueError("cache_blocks needs one hash and one token list per block")
         if content_hashes is not None and len(content_hashes) != len(block_hashes):
@@ -287,10 +300,15 @@ class PrefixCache:
                 content = content_hashes[i] if content_hashes is not None else h
                 self._map(block_id, h, content, (parent, tokens[0]))
                 stored += 1
-                if self.tier_sink is not None:
+                if not announce:
+                    self._quiet.add(block_id)
+                elif self.tier_sink is not None:
                     salt = cache_salt if parent is None else None
                     self._tail_of[block_id] = (tuple(tokens), salt)
                     self.tier_sink(block_id, self._meta(block_id), True)
+                if not announce:
+                    parent = h
+                    continue
                 if not run:
                     run_parent = parent
                 run.append(h)
@@ -299,7 +317,7 @@ class PrefixCache:
                 self._publish_stored(run, run_parent, run_tokens, cache_salt, lora_name)
                 run, run_tokens = [], []
             parent = h
-        if run:
+        if run and announce:
             self._publish_stored(run, run_parent, run_tokens, cache_salt, lora_name)
         self._stats.stored_blocks += stored
         return stored
@@ -311,13 +329,15 @@ class PrefixCache:
         if num_running > 0 and not force:
             return FlushResult(0, f"{num_running} request(s) running; drain first or force")
         dropped = [b for b in self._block_of.values() if self._pool.is_free(b)]
+        quiet = [b in self._quiet for b in dropped]
         hashes = [self._unmap(b) for b in dropped]
         self._remember_evicted(hashes)
         self._stats.flushed_blocks += len(hashes)
+        announced = [h for h, q in zip(hashes, quiet) if not q]
         if not self._block_of:
             self.events.publish(AllBlocksCleared())
-        elif hashes:
-            self.events.publish(BlockRemoved(block_hashes=hashes, medium=self._medium))
+        elif announced:
+            self.events.publish(BlockRemoved(block_hashes=announced, medium=self._medium))
         return FlushResult(len(dropped))
 
     def record(self, num_query_tokens: int, num_hit_tokens: int, reason: MissReason | str) -> None:
@@ -402,6 +422,7 @@ class PrefixCache:
         self._content_of[block_id] = None
         self._sibling_of[block_id] = None
         self._tail_of[block_id] = None
+        self._quiet.discard(block_id)
         return h
 
     def _remember_evicted(self, hashes: Sequence[BlockHash]) -> None:

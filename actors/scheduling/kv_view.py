@@ -58,6 +58,14 @@ class KVView:
         """Blocks in request_id's table at the last report (0 once queued to be freed)."""
         return 0 if request_id in self._frees else self.grant.held.get(request_id, 0)
 
+    def table_blocks(self, request_id: str) -> int:
+        """The length of request_id's tables in position blocks at the last report (with
+        several layer groups; otherwise its held blocks)."""
+        if request_id in self._frees:
+            return 0
+        g = self.grant
+        return g.logical.get(request_id, g.held.get(request_id, 0))
+
     def freeable(self, request_id: str) -> int:
         """Blocks freeing request_id would return (fewer than held when prefix blocks
         are shared)."""

@@ -32,6 +32,7 @@ import dataclasses
 from collections import deque
 from typing import Callable, Mapping, Sequence
 
+from tokenloom.actors.kv.groups import KVGroups
 from tokenloom.actors.scheduling.fairness import victim_key
 from tokenloom.actors.scheduling.request import Request
 from tokenloom.arith import cdiv
@@ -43,6 +44,19 @@ class PolicyLimits:
     max_num_batched_tokens: int
     block_size: int
     num_blocks: int
+    # The model's layer groups (actors/kv/groups.py); None: one group (a block a position).
+    kv_groups: KVGroups | None = None
+
+    @property
+    def num_groups(self) -> int:
+        return 1 if self.kv_groups is None else self.kv_groups.num_groups
+
+    def blocks(self, num_tokens: int, num_computed: int) -> int:
+        """Blocks a request's tables hold covering `num_tokens` tokens when its next
+        position to compute is `num_computed` (sliding groups hold only their window)."""
+        if self.kv_groups is None:
+            return cdiv(num_tokens, self.block_size)
+        return self.kv_groups.blocks_for(num_tokens, num_computed, self.block_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +116,8 @@ def schedule(running: Sequence[Request], waiting: deque[Request] | Sequence[Requ
              prefill_budget: int | None = None,
              admission: AdmissionParams = AdmissionParams(),
              preempt_mode: Callable[[Request], str] | None = None,
-             drafts: Mapping[str, int] | None = None, spec_lookahead: int = 0) -> Decision:
+             drafts: Mapping[str, int] | None = None, spec_lookahead: int = 0,
+             table_blocks: Callable[[str], int] | None = None) -> Decision:
     """Decide the next iteration. Does not mutate its arguments.
 
     `held_blocks(id)` is the length of a request's block table; `freeable_blocks(id)` how
@@ -112,9 +127,13 @@ def schedule(running: Sequence[Request], waiting: deque[Request] | Sequence[Requ
     returns "swap" or "recompute" (default: recompute). `drafts[id]`: speculative tokens a
     decode verifies this step (it computes 1 + that many, fewer when the token budget must
     leave one token for every later decode); `spec_lookahead`: extra slots granted to
-    decodes of speculating requests, where a draft model writes its proposals' KV."""
+    decodes of speculating requests, where a draft model writes its proposals' KV.
+    `table_blocks(id)`: with several layer groups, the length of a request's tables in
+    position blocks (held_blocks then counts what its groups hold, fewer where a sliding
+    group dropped blocks behind its window)."""
     return StepPlanner(running, num_free_blocks, held_blocks, limits,
-                       freeable_blocks or held_blocks, preempt_mode).schedule(
+                       freeable_blocks or held_blocks, preempt_mode,
+                       table_blocks or held_blocks).schedule(
         waiting, prefill_budget, admission, drafts or {}, spec_lookahead)
 
 
@@ -126,8 +145,10 @@ class StepPlanner:
     def __init__(self, running: Sequence[Request], num_free_blocks: int,
                  held_blocks: Callable[[str], int], limits: PolicyLimits,
                  freeable_blocks: Callable[[str], int],
-                 preempt_mode: Callable[[Request], str] | None):
+                 preempt_mode: Callable[[Request], str] | None,
+                 table_blocks: Callable[[str], int] | None = None):
         self.running = running
+        self.table_blocks = table_blocks or held_blocks
         self.free = num_free_blocks
         self.held = held_blocks
         self.freeable = freeable_blocks
@@ -151,8 +172,15 @@ class StepPlanner:
 
     # -- KV: what a table needs, and preemption to find it ---------------------------------
     def need(self, req: Request, total_tokens: int) -> int:
-        return max(0, cdiv(total_tokens, self.limits.block_size)
-                   - self.held(req.request_id))
+        """Blocks req's tables gain growing to `total_tokens`: a block per layer group for
+        each position block not covered yet. (What a sliding group drops behind its window
+        in the same update is not counted back: dropped blocks shared with a sibling or a
+        prefix hit free nothing, and the rest shows in the next report.)"""
+        limits = self.limits
+        if limits.kv_groups is None:
+            return max(0, cdiv(total_tokens, limits.block_size) - self.held(req.request_id))
+        return limits.num_groups * max(0, cdiv(total_tokens, limits.block_size)
+                                       - self.table_blocks(req.request_id))
 
     def evict(self, victim: Request) -> None:
         rid = victim.request_id
@@ -184,6 +212,27 @@ class StepPlanner:
         self.table_tokens[req.request_id] = total
         return True
 
+    def fitting(self, req: Request, num_tokens: int) -> int:
+        """With several layer groups: the most of req's next `num_tokens` whose blocks fit
+        the free ones now (0: not one token). A long chunk a lone request cannot hold at
+        once in every group still goes through in smaller ones, its sliding groups
+        dropping what falls behind their windows as it goes."""
+        limits = self.limits
+        if limits.kv_groups is None:
+            return num_tokens if self.need(req, req.num_computed_tokens + num_tokens) \
+                <= self.free else 0
+        blocks = self.table_blocks(req.request_id) + self.free // limits.num_groups
+        return max(0, min(num_tokens, blocks * limits.block_size - req.num_computed_tokens))
+
+    def drops_pending(self, req: Request) -> bool:
+        """Its sliding groups hold blocks this update drops behind their windows (they show
+        free in the next report)."""
+        limits = self.limits
+        if limits.kv_groups is None or not limits.kv_groups.hybrid:
+            return False
+        covered = self.table_blocks(req.request_id) * limits.block_size
+        return self.held(req.request_id) > limits.blocks(covered, req.num_computed_tokens)
+
     def _by_class(self, r: Request):
         return (r.priority, self.order[r.request_id])
 
@@ -201,7 +250,10 @@ class StepPlanner:
             extra = min(spec_lookahead, max(0, remaining_output(req) - n)) \
                 if req.spec is not None and spec_lookahead else 0
             if self.budget < 1 or not self.place(req, n, extra):
-                if req.request_id not in self.victims:
+                # (a request whose own dropped blocks will make room next step waits a
+                # step rather than losing its KV)
+                if req.request_id not in self.victims and not (
+                        self.budget >= 1 and self.drops_pending(req)):
                     self.evict(req)
                 continue
             self.budget -= n
@@ -220,9 +272,13 @@ class StepPlanner:
                 continue
             n = min(req.num_remaining_tokens, self.budget)
             if not self.place(req, n):
-                if req.request_id not in self.victims:
-                    self.evict(req)
-                continue
+                fit = self.fitting(req, n) if self.limits.kv_groups is not None else 0
+                if fit and self.place(req, fit):
+                    n = fit
+                else:
+                    if req.request_id not in self.victims and not self.drops_pending(req):
+                        self.evict(req)
+                    continue
             self.budget -= n
             self.d.prefills.append(ScheduledWork(req, n, resumed=False))
 
@@ -237,8 +293,10 @@ class StepPlanner:
 
         def future_need(req: Request) -> int:
             have = max(self.held(req.request_id),
-                       cdiv(self.table_tokens.get(req.request_id, 0), bs))
-            return max(0, cdiv(projected_tokens(req, la), bs) - have)
+                       limits.blocks(self.table_tokens.get(req.request_id, 0),
+                                     req.num_computed_tokens))
+            projected = projected_tokens(req, la)
+            return max(0, limits.blocks(projected, projected) - have)
 
         reserved = sum(future_need(r) for r in live)
         for req in waiting:
@@ -248,7 +306,8 @@ class StepPlanner:
             if self.budget <= 0:
                 d.blocked = (req, "budget", {})
                 break
-            prompt_blocks = cdiv(req.num_tokens, bs)
+            # (its smallest footprint: a sliding group holds only its window at the end)
+            prompt_blocks = limits.blocks(req.num_tokens, req.num_tokens)
             if prompt_blocks > limits.num_blocks:
                 d.rejected.append((req, f"the prompt needs {prompt_blocks} KV blocks of {bs} "
                                         f"tokens ({req.num_tokens} tokens) but the KV pool has "
@@ -258,14 +317,20 @@ class StepPlanner:
             n = min(req.num_remaining_tokens, self.budget)
             total = req.num_computed_tokens + n
             chunk_blocks = self.need(req, total)
-            growth = cdiv(projected_tokens(req, la), bs) - max(self.held(req.request_id),
-                                                                    cdiv(total, bs))
+            projected = projected_tokens(req, la)
+            growth = limits.blocks(projected, projected) - max(
+                self.held(req.request_id), limits.blocks(total, req.num_computed_tokens))
             plan = {"prompt_blocks": prompt_blocks, "chunk_blocks": chunk_blocks,
                     "projected_growth_blocks": max(0, growth),
                     "running_reserved_blocks": reserved, "free_blocks": self.free,
                     "watermark_blocks": admission.min_free_blocks}
+            if num_running == 0 and chunk_blocks > self.free and limits.kv_groups is not None:
+                # (alone, a chunk every group cannot hold at once goes in smaller ones)
+                n = self.fitting(req, n)
+                total = req.num_computed_tokens + n
+                chunk_blocks = self.need(req, total)
             if num_running == 0:
-                fits = chunk_blocks <= self.free  # alone: only the chunk must fit (liveness)
+                fits = n > 0 and chunk_blocks <= self.free  # alone: the chunk must fit
             else:
                 fits = (self.free - chunk_blocks - max(0, growth) - reserved
                         >= admission.min_free_blocks)

@@ -60,37 +60,52 @@ class Preemptor:
         swap-outs (request, host slots) for the KV update, which resolves them to blocks."""
         swap_outs = []
         for req in d.preempted:
-            rid = req.request_id
-            running.remove(req)
-            req.transition(S.PREEMPTED)
-            req.transition(S.WAITING_PREFILL)
-            used_before = view.num_used_blocks
-            held = view.held(rid)
-            slots = self.swap.allocate(held) if rid in d.swapped else None
-            tokens = req.num_computed_tokens
+            slots = (self.swap.allocate(view.held(req.request_id))
+                     if req.request_id in d.swapped else None)
             if slots is not None:
-                swap_outs.append((rid, slots))
-                req.swapped_slots = slots
-                mode = "swap"
-                self.num_swap_preemptions += 1
-            else:
-                mode = "recompute"
-                req.num_computed_tokens = 0
-            req.num_committed_blocks = 0
-            req.num_skipped = 0
-            req.num_preemptions += 1
-            self.num_preemptions += 1
-            view.release(rid)
-            waiting.appendleft(req)
-            record = {"mode": mode, "tokens_swapped" if mode == "swap" else
-                      "tokens_discarded": tokens, "blocks": held,
-                      "kv_used_blocks_before": used_before,
-                      "kv_used_blocks_after": view.num_used_blocks}
-            if req.trace is not None:
-                req.trace.mark("preempted")
-                req.trace.preemptions.append(record)
-            log.info("preempted", request_id=rid, **record)
+                swap_outs.append((req.request_id, slots))
+            self._preempt(req, view, running, waiting, slots)
         return swap_outs
+
+    def restart(self, req: Request, view: KVView, running: list[Request],
+                waiting: deque[Request], reason: str) -> None:
+        """Preempt a running request by recompute outside the policy (`reason`: why, in its
+        trace), e.g. a longrope request whose KV must be computed again."""
+        self._preempt(req, view, running, waiting, None, reason)
+
+    def _preempt(self, req: Request, view: KVView, running: list[Request],
+                 waiting: deque[Request], slots: list[int] | None,
+                 reason: str | None = None) -> None:
+        rid = req.request_id
+        running.remove(req)
+        req.transition(S.PREEMPTED)
+        req.transition(S.WAITING_PREFILL)
+        used_before = view.num_used_blocks
+        held = view.held(rid)
+        tokens = req.num_computed_tokens
+        if slots is not None:
+            req.swapped_slots = slots
+            mode = "swap"
+            self.num_swap_preemptions += 1
+        else:
+            mode = "recompute"
+            req.num_computed_tokens = 0
+        req.num_committed_blocks = 0
+        req.num_skipped = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        view.release(rid)
+        waiting.appendleft(req)
+        record = {"mode": mode, "tokens_swapped" if mode == "swap" else
+                  "tokens_discarded": tokens, "blocks": held,
+                  "kv_used_blocks_before": used_before,
+                  "kv_used_blocks_after": view.num_used_blocks}
+        if reason is not None:
+            record["reason"] = reason
+        if req.trace is not None:
+            req.trace.mark("preempted")
+            req.trace.preemptions.append(record)
+        log.info("preempted", request_id=rid, **record)
 
     def swap_ins(self, d: Decision) -> list[tuple[str, list[int]]]:
         """Swapped-out requests admitted this step: their host slots, to be copied into the

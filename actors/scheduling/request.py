@@ -95,6 +95,13 @@ class Request:
         # Iterations in a row it was running as a decode and left out (invariant 3).
         self.num_skipped = 0
         self.num_preemptions = 0
+        # A longrope model: its KV rotates with the long factors (it was admitted longer
+        # than the original window, or recomputed once it grew past it); part of its
+        # prefix-cache identity. Set by the scheduler.
+        self.rope_long = False
+        # n > 1: its sibling 0 could not share its blocks (kv_actor: unforkable); it is
+        # admitted like any request.
+        self.fork_refused = False
         # Salt, priority, tenant, affinity, sibling group: as the submitter gave them
         # (messages.RequestMeta); arrival_seq breaks ties in arrival order.
         self.meta = meta

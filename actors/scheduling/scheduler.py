@@ -82,7 +82,9 @@ class Scheduler:
                  block_bytes: int = 0, outputs: OutputProcessor | None = None,
                  spec: SpecController | None = None, spec_lookahead: int = 0,
                  tiers=None, recompute_prior_s_per_token: float = 5e-4,
-                 lora: AdapterSlots | None = None):
+                 lora: AdapterSlots | None = None, long_rope_window: int | None = None):
+        """`long_rope_window`: a longrope model's original window (a request longer than it
+        rotates with the long factors throughout; one that grows past it is recomputed)."""
         self.log = structlog.get_logger("tokenloom.scheduler").bind(actor="scheduler")
         self.prefix = prefix or PrefixTracker("", limits.block_size, enabled=False)
         self.limits = limits
@@ -133,6 +135,7 @@ class Scheduler:
         self.tier_released = False   # a held request became admissible since the last plan
         # Multi-LoRA serving (None: off): the registry and the device slots' occupants.
         self.lora = lora
+        self.long_rope_window = long_rope_window
 
     @property
     def has_work(self) -> bool:
@@ -150,6 +153,8 @@ class Scheduler:
                       eos_token_ids=self.eos_token_ids, arrival_time=msg.arrival_time,
                       max_model_len=self.max_model_len, meta=msg.meta,
                       arrival_seq=self._arrivals)
+        window = self.long_rope_window
+        req.rope_long = window is not None and req.num_prompt_tokens > window
         req.trace = RequestTrace(req.request_id, msg.arrival_time, msg.routed_time, msg.meta,
                                  tokenized=msg.tokenized_time)
         # A draft model knows nothing of the target's adapter: its proposals would be
@@ -197,8 +202,9 @@ class Scheduler:
         rest, applied to the queues: preemption victims out (their swap copies resolved),
         rejections ended, swap-ins and admissions in."""
         self.tier_released = False
+        running = self._long_rope_gate()
         forks = self.fork_candidates()
-        self.view.reserve(len(forks))
+        self.view.reserve(len(forks) * self.limits.num_groups)   # a copy per group each
         admissible = siblings.admissible(self.waiting, self.requests, self.prefix.enabled)
         if forks:   # (they join the running queue with the KV manager's answer)
             forking = {child for _, child, _ in forks}
@@ -214,17 +220,20 @@ class Scheduler:
                             error_kind=ERROR_INVALID)
             admissible = slot_plan.admissible
         waiting = self.fair.order(admissible, time.monotonic())
-        drafts = self.spec.plan_step(self.running) if self.spec is not None else None
+        drafts = self.spec.plan_step(running) if self.spec is not None else None
+        if drafts and self.long_rope_window is not None:
+            drafts = self._short_rope_drafts(drafts)
         # Forked siblings join the running queue with the KV manager's answer: their
         # sequence slots are kept free too.
         limits = (self.limits if not forks else dataclasses.replace(
             self.limits, max_num_seqs=self.limits.max_num_seqs - len(forks)))
-        d = schedule(self.running, waiting, self.view.num_free_blocks, self.view.held,
+        d = schedule(running, waiting, self.view.num_free_blocks, self.view.held,
                      limits, self.view.freeable,
                      prefill_budget=self.chunks.prefill_budget(self.running, waiting, drafts),
                      admission=self._admission_params(),
                      preempt_mode=self.preemptor.mode_fn(self.view),
-                     drafts=drafts, spec_lookahead=self.spec_lookahead)
+                     drafts=drafts, spec_lookahead=self.spec_lookahead,
+                     table_blocks=self.view.table_blocks)
         swap_outs = self.preemptor.apply(d, self.view, self.running, self.waiting)
         if forks and d.preempted:   # a sibling 0 preempted now is not forked from
             victims = {r.request_id for r in d.preempted}
@@ -263,6 +272,13 @@ class Scheduler:
         idle update that only returns blocks and commits)."""
         update = kv_update(plan, self.view.take_frees(), self.pending_commits, self.running,
                            self.prefix.query)
+        groups = self.limits.kv_groups
+        if groups is not None and groups.hybrid:
+            # Every running request's sliding groups drop what is behind their windows,
+            # scheduled this step or not: the policy does not count those blocks back
+            # before the KV manager reports them free, so a pool that only fits once they
+            # are dropped would otherwise wait for a step that never comes.
+            update.computed = {r.request_id: r.num_computed_tokens for r in self.running}
         self.pending_commits = []
         if self.tier_pending or self.tier_cancels:
             update.tier_queries = self._tier_queries()
@@ -354,7 +370,8 @@ class Scheduler:
         copies, self.pending_copies = self.pending_copies, []
         offloads, self.pending_offloads = self.pending_offloads, []
         restores = [r for g in grant.admitted.values() for r in g.restores]
-        batch, works, starts, epochs = build_batch(d, grant.tables, ExecuteBatch(
+        batch, works, starts, epochs = build_batch(d, grant.tables, grant.group_tables,
+                                                   ExecuteBatch(
             step=self._step, sequences=[], num_decodes=len(d.decodes), finished_ids=finished,
             block_copies=copies, swap_out=grant.swap_out, swap_in=grant.swap_in,
             kv_offloads=offloads, kv_restores=restores,
@@ -368,9 +385,12 @@ class Scheduler:
         blocks (forked by the step's KV update, before its grants)."""
         return siblings.fork_candidates(self.waiting, self.requests, self.view,
                                         self.limits.max_num_seqs - len(self.running),
-                                        self.prefix.enabled)
+                                        self.prefix.enabled, self.limits.num_groups)
 
     def take_forks(self, grant: KVGrant) -> None:
+        for child_id in grant.unforkable:
+            if (child := self.requests.get(child_id)) is not None:
+                child.fork_refused = True
         made, orphans = siblings.apply_forks(grant.forked, self.requests, self.waiting,
                                              self.running, self.limits.block_size)
         self.num_forks += made
@@ -453,6 +473,39 @@ class Scheduler:
         exposed = out.idle_seconds if launched.continues else 0.0
         self.observer.observe_times(out.compute_seconds, host, exposed, launched.kv_seconds,
                                     len(works))
+
+    def _long_rope_gate(self) -> list[Request]:
+        """The running requests the policy may schedule. A longrope request about to compute
+        a position past the original window is recomputed with the long factors throughout,
+        as transformers drops its cache at that point: its KV goes (a recompute
+        preemption), its chain is hashed again under the long identity, and it re-enters
+        the waiting queue first. One whose token is still being sampled by the step in
+        flight waits a step for it (a skip) and is recomputed then."""
+        window = self.long_rope_window
+        if window is None:
+            return self.running
+        due = [r for r in self.running if not r.rope_long and r.num_computed_tokens >= window]
+        if not due:
+            return self.running
+        for req in due:
+            if not req.num_placeholders:   # (else its token comes with the step in flight)
+                req.rope_long = True
+                self.prefix.forget_hashes(req)
+                self.preemptor.restart(req, self.view, self.running, self.waiting,
+                                       "long_rope")
+        return [r for r in self.running if r.rope_long or r.num_computed_tokens < window]
+
+    def _short_rope_drafts(self, drafts: dict[str, int]) -> dict[str, int]:
+        """Drafts a short-rope request verifies must stay within the original window (a
+        position past it is computed only after the recompute)."""
+        window = self.long_rope_window
+        out = {}
+        for rid, k in drafts.items():
+            req = self.requests.get(rid)
+            if req is not None and not req.rope_long:
+                k = max(0, min(k, window - 1 - req.num_computed_tokens))
+            out[rid] = k
+        return out
 
     def _trace_prefill(self, req: Request, upto: int, now: float) -> None:
         """A completed step computed req's tokens before `upto`: trace prefill progress."""

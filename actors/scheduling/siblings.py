@@ -36,21 +36,23 @@ def admissible(waiting: deque[Request], requests: Mapping[str, Request],
 
 
 def fork_candidates(waiting: Sequence[Request], requests: Mapping[str, Request],
-                    view: KVView, free_slots: int, enabled: bool) -> list[tuple[str, str, int]]:
+                    view: KVView, free_slots: int, enabled: bool,
+                    groups: int = 1) -> list[tuple[str, str, int]]:
     """(sibling 0, sibling, tokens to share) for siblings whose sibling 0 holds its computed
-    prompt; at most one new block each (the copy of the partial block)."""
+    prompt; at most one new block each per layer group (the copy of the partial block)."""
     if not enabled or not any(r.group_id for r in waiting):
         return []
     out, budget = [], view.num_free_blocks
     for r in waiting:
         leader = _leader(r, requests)
         if (leader is None or view.held(leader.request_id) == 0 or len(out) >= free_slots
-                or budget < 1 or r.num_preemptions or r.num_tokens != r.num_prompt_tokens
+                or budget < groups or r.num_preemptions or r.num_tokens != r.num_prompt_tokens
+                or r.fork_refused
                 or leader.num_computed_tokens < leader.num_prompt_tokens
                 or leader.token_ids[:leader.num_prompt_tokens] != r.token_ids):
             continue
         out.append((leader.request_id, r.request_id, r.num_prompt_tokens - 1))
-        budget -= 1
+        budget -= groups
     return out
 
 

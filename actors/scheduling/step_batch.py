@@ -145,10 +145,12 @@ def start_works(d: Decision, now: float) -> None:
             w.request.transition(S.DECODING)
 
 
-def build_batch(d: Decision, tables: Mapping[str, list[int]], batch: ExecuteBatch,
+def build_batch(d: Decision, tables: Mapping[str, list[int]],
+                group_tables: Mapping[str, list[list[int]]], batch: ExecuteBatch,
                 spec=None) -> tuple[ExecuteBatch, list, list[int], list[int]]:
     """Fill `batch` with the decision's works and the block tables the KV manager
-    reported: plain decodes first, then speculative decodes (their last token and drafts,
+    reported (`group_tables`: those of layer groups 1.., where the model has several):
+    plain decodes first, then speculative decodes (their last token and drafts,
     laid out like a chunk), then prefill chunks. Advances each request's computed tokens
     to the end of its work (the step is as good as done for planning the next one; a
     speculative work's rejected drafts are rolled back when its output comes) and counts
@@ -189,6 +191,7 @@ def build_batch(d: Decision, tables: Mapping[str, list[int]], batch: ExecuteBatc
         batch.sequences.append(ScheduledSequence(
             request_id=req.request_id, token_ids=ids, start_pos=start,
             block_table=tables[req.request_id], sample=sample, new=new,
+            group_tables=group_tables.get(req.request_id),
             num_draft=num_draft, propose=propose,
             prompt_logprobs=req.wants_prompt_logprobs and start < req.num_prompt_tokens - 1,
             lora_slot=req.lora_slot))

@@ -28,6 +28,7 @@ import itertools
 import shutil
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import msgspec
@@ -38,6 +39,7 @@ import zmq.asyncio
 from tokenloom.actors.engine_client import EngineFront, merge_traces
 from tokenloom.actors.front import disaggregation
 from tokenloom.actors.front.routing import RouteDecision, RoutingCore
+from tokenloom.actors.kv.block_hash import rope_variant
 from tokenloom.actors.kv.prefix_cache import FlushResult
 from tokenloom.actors.messages import (
     ERROR_INTERNAL,
@@ -184,7 +186,8 @@ class WorkerPool(EngineFront):
         self.router = WorkerRouterActor(core, self._send_to_worker, self.streams.emit,
                                         info.fingerprint, info.block_size,
                                         self.config.cache.enable_prefix_caching,
-                                        disagg=disagg)
+                                        disagg=disagg,
+                                        variant=partial(rope_variant, info.spec))
         self.tokenizer_actor = TokenizerActor(
             self.tokenizer, info.max_model_len, self.streams.emit, self.router.inbox,
             guided=guided,

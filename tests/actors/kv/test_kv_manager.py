@@ -121,19 +121,19 @@ def test_constructor_validation():
 def test_check_integrity_detects_corruption():
     kv = KVCacheManager(num_blocks=4, block_size=4)
     kv.allocate([("a", 8), ("b", 4)])
-    kv._tables["b"].append(kv._tables["a"][0])
+    kv._tables["b"][0].append(kv._tables["a"][0][0])
     with pytest.raises(AssertionError, match="held by both"):
         kv.check_integrity()
 
     kv = KVCacheManager(num_blocks=4, block_size=4)
     kv.allocate([("a", 4)])
-    kv._tables["a"].append(3)  # a block the pool still lists as free
+    kv._tables["a"][0].append(3)  # a block the pool still lists as free
     with pytest.raises(AssertionError, match="holds free block 3"):
         kv.check_integrity()
 
     kv = KVCacheManager(num_blocks=4, block_size=4)
     kv.allocate([("a", 8)])
-    kv._tables["a"].pop()  # leaked: used in the pool, in no table
+    kv._tables["a"][0].pop()  # leaked: used in the pool, in no table
     with pytest.raises(AssertionError, match="tables hold 1 blocks but the pool has 2 used"):
         kv.check_integrity()
 
@@ -150,7 +150,7 @@ def test_check_integrity_with_sharing():
 
     kv = KVCacheManager(num_blocks=6, block_size=4)
     kv.allocate([("a", 4)])
-    kv._tables["a"].append(0)
+    kv._tables["a"][0].append(0)
     with pytest.raises(AssertionError, match="holds a block twice"):
         kv.check_integrity()
 

@@ -57,6 +57,7 @@ from collections import Counter, deque
 import numpy as np
 from structlog.testing import capture_logs
 
+from tokenloom.actors.kv.groups import NULL_BLOCK, KVGroups
 from tokenloom.actors.kv.kv_actor import KVManagerActor
 from tokenloom.actors.kv.kv_manager import KVCacheManager
 from tokenloom.actors.messages import (
@@ -174,19 +175,26 @@ class Setup:
     # `tier_fail`-th read fails (0: none), so restores that stop part-way are drawn too.
     tier_blocks: int = 0
     tier_fail: int = 0
+    # The model's layer groups (actors/kv/groups.py); None: one group without a window.
+    kv_groups: KVGroups | None = None
 
 
 def setup(max_num_seqs: int, max_num_batched_tokens: int, block_size: int, num_blocks: int,
           *, prefix_caching: bool = False, swap_slots: int = 0, lag: int = 0,
           event_lag: int = 0, spec_k: int = 0, tier_blocks: int = 0, tier_fail: int = 0,
-          **config) -> Setup:
+          kv_windows: tuple[int | None, ...] | None = None, **config) -> Setup:
     """A Setup from the policy limits and SchedulerConfig fields. Unless given, the KV plan
-    is off (no watermark, no lookahead) and classes do not age."""
+    is off (no watermark, no lookahead) and classes do not age. `kv_windows`: one window
+    per layer (None: full attention), whose groups split the pool (`num_blocks` usable
+    blocks; a sliding layout's pool has one more, its NULL_BLOCK)."""
     config = {"kv_watermark": 0.0, "kv_resume_watermark": 0.0,
               "admission_lookahead_tokens": 0, "aging_seconds": 0.0, **config}
+    groups = KVGroups.plan(kv_windows) if kv_windows is not None else None
     return Setup(limits=PolicyLimits(max_num_seqs=max_num_seqs,
                                      max_num_batched_tokens=max_num_batched_tokens,
-                                     block_size=block_size, num_blocks=num_blocks),
+                                     block_size=block_size, num_blocks=num_blocks,
+                                     kv_groups=groups),
+                 kv_groups=groups,
                  config=SchedulerConfig(max_num_seqs=max_num_seqs,
                                         max_num_batched_tokens=max_num_batched_tokens,
                                         **config),
@@ -396,6 +404,32 @@ class FakeRunner:
                                   dtype=np.int32).view(np.uint8) for b, _, _ in offloads])
         self.h.tiers.offer([m for _, m, _ in offloads], rows, [c for *_, c in offloads])
 
+    def _check_group(self, where: str, g: int, table: list[int], start: int, end: int,
+                     truth: list[int]) -> None:
+        """Layer group g's table for a work computing [start, end): exactly the blocks for
+        [0, end) (grants are exact; with speculation, blocks of rolled-back drafts may
+        stay), NULL_BLOCK exactly behind a sliding group's window, and every key the
+        first query reads holding the request's token."""
+        bs, groups = self.bs, self.h.setup.kv_groups
+        need = cdiv(end, bs)
+        _check(len(table) >= need if self.h.setup.spec_k else len(table) == need,
+               f"{where}: group {g}'s table {table} for positions [0, {end})")
+        window = groups.windows[g] if groups is not None else None
+        first = groups.first_kept_block(g, start, bs) if groups is not None else 0
+        held = table[first:]
+        _check(all(b == NULL_BLOCK for b in table[:first]) and NULL_BLOCK not in held
+               if groups is not None and groups.hybrid else True,
+               f"{where}: group {g}'s table {table}: NULL_BLOCK must be exactly behind the "
+               f"window (blocks before {first})")
+        _check(len(set(held)) == len(held), f"{where}: group {g}'s table {table} repeats")
+        lo_key = 0 if window is None else max(0, start - window + 1)
+        for b in range(first, cdiv(start, bs)):  # the context the first query reads
+            lo, hi = max(b * bs, lo_key), min((b + 1) * bs, start)
+            got = self.kv.get(table[b], [None] * bs)[lo - b * bs:hi - b * bs]
+            _check(list(got) == truth[lo:hi],
+                   f"{where}: group {g}'s block {table[b]} (positions {lo}..{hi - 1}) holds "
+                   f"{list(got)}, the request's tokens are {truth[lo:hi]}")
+
     def _propose(self, step: int, s) -> list[int]:
         """The request's true next tokens, one of them wrong on two steps in three."""
         if not s.propose:
@@ -450,21 +484,15 @@ class FakeRunner:
                                   f"with {len(truth)} tokens")
         _check(ids == truth[start:end], f"{where}: computes tokens {ids} at {start}, the "
                                         f"request's are {truth[start:end]}")
-        table = s.block_table
-        # Exactly the blocks for [0, end): grants are exact, nothing is held in advance
-        # (with speculation, blocks of rolled-back drafts may stay in the table).
-        need = cdiv(end + len(drafts), bs)
-        _check((len(table) >= need if self.h.setup.spec_k else len(table) == need)
-               and len(set(table)) == len(table),
-               f"{where}: table {table} for positions [0, {end + len(drafts)})")
-        for b in range(cdiv(start, bs)):  # the context: every block it reads
-            lo, hi = b * bs, min((b + 1) * bs, start)
-            got = self.kv.get(table[b], ())[:hi - lo]
-            _check(list(got) == truth[lo:hi],
-                   f"{where}: block {table[b]} (positions {lo}..{hi - 1}) holds {list(got)}, "
-                   f"the request's tokens are {truth[lo:hi]}")
-        for p, t in enumerate(ids + drafts, start):
-            self.kv.setdefault(table[p // bs], [None] * bs)[p % bs] = t
+        groups = self.h.setup.kv_groups
+        tables = [s.block_table, *(s.group_tables or [])]
+        _check(len(tables) == (groups.num_groups if groups is not None else 1),
+               f"{where}: {len(tables)} block tables")
+        for g, table in enumerate(tables):
+            self._check_group(where, g, table, start, end + len(drafts), truth)
+        for table in tables:
+            for p, t in enumerate(ids + drafts, start):
+                self.kv.setdefault(table[p // bs], [None] * bs)[p % bs] = t
         self.computed[rid] += len(ids)
         self.first_step.setdefault(rid, step)
         if not s.sample:
@@ -553,8 +581,11 @@ class EngineHarness:
         # runner).
         scheduler_inbox: asyncio.Queue = asyncio.Queue()
         replies = _Tap(self._on_kv_reply)
-        self.kv = KVManagerActor(KVCacheManager(lim.num_blocks, lim.block_size,
-                                                enable_prefix_caching=s.prefix_caching),
+        groups = s.kv_groups
+        self.kv = KVManagerActor(KVCacheManager(lim.num_blocks + bool(groups and groups.hybrid),
+                                                lim.block_size,
+                                                enable_prefix_caching=s.prefix_caching,
+                                                groups=groups),
                                  replies=replies, scheduler_inbox=scheduler_inbox,
                                  tiers=self.tiers)
         self.kv.inbox = _Tap(self._on_kv_update)

@@ -35,6 +35,8 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from tokenloom.actors.kv.groups import KVGroups
+
 from engine_harness import (  # noqa: E402
     KNOWN_BUGS,
     Arrival,
@@ -94,9 +96,15 @@ def arrivals(draw, max_requests: int = 8, max_iteration: int = 30, max_prompt: i
 
 @st.composite
 def engines(draw, reqs: list[Arrival], *, tight: bool = False):
-    """An engine for `reqs`: its pool just fits the biggest one (tight: exactly)."""
+    """An engine for `reqs`: its pool just fits the biggest one (tight: exactly). Its
+    model's layers may keep several block tables: a sliding-window group beside a full one,
+    a model of sliding layers only, several sliding groups (actors/kv/groups.py)."""
     block_size = draw(st.sampled_from([4, 8, 16]))
-    biggest = smallest_pool(reqs, block_size)
+    window = draw(st.sampled_from([3, 9, 20]))
+    kv_windows = draw(st.sampled_from([None, None, None, (None, window), (window, window),
+                                       (window, None, window, window)]))
+    groups = 1 if kv_windows is None else KVGroups.plan(kv_windows).num_groups
+    biggest = groups * smallest_pool(reqs, block_size)
     num_blocks = biggest if tight else biggest + draw(st.integers(0, max(1, biggest // 4)))
     max_num_seqs = 8 if tight else draw(st.integers(1, 8))
     budget = 64 if tight else draw(st.integers(max(16, max_num_seqs), 128))
@@ -108,8 +116,10 @@ def engines(draw, reqs: list[Arrival], *, tight: bool = False):
     return setup(
         max_num_seqs, budget, block_size, num_blocks,
         prefix_caching=caching,
-        # KV tiers: a host tier that restores evicted prefixes (some reads failing).
-        tier_blocks=draw(st.sampled_from([0, 0, 4, 64])) if caching else 0,
+        # KV tiers: a host tier that restores evicted prefixes (some reads failing); not
+        # with sliding windows (which keep only their windows).
+        tier_blocks=draw(st.sampled_from([0, 0, 4, 64])) if caching and not kv_windows else 0,
+        kv_windows=kv_windows,
         tier_fail=draw(st.sampled_from([0, 0, 3])),
         swap_slots=0 if mode == "recompute" else draw(st.integers(1, 2 * num_blocks)),
         lag=draw(st.integers(0, 4)),
