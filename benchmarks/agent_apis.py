@@ -9,9 +9,11 @@ turns: a new user message, the assistant's answer (`--output-len` tokens, ignore
 sampled with a seed per conversation and turn), appended to the transcript the next turn
 sends whole, as a coding agent's grows. (Sampled, not greedy: the random model's greedy
 answer is a run of newlines, which an answer that may still become a tool call holds back
-to its end, so its "first token" would be its last.) The same conversations run through
-each API in turn (the order rotates every round, `--rounds`), each run under a cache salt of
-its own, so each starts from a cold prefix cache and reuses only its own prefixes. TTFT is
+to its end, so its "first token" would be its last.) Each API has its own copy of the same
+conversations, under a cache salt of its own per round (`--rounds`), so each starts from a
+cold prefix cache and reuses only its own prefixes; the APIs are interleaved turn by turn
+(step t's turns through one API at once, then the next, the order rotating every step), so
+load from outside the server on a shared machine falls on each alike. TTFT is
 from the send to the stream's first answer text (chat: a content delta; Responses:
 response.output_text.delta; Messages: a text_delta): p50 over every turn; p99 each round's,
 then the median over rounds, so that a stall from outside the server (the machine is shared)
@@ -24,7 +26,7 @@ Embeddings: the same server (started with server.embeddings), `--embed-len`-toke
 token ids, one per request (batch 1) and 32 per request (batch 32), sequences/s, against
 transformers' AutoModel forward in this process on the same weights (fp32, the same thread
 count, last token pooled and normalized; one sequence at a time, then 32 at once),
-alternating round by round. The vectors are checked equal (max abs difference reported).
+alternating batch by batch. The vectors are checked equal (max abs difference reported).
 
 Model: a tiny random Llama with the default model's vocabulary and chat template
 (harness.build_tiny_vocab_model), so a run takes minutes on 2 cores.
@@ -155,59 +157,74 @@ async def turn(session, url: str, api: str, body: dict, path: str) -> dict:
     return {"ttft": ttft, "text": "".join(text), "prompt": usage[0], "cached": usage[1]}
 
 
-async def conversation(session, url: str, api: str, model: str, system: str, index: int,
-                       args, salt: str) -> list[dict]:
-    rng = random.Random(index)
-    history, out = [], []
-    # Agents start one after another, not in the same millisecond: conversation i starts
-    # --stagger-ms after i - 1, so whether its first turn finds the system prompt cached
-    # does not hang on which request's prefill the scheduler happened to take first.
-    await asyncio.sleep(index * args.stagger_ms / 1e3)
-    for t in range(args.turns):
-        history.append({"role": "user", "content": f"Step {t}: {_text(rng, args.user_len)}"})
-        path, body = request(api, model, system, history, args.output_len, salt,
-                             seed=1000 * index + t)
+async def agent_round(url: str, model: str, system: str, args, round_index: int,
+                      apis=APIS) -> dict[str, list[list[dict]]]:
+    """One round: every API's own copy of the conversations, interleaved turn by turn (the
+    `--conversations` turns of step t through one API at once, then through the next, in an
+    order that rotates every step), so load from outside the server (the machine is shared)
+    falls on every API alike. Returns {api: [conversation][turn] -> result}."""
+    import aiohttp
+
+    histories = {api: [[] for _ in range(args.conversations)] for api in apis}
+    out = {api: [[] for _ in range(args.conversations)] for api in apis}
+    rngs = {api: [random.Random(c) for c in range(args.conversations)] for api in apis}
+
+    async def one(session, api: str, c: int, t: int) -> None:
+        if t == 0:
+            # Agents start one after another, not in the same millisecond: whether a first
+            # turn finds the system prompt cached does not hang on which request's prefill
+            # the scheduler happened to take first.
+            await asyncio.sleep(c * args.stagger_ms / 1e3)
+        history = histories[api][c]
+        history.append({"role": "user",
+                        "content": f"Step {t}: {_text(rngs[api][c], args.user_len)}"})
+        path, body = request(api, model, system, history, args.output_len,
+                             f"{api}-{round_index}", seed=1000 * c + t)
         result = await turn(session, url, api, body, path)
         history.append({"role": "assistant", "content": result["text"]})
-        out.append(result)
+        out[api][c].append(result)
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        for t in range(args.turns):
+            k = (t + round_index) % len(apis)
+            for api in apis[k:] + apis[:k]:
+                await asyncio.gather(*(one(session, api, c, t)
+                                       for c in range(args.conversations)))
     return out
 
 
-async def agent_run(url: str, api: str, model: str, system: str, args, salt: str):
-    import aiohttp
-
-    timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        runs = await asyncio.gather(*(conversation(session, url, api, model, system, c, args,
-                                                   salt) for c in range(args.conversations)))
-    return runs   # [conversation][turn] -> result
-
-
 # -- embeddings --------------------------------------------------------------------------------
-async def embed_rate(url: str, batches: list[list[list[int]]]) -> tuple[float, list]:
-    import aiohttp
-
-    vectors = []
-    async with aiohttp.ClientSession() as session:
-        t0 = time.perf_counter()
-        for batch in batches:
-            async with session.post(url + "/v1/embeddings", json={"input": batch}) as r:
-                data = (await r.json())["data"]
-            vectors += [d["embedding"] for d in data]
-        elapsed = time.perf_counter() - t0
-    return sum(len(b) for b in batches) / elapsed, vectors
+async def embed_batch(session, url: str, batch: list[list[int]]) -> tuple[float, list]:
+    t0 = time.perf_counter()
+    async with session.post(url + "/v1/embeddings", json={"input": batch}) as r:
+        data = (await r.json())["data"]
+    return time.perf_counter() - t0, [d["embedding"] for d in data]
 
 
-def transformers_rate(model, batches: list[list[list[int]]]) -> tuple[float, list]:
+def transformers_batch(model, batch: list[list[int]]) -> tuple[float, list]:
     import torch
 
-    vectors = []
     t0 = time.perf_counter()
     with torch.inference_mode():
+        h = model(input_ids=torch.tensor(batch)).last_hidden_state[:, -1]   # [B, hidden]
+        vectors = torch.nn.functional.normalize(h, dim=-1).tolist()
+    return time.perf_counter() - t0, vectors
+
+
+async def embed_compare(url: str, model, batches: list[list[list[int]]]):
+    """Each batch through the server, then through transformers, alternating: (server
+    seconds, transformers seconds, max |difference| of the vectors)."""
+    import aiohttp
+
+    ours = theirs = diff = 0.0
+    async with aiohttp.ClientSession() as session:
         for batch in batches:
-            h = model(input_ids=torch.tensor(batch)).last_hidden_state[:, -1]   # [B, hidden]
-            vectors += torch.nn.functional.normalize(h, dim=-1).tolist()
-    return sum(len(b) for b in batches) / (time.perf_counter() - t0), vectors
+            dt, a = await embed_batch(session, url, batch)
+            ours += dt
+            dt, b = transformers_batch(model, batch)
+            theirs += dt
+            diff = max(diff, float(np.abs(np.asarray(a) - np.asarray(b)).max()))
+    return ours, theirs, diff
 
 
 def main() -> None:
@@ -253,29 +270,24 @@ def main() -> None:
     try:
         name = run_async(model_name(server.url))
         # Warm-up: the whole workload once, untimed (the CPU kernels are planned per batch
-        # size the first time one runs: a second's stall that would land in one API's run).
-        run_async(agent_run(server.url, "chat", name, system, args, "warm-up"))
+        # size the first time one runs: a second's stall that would land in one API's turns).
+        run_async(agent_round(server.url, name, system, args, -1, ("chat",)))
         for r in range(args.rounds):
-            order = APIS[r % 3:] + APIS[:r % 3]
-            for api in order:
-                runs = run_async(agent_run(server.url, api, name, system, args, f"{api}-{r}"))
-                agent[api] += [dict(t, round=r) for conv in runs for t in conv]
-                transcripts.setdefault(api, [[t["text"] for t in conv] for conv in runs])
+            for api, convs in run_async(agent_round(server.url, name, system, args, r)).items():
+                agent[api] += [dict(t, round=r) for conv in convs for t in conv]
+                transcripts.setdefault(api, [[t["text"] for t in conv] for conv in convs])
         hf = transformers.AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
         rng = random.Random(7)
         seqs = [[rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(args.embed_len)]
                 for _ in range(args.embed_sequences)]
         ones, thirty_twos = [[s] for s in seqs], [seqs[i:i + 32] for i in range(0, len(seqs), 32)]
-        run_async(embed_rate(server.url, ones[:2]))              # warm-up
-        transformers_rate(hf, ones[:2])
+        run_async(embed_compare(server.url, hf, ones[:2]))       # warm-up
         for _ in range(args.rounds):
-            rate, ours = run_async(embed_rate(server.url, ones))
-            rates["t1"].append(rate)
-            rate, theirs = transformers_rate(hf, ones)
-            rates["h1"].append(rate)
-            diff = max(diff, float(np.abs(np.asarray(ours) - np.asarray(theirs)).max()))
-            rates["t32"].append(run_async(embed_rate(server.url, thirty_twos))[0])
-            rates["h32"].append(transformers_rate(hf, thirty_twos)[0])
+            for key, batches in (("1", ones), ("32", thirty_twos)):
+                ours, theirs, d = run_async(embed_compare(server.url, hf, batches))
+                rates["t" + key].append(len(seqs) / ours)
+                rates["h" + key].append(len(seqs) / theirs)
+                diff = max(diff, d)
     finally:
         server.stop()
         tmp.cleanup()
