@@ -110,8 +110,9 @@ def check_kv_groups(cfg: EngineConfig, groups: KVGroups) -> None:
     for key, on, why in refusals:
         if on:
             raise ConfigError(f"{key}: not available for a model with sliding-window layers "
-                              f"({why}; its {groups.num_groups} layer group(s) drop the "
-                              "blocks behind their windows)", key=key)
+                              f"under cache.hybrid_kv ({why}; its {groups.num_groups} layer "
+                              "group(s) drop the blocks behind their windows); set "
+                              "cache.hybrid_kv = false to keep every block", key=key)
 
 
 def describe_groups(groups: KVGroups) -> str:
@@ -423,6 +424,8 @@ class Engine(EngineFront):
                                         kv_quantized=config.cache.kv_quantized)
         # (LoRA slots first: on a GPU the KV pool is sized from the memory left)
         lora = build_lora(config, spec, model, dtype, device)
+        if not config.cache.hybrid_kv:
+            model.use_one_kv_table()
         groups = model.kv_groups
         check_kv_groups(config, groups)
         num_blocks, per_token = size_kv_pool(config, spec, dtype, device, groups.num_slots)

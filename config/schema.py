@@ -119,6 +119,10 @@ class CacheConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     num_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0
     # Reuse the KV of full blocks whose whole prefix (tokens, model, salt) was seen before.
     enable_prefix_caching: bool = True
+    # A model with sliding-window layers keeps only their windows' blocks, in block tables
+    # of their own (actors/kv/groups.py); false: every layer keeps the whole context in one
+    # table (what the KV tiers and a draft model need; the windows still apply).
+    hybrid_kv: bool = True
     # Host-memory pool for swap preemption (scheduler.preemption_mode swap/auto only).
     swap_space_bytes: Annotated[int, msgspec.Meta(ge=0)] = 256 * MiB
     # How K and V are stored: "auto" = the model dtype; "bf16", "fp16" = two bytes per value

@@ -7,7 +7,7 @@ A PEFT LoRA directory holds `adapter_config.json` (`r`, `lora_alpha`, `target_mo
     base_model.model.model.layers.{i}.self_attn.q_proj.lora_B.weight   [out, r]
 
 PEFT adds `scaling * B @ A @ x` to the module's output, scaling = alpha / r (rsLoRA: alpha /
-sqrt(r)). Our layers run q/k/v as one `qkv` matmul and gate/up as one `gate_up` (llama.py), so
+sqrt(r)). Our layers run q/k/v as one `qkv` matmul and gate/up as one `gate_up` (decoder.py), so
 each fused projection gets one A (the sub-projections' A stacked, [sum of ranks, in]) and one
 B (each sub-projection's B * scaling placed at its output rows and its own rank columns,
 zeros elsewhere): B @ A @ x is then exactly the concatenation of the sub-projections' deltas.
@@ -39,7 +39,10 @@ FUSED = {
     "down": ("down_proj",),
 }
 KINDS = tuple(FUSED)
-_SUB_KIND = {sub: kind for kind, subs in FUSED.items() for sub in subs}
+# Checkpoints that store a fused projection (Phi-3's `qkv_proj`, `gate_up_proj`) are
+# adapted as one module: its A and B are our fused projection's pair as they are.
+STORED_FUSED = {"qkv_proj": "qkv", "gate_up_proj": "gate_up"}
+_SUB_KIND = {**{sub: kind for kind, subs in FUSED.items() for sub in subs}, **STORED_FUSED}
 _KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?"
                   r"\.weight$")
 CONFIG_FILE = "adapter_config.json"
@@ -55,7 +58,8 @@ def sub_shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
     h, i = spec.hidden_size, spec.intermediate_size
     return {"q_proj": (h, spec.q_size), "k_proj": (h, spec.kv_size),
             "v_proj": (h, spec.kv_size), "o_proj": (spec.q_size, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
+            "qkv_proj": (h, spec.q_size + 2 * spec.kv_size), "gate_up_proj": (h, 2 * i)}
 
 
 def fused_shapes(spec: ModelSpec) -> dict[str, tuple[int, int, int]]:
@@ -151,6 +155,12 @@ def load_adapter(name: str, path: str | Path, spec: ModelSpec,
         pairs.setdefault((layer, module), {})[side] = t
     if not pairs:
         raise LoRAAdapterError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} holds no LoRA weights")
+    for layer, module in pairs:
+        kind = STORED_FUSED.get(module)
+        both = [n for n in FUSED.get(kind, ()) if (layer, n) in pairs]
+        if both:
+            raise LoRAAdapterError(f"LoRA adapter {name!r}: layer {layer} adapts both "
+                                   f"{module} and its part {both[0]}")
     alpha, use_rslora = float(cfg["lora_alpha"]), bool(cfg.get("use_rslora", False))
     shapes = sub_shapes(spec)
     per_layer: list[dict[str, tuple[torch.Tensor, torch.Tensor, float]]] = [
@@ -185,7 +195,12 @@ def _fuse(subs: dict[str, tuple[torch.Tensor, torch.Tensor, float]],
           shapes: dict[str, tuple[int, int]]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """One layer's sub-projection pairs -> (A, B) per fused projection (see module doc)."""
     out = {}
+    stored = {kind: module for module, kind in STORED_FUSED.items() if module in subs}
     for kind, names in FUSED.items():
+        if kind in stored:
+            a, b, scaling = subs[stored[kind]]
+            out[kind] = (a, b * scaling)
+            continue
         present = [n for n in names if n in subs]
         if not present:
             continue

@@ -277,6 +277,13 @@ class CausalLM(nn.Module):
         # CPU decode steps in one C++ call (kernels/cpu/decode_stack.py); None: off.
         self.decode_stacks = None
 
+    def use_one_kv_table(self) -> None:
+        """Every layer in one group that keeps the whole context (cache.hybrid_kv false):
+        the sliding layers still attend to their windows only, through masks."""
+        self.kv_groups = KVGroups.single(self.spec.num_layers)
+        for layer in self.layers:
+            layer.self_attn.kv_group = 0
+
     def init_rope(self, max_positions: int, device: torch.device, dtype: torch.dtype) -> None:
         spec = self.spec
         self.rope = RotaryEmbedding(spec.rope, spec.head_dim, max_positions, dtype).to(device)

@@ -200,8 +200,14 @@ SCHEDULES = {
     "ngram": {"speculative.method": "ngram", "speculative.mode": "on",
               "speculative.num_speculative_tokens": 3},
     "compiled": {"graphs.cpu_compile": True, "max_num_seqs": 4},
+    # cache.hybrid_kv off: one table keeps every block, so the KV tiers (host tier) and the
+    # compiled decode programs run; chunked, with prefix hits across the window's edge.
+    "one-table": {"cache.hybrid_kv": False, "graphs.cpu_compile": True, "max_num_seqs": 4,
+                  "max_num_batched_tokens": 16, "kv_tiers.enabled": True,
+                  "kv_tiers.host_bytes": 1 << 22},
 }
-DEFAULT_RUN = {"one-at-a-time", "chunked"}
+DEFAULT_RUN = {"one-at-a-time", "chunked", ("gemma3", "one-table"), ("gemma2", "prefix-hits"),
+               ("gemma3", "preempt-swap")}
 
 
 def _options(m: Family, schedule: str) -> dict:
@@ -218,19 +224,21 @@ def _options(m: Family, schedule: str) -> dict:
 def _cases():
     for name in VARIANTS:
         for schedule in SCHEDULES:
-            marks = [] if schedule in DEFAULT_RUN else [pytest.mark.families]
+            default = schedule in DEFAULT_RUN or (name, schedule) in DEFAULT_RUN
+            marks = [] if default else [pytest.mark.families]
             yield pytest.param(name, schedule, marks=marks, id=f"{name}-{schedule}")
 
 
 @pytest.mark.parametrize("name,schedule", list(_cases()))
 def test_greedy_matches_transformers(family, tmp_path, name, schedule):
     m = family(name)
-    prompts = _prefix_prompts(m) if schedule == "prefix-hits" else m.prompts
-    expected = ([greedy_with_gaps(m.hf, p, MAX_TOKENS) for p in prompts]
-                if schedule == "prefix-hits" else m.reference())
+    hits = schedule in ("prefix-hits", "one-table")
+    prompts = _prefix_prompts(m) if hits else m.prompts
+    expected = [greedy_with_gaps(m.hf, p, MAX_TOKENS) for p in prompts] if hits \
+        else m.reference()
     llm = make_llm(m, tmp_path, **_options(m, schedule))
     try:
-        if schedule in ("one-at-a-time", "prefix-hits"):
+        if schedule in ("one-at-a-time", "prefix-hits", "one-table"):
             got = [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
         else:
             got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
@@ -315,3 +323,64 @@ def test_unsupported_architecture_and_rope_are_named(tmp_path):
     cfg_path.write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedModelError, match="rope_type 'mrope'"):
         load_spec(tmp_path / "m")
+
+
+LORA_CASES = [pytest.param("phi3", id="phi3"),
+              *(pytest.param(n, id=n, marks=pytest.mark.families) for n in ("gemma3", "qwen3"))]
+
+
+@pytest.mark.parametrize("name", LORA_CASES)
+def test_lora_matches_peft(family, tmp_path, name):
+    """A PEFT adapter on the family's own target modules (Phi-3: the stored-fused qkv_proj
+    and gate_up_proj) gives PEFT's greedy tokens."""
+    from tokenloom.kernels.models.registry import family_for
+
+    from tinymodel import build_random_adapter, peft_oracle
+
+    m = family(name)
+    targets = family_for(load_spec(m.path).architecture).lora_targets
+    adapter = build_random_adapter(m.path, tmp_path / "adapter", rank=4, seed=3,
+                                   targets=targets)
+    hf = peft_oracle(m.path, adapter)
+    expected = [greedy_with_gaps(hf, p, MAX_TOKENS) for p in m.prompts]
+    llm = make_llm(m, tmp_path, **{"lora.modules": {"a": str(adapter)}},
+                   max_num_batched_tokens=16, max_num_seqs=4)
+    try:
+        got = [o.token_ids for o in llm.generate(m.prompts, GREEDY, lora="a")]
+        llm.check_integrity()
+    finally:
+        llm.close()
+    assert [t for t, _ in expected] != [t for t, _ in m.reference()], "the adapter is a no-op"
+    for i, (g, (tokens, gaps)) in enumerate(zip(got, expected)):
+        assert_greedy_matches(g, tokens, gaps, f"{name}+LoRA: prompt {i}")
+
+
+# mode -> (options, the reference top-2 gap above which the first token must agree; None:
+# not checked — 4-bit blocks of 32 over these 64-wide random rows move logits by more than
+# a tiny model's gaps, so only serving is checked; the gate's KL is q4's measure).
+MODES = {"int8": (dict(weight_dtype="int8"), 0.5), "q8": (dict(weight_dtype="q8"), 0.5),
+         "q4": (dict(weight_dtype="q4"), None), "kv-int8": (dict(kv_dtype="int8"), 0.5),
+         "kv-fp16": (dict(kv_dtype="fp16"), 0.5), "bf16": (dict(dtype="bfloat16"), 0.5)}
+
+
+@pytest.mark.parametrize("name", ["gemma3", pytest.param("phi3", marks=pytest.mark.families),
+                                  pytest.param("qwen3", marks=pytest.mark.families)])
+def test_weight_and_kv_modes_gate_and_serve(family, tmp_path, name):
+    """Every CPU weight mode and KV format starts on the family: its quality gate measures
+    it against the model-dtype forward (random tiny weights may fail it: then the forced
+    mode serves), the first token agrees with transformers wherever the reference's top-2
+    gap is wide, and no block leaks."""
+    m = family(name)
+    for mode, (opts, gap) in MODES.items():
+        llm = LLM(model=str(m.path), quiet=True, device="cpu", cache_dir=str(tmp_path),
+                  block_size=BLOCK_SIZE, **{"dtype": "float32", "model.force_quantized": True,
+                                            "cache.force_kv_dtype": True, **opts})
+        try:
+            got = [o.token_ids for o in llm.generate(m.prompts, GREEDY)]
+            llm.check_integrity()
+        finally:
+            llm.close()
+        for i, (g, (tokens, gaps)) in enumerate(zip(got, m.reference())):
+            assert len(g) == MAX_TOKENS
+            assert gap is None or g[0] == tokens[0] or gaps[0] < gap, \
+                f"{name}/{mode}: prompt {i}'s first token {g[0]}, transformers {tokens[0]}"
