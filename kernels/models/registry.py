@@ -69,3 +69,15 @@ def family_for(architecture: str) -> Family:
             f"unsupported architecture {architecture!r} "
             f"(supported: {', '.join(supported_architectures())})")
     return fam
+
+
+def markdown_table() -> str:
+    """The supported-architectures table of docs/models.md (its test keeps the page current)."""
+    rows = ["| architecture | family | what its layers need |", "|---|---|---|"]
+    rows += [f"| `{arch}` | {fam.name} | {fam.summary} |"
+             for arch, fam in sorted(families_by_architecture().items())]
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())
