@@ -218,3 +218,34 @@ def test_the_cli_flags(tiny_model_dir, tmp_path):
         assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 64
     finally:
         assert server.stop() == 0
+
+
+def test_a_qwen3_embedding_shaped_model(tmp_path_factory):
+    """A tiny random Qwen3 (q/k norms) with Qwen3-Embedding's sentence-transformers files
+    (last-token pooling, then Normalize): equal to transformers' Qwen3Model; and, being
+    Qwen3, its thinking is split by the "auto" reasoning parser."""
+    from servers import ServerThread, tiny_config
+    from tinymodel import CHAT_TEMPLATE, build_tiny_model
+
+    path = tmp_path_factory.mktemp("tiny-qwen3-embedding")
+    build_tiny_model(path, "Qwen3Config", dict(num_hidden_layers=2, head_dim=32,
+                                               tie_word_embeddings=True),
+                     seed=3, chat_template=CHAT_TEMPLATE)
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"pooling_mode_lasttoken": True, "include_prompt": True}))
+    (path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling",
+         "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize",
+         "type": "sentence_transformers.models.Normalize"}]))
+    s = ServerThread(tiny_config(path, tmp_path_factory.mktemp("cache"),
+                                 **{"server.embeddings": True}))
+    try:
+        got, _ = embed(s, INPUTS)
+        for g, ref in zip(got, reference(path, INPUTS, "last")):
+            np.testing.assert_allclose(g, unit(ref), atol=1e-5, rtol=0)
+        assert s.app[next(iter(s.app))].reasoning.parser.name == "think"
+    finally:
+        s.close()
