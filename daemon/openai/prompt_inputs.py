@@ -75,13 +75,15 @@ def chat_messages(messages: list[ChatMessage], param: str = "messages") -> list[
                                         f"{part.type!r}", param=f"{param}[{i}].content[{j}]")
                 texts.append(part.text)
             content = "".join(texts)
-        if not content and m.tool_calls:
+        if m.tool_calls:
             # Earlier calls, written the way the model is asked to make them (several: an
-            # array).
+            # array), after any text the turn began with (agents often write both).
             calls = [{"name": (c.get("function") or {}).get("name"),
                       "arguments": _arguments((c.get("function") or {}).get("arguments"))}
                      for c in m.tool_calls if isinstance(c, dict)]
-            content = json.dumps(calls[0] if len(calls) == 1 else calls)
+            if calls:
+                written = json.dumps(calls[0] if len(calls) == 1 else calls)
+                content = f"{content}\n{written}" if content else written
         msg = {"role": m.role, "content": content or ""}
         if m.name is not None:
             msg["name"] = m.name

@@ -255,3 +255,19 @@ def test_request_structs_encode():
     req = msgspec.json.decode(b'{"input": "x", "store": true}', type=RP.ResponsesRequest)
     assert req.store and msgspec.json.decode(msgspec.json.encode(req),
                                              type=RP.ResponsesRequest) == req
+
+
+def test_an_assistant_turn_with_text_and_calls_keeps_both():
+    """Agents often write a sentence before a call: the template sees the text, then the
+    calls as the model is asked to write them."""
+    from tokenloom.daemon.openai.prompt_inputs import ChatMessage, chat_messages
+
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    out = chat_messages([ChatMessage(role="assistant", content="Let me check.",
+                                     tool_calls=[call])])
+    assert out[0]["content"] == 'Let me check.\n{"name": "get_weather", "arguments": ' \
+                                '{"city": "Oslo"}}'
+    only = chat_messages([ChatMessage(role="assistant", tool_calls=[call, call])])
+    assert json.loads(only[0]["content"]) == [{"name": "get_weather",
+                                               "arguments": {"city": "Oslo"}}] * 2
