@@ -60,6 +60,9 @@ def register_shape_functions() -> None:
 
     register("paged_decode_cpu", lambda q, key_cache, value_cache, block_tables, context_lens,
              scale: torch.empty_like(q, memory_format=torch.contiguous_format))
+    register("paged_decode_window_cpu",
+             lambda q, key_cache, value_cache, block_tables, context_lens, scale, window,
+             softcap: torch.empty_like(q, memory_format=torch.contiguous_format))
     register("store_kv_cpu", lambda key, value, key_cache, value_cache, slots: None)
     register("small_gemm", lambda x, w, scale, bias: x.new_empty((x.shape[0], w.shape[0])))
     register("small_gemm_strips",
@@ -80,10 +83,19 @@ def register_shape_functions() -> None:
 def paged_decode_op(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, context_lens: torch.Tensor,
                     max_context: int = 0, scale: float = 1.0,
-                    mask: torch.Tensor | None = None) -> torch.Tensor:
-    """The C++ decode kernel through the dispatcher (decode_attention's contract)."""
-    return torch.ops.tokenloom.paged_decode_cpu(q, key_cache, value_cache, block_tables,
-                                                context_lens, scale)
+                    mask: torch.Tensor | None = None, *, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
+    """The C++ decode kernel through the dispatcher (decode_attention's contract, with the
+    layer options of paged_decode_cpu)."""
+    if window is None and softcap is None:
+        return torch.ops.tokenloom.paged_decode_cpu(q, key_cache, value_cache, block_tables,
+                                                    context_lens, scale)
+    return torch.ops.tokenloom.paged_decode_window_cpu(
+        q, key_cache, value_cache, block_tables, context_lens, scale,
+        0 if window is None else window, 0.0 if softcap is None else softcap)
+
+
+paged_decode_op.options = ("window", "softcap")
 
 
 def store_kv_op(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,

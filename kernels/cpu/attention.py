@@ -5,6 +5,11 @@ padded copy and then reads it again. The C++ kernel reads each key/value row onc
 from the block pool. It is compiled with torch's cpp_extension the first time it is needed
 (~1 min, cached under the torch extensions directory); if the toolchain is missing or the
 build fails, the engine logs why and keeps the torch reference.
+
+The kernels take a layer's options (kernels/attention.py) themselves: a sliding `window`
+bounds their loops (the keys behind it are never read, nor their block-table entries, which
+a hybrid KV layout points at a reserved block of garbage) and `softcap` caps the scores
+before the softmax. None (0 in C++) is a plain causal layer.
 """
 
 from __future__ import annotations
@@ -51,45 +56,65 @@ def cpu_kernel_status() -> str:
     return "loaded" if _module is not None else (_failed or "not loaded")
 
 
-def prefill_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          scale: float) -> torch.Tensor:
+def _options(window: int | None, softcap: float | None) -> tuple[int, float]:
+    """A layer's options as the C++ kernels take them (0: none)."""
+    assert window is None or window > 0, f"a sliding window of {window} keys"
+    assert softcap is None or softcap > 0, f"a soft-cap of {softcap}"
+    return (0 if window is None else int(window)), (0.0 if softcap is None else float(softcap))
+
+
+def prefill_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
+                          window: int | None = None,
+                          softcap: float | None = None) -> torch.Tensor:
     """Causal attention of a prefill chunk over its context: q [n, H, D], k and v [KVH,
-    ctx, D] -> [n, H, D] (query i at position ctx - n + i). The C++ kernel: register-tiled
-    scores and P . V, no mask tensor (paged_decode_cpu.cpp)."""
-    return _module.prefill_attention(q, k, v, scale)
+    ctx, D] -> [n, H, D] (query i at position ctx - n + i; with a `window`, it sees keys
+    after ctx - n + i - window only). The C++ kernel: register-tiled scores and P . V, no
+    mask tensor (paged_decode_cpu.cpp)."""
+    return _module.prefill_attention(q, k, v, scale, *_options(window, softcap))
 
 
 def prefill_attention_paged_cpu(q: torch.Tensor, key_cache: torch.Tensor,
                                 value_cache: torch.Tensor, block_table: torch.Tensor,
-                                start_pos: int, scale: float) -> torch.Tensor:
+                                start_pos: int, scale: float, *, window: int | None = None,
+                                softcap: float | None = None) -> torch.Tensor:
     """The same attention for a chunk at positions [start_pos, start_pos + n), its context
     read through `block_table` straight from the pool [blocks, BS, KVH, D]: no gathered
     copy of the context before the kernel repacks it (a continuation chunk's whole context
     was copied twice per layer)."""
     return _module.prefill_attention_paged(q, key_cache, value_cache, block_table, start_pos,
-                                           scale)
-
-
-# kernels.attention.prefill_attention calls `kernel.paged` for a chunk whose context is in a
-# plain (unquantized) pool.
-prefill_attention_cpu.paged = prefill_attention_paged_cpu
+                                           scale, *_options(window, softcap))
 
 
 def paged_decode_cpu(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor,
                      max_context: int = 0, scale: float = 1.0,
-                     mask: torch.Tensor | None = None) -> torch.Tensor:
+                     mask: torch.Tensor | None = None, *, window: int | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
     """q: [B, H, D] -> [B, H, D]; the same signature as attention.decode_attention
-    (max_context and mask are not needed: the kernel stops at each context length)."""
+    (max_context and mask are not needed: the kernel stops at each context length and
+    starts at each window's first key)."""
+    options = _options(window, softcap)
     if isinstance(key_cache, QuantizedCache):
         if key_cache.promoted or value_cache.promoted:
             # A promoted layer reads its model-dtype copy (mixed K/V: the reference).
             if key_cache.promoted and value_cache.promoted:
                 return _module.paged_decode(q, key_cache.full, value_cache.full, block_tables,
-                                            context_lens, scale)
+                                            context_lens, scale, *options)
+            # (the step's mask has no window: the reference builds the layer's own)
             return decode_attention(q, key_cache, value_cache, block_tables, context_lens,
-                                    max_context, scale, mask)
+                                    max_context, scale, mask if window is None else None,
+                                    window=window, softcap=softcap)
         return _module.paged_decode_q(q, key_cache.data, value_cache.data, key_cache.scale,
                                       value_cache.scale, key_cache.fmt.code,
-                                      value_cache.fmt.code, block_tables, context_lens, scale)
-    return _module.paged_decode(q, key_cache, value_cache, block_tables, context_lens, scale)
+                                      value_cache.fmt.code, block_tables, context_lens, scale,
+                                      *options)
+    return _module.paged_decode(q, key_cache, value_cache, block_tables, context_lens, scale,
+                                *options)
+
+
+# The layer options the kernels take (kernels/models/decoder.py, kernel_serves), and the
+# paged form kernels.attention.prefill_attention calls for a chunk whose context is in a
+# plain (unquantized) pool.
+paged_decode_cpu.options = prefill_attention_cpu.options = ("window", "softcap")
+prefill_attention_paged_cpu.options = ("window", "softcap")
+prefill_attention_cpu.paged = prefill_attention_paged_cpu

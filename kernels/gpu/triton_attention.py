@@ -20,6 +20,14 @@ count (kernels/gpu/decode_split.py), so two steps of different shape may round a
 Integer arguments that vary with the batch (table width, scratch strides) are not
 specialized, so the compiled variants are exactly the constexpr ones (`precompile`).
 
+A layer's options (kernels/attention.py) are runtime arguments, so one compiled variant
+serves every layer: a sliding `window` starts a row's partitions at its first visible key
+(ctx - window), so the keys behind it are never read, nor their block-table entries (a
+hybrid KV layout points them at a reserved block of garbage), and the reduce counts the
+row's partitions from there; `softcap` > 0 caps the scores, cap * tanh(score / cap),
+before the softmax (a branch the whole program takes or skips). No window is passed as the
+largest int32 (the first key is then 0), no cap as 0.
+
 `store_kv_triton` writes each token's K/V rows into its slot; slot < 0 is skipped in the
 kernel, without a host sync, which is what padded rows of a captured graph need.
 
@@ -49,9 +57,35 @@ from tokenloom.kernels.kv_quant import KVFormat, QuantizedCache
 
 DEFAULT_PARTITION = 512
 REDUCE_CHUNK = 16   # partitions the reduce merges per step (any count, constant registers)
+NO_WINDOW = 2**31 - 1   # a window longer than any context: every key visible
 
-# Shape-dependent integers and small pointers: one compiled variant serves every batch.
-_VARYING = ["stride_tb", "stride_ob", "stride_oh", "stride_lb", "stride_lh"]
+# Shape-dependent integers and small pointers, and the layer's window: one compiled variant
+# serves every batch and every layer.
+_VARYING = ["stride_tb", "stride_ob", "stride_oh", "stride_lb", "stride_lh", "window"]
+
+
+def _window_arg(window: int | None) -> int:
+    assert window is None or 0 < window < NO_WINDOW, f"a sliding window of {window} keys"
+    return NO_WINDOW if window is None else int(window)
+
+
+def _softcap_arg(softcap: float | None) -> float:
+    assert softcap is None or softcap > 0, f"a soft-cap of {softcap}"
+    return 0.0 if softcap is None else float(softcap)
+
+
+@triton.jit
+def _tanh(y):
+    """tanh as Cephes tanhf computes it: an odd polynomial below |y| = 0.625 (where
+    1 - 2 / (exp(2|y|) + 1) would lose its low bits), else (1 - e) / (1 + e) with
+    e = exp(-2|y|) <= 1, the sign put back."""
+    a = tl.abs(y)
+    z = y * y
+    p = (((-5.70498872745e-3 * z + 2.06390887954e-2) * z - 5.37397155531e-2) * z
+         + 1.33314422036e-1) * z - 3.33332819422e-1
+    e = tl.exp(-2.0 * a)
+    big = (1.0 - e) / (1.0 + e)
+    return tl.where(a < 0.625, y + y * z * p, tl.where(y < 0, -big, big))
 
 
 @triton.jit
@@ -68,6 +102,7 @@ def _dequant(raw, FMT: tl.constexpr):
 
 @triton.jit
 def _attend(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr, scale,
+            window, softcap,
             stride_qb, stride_qh,
             stride_kb, stride_ks, stride_kh,
             stride_sb, stride_ss, stride_sh,
@@ -83,7 +118,7 @@ def _attend(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, lens_ptr, out_ptr, 
     kvh = tl.program_id(1)
     part = tl.program_id(2)
     ctx = tl.load(lens_ptr + b).to(tl.int32)
-    start = part * PARTITION
+    start = tl.maximum(ctx - window, 0) + part * PARTITION   # from the first visible key
     if start < ctx:
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, HEAD_DIM)
@@ -129,6 +164,8 @@ def _attend(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, lens_ptr, out_ptr, 
                 k_scale = tl.load(ks_ptr + block * stride_sb + within * stride_ss
                                   + kvh * stride_sh, mask=tmask, other=0.0)      # [N]
                 s = s * k_scale[None, :]
+            if softcap > 0:
+                s = softcap * _tanh(s / softcap)
             s = tl.where(tmask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp(m_i - m_new)
@@ -147,6 +184,7 @@ def _attend(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, lens_ptr, out_ptr, 
 @triton.jit(do_not_specialize=_VARYING,
             do_not_specialize_on_alignment=["tables_ptr", "lens_ptr"])
 def _decode_partition(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr, scale,
+                      window, softcap,
                       stride_qb, stride_qh,
                       stride_kb, stride_ks, stride_kh,
                       stride_tb,
@@ -157,6 +195,7 @@ def _decode_partition(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, lse_pt
                       PARTITION: tl.constexpr, DIRECT: tl.constexpr, DOT_FP32: tl.constexpr):
     # Model-dtype caches: no scale pointers (k/v stand in, never read).
     _attend(q_ptr, k_ptr, v_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr, scale,
+            window, softcap,
             stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, 0, 0, 0, stride_tb,
             stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
             G, BLOCK_G, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PARTITION, DIRECT, DOT_FP32, 0, 0)
@@ -168,7 +207,7 @@ def _decode_partition(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, lse_pt
 @triton.jit(do_not_specialize=_VARYING,
             do_not_specialize_on_alignment=["tables_ptr", "lens_ptr", "ks_ptr", "vs_ptr"])
 def _decode_partition_quant(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, lens_ptr, out_ptr,
-                            lse_ptr, scale,
+                            lse_ptr, scale, window, softcap,
                             stride_qb, stride_qh,
                             stride_kb, stride_ks, stride_kh,
                             stride_sb, stride_ss, stride_sh,
@@ -181,15 +220,16 @@ def _decode_partition_quant(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, len
                             DOT_FP32: tl.constexpr, QUANT_K: tl.constexpr,
                             QUANT_V: tl.constexpr):
     _attend(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr, scale,
+            window, softcap,
             stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss,
             stride_sh, stride_tb, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
             G, BLOCK_G, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PARTITION, DIRECT, DOT_FP32,
             QUANT_K, QUANT_V)
 
 
-@triton.jit(do_not_specialize=["stride_pb", "stride_ph", "stride_lb", "stride_lh"],
+@triton.jit(do_not_specialize=["stride_pb", "stride_ph", "stride_lb", "stride_lh", "window"],
             do_not_specialize_on_alignment=["lens_ptr"])
-def _decode_reduce(part_ptr, lse_ptr, lens_ptr, out_ptr,
+def _decode_reduce(part_ptr, lse_ptr, lens_ptr, out_ptr, window,
                    stride_pb, stride_ph, stride_ps,
                    stride_lb, stride_lh,
                    stride_ob, stride_oh,
@@ -199,7 +239,7 @@ def _decode_reduce(part_ptr, lse_ptr, lens_ptr, out_ptr,
     b = tl.program_id(0)
     h = tl.program_id(1)
     ctx = tl.load(lens_ptr + b).to(tl.int32)
-    n_parts = (ctx + PARTITION - 1) // PARTITION
+    n_parts = (ctx - tl.maximum(ctx - window, 0) + PARTITION - 1) // PARTITION
     d = tl.arange(0, HEAD_DIM)
     lse_row = lse_ptr + b * stride_lb + h * stride_lh
     part_row = part_ptr + b * stride_pb + h * stride_ph
@@ -225,12 +265,19 @@ def _decode_reduce(part_ptr, lse_ptr, lens_ptr, out_ptr,
 def paged_decode_triton(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                         block_tables: torch.Tensor, context_lens: torch.Tensor,
                         max_context: int, scale: float, mask: torch.Tensor | None = None,
-                        partition: int = DEFAULT_PARTITION, block_n: int = 64) -> torch.Tensor:
+                        partition: int = DEFAULT_PARTITION, block_n: int = 64, *,
+                        window: int | None = None,
+                        softcap: float | None = None) -> torch.Tensor:
     """q: [B, H, D] -> [B, H, D]; same contract as attention.decode_attention (`mask` is
-    not needed: the kernel stops at each context length). Every context length must be
-    >= 1 and <= max_context. The grid covers max_context in partitions of `partition`."""
+    not needed: the kernel stops at each context length and starts at each window's first
+    key). Every context length must be >= 1 and <= max_context. The grid covers
+    max_context in partitions of `partition`."""
     return _launch(q, key_cache, value_cache, block_tables, context_lens, scale,
-                   partition, max(1, cdiv(max_context, partition)), block_n)
+                   partition, max(1, cdiv(max_context, partition)), block_n, window=window,
+                   softcap=softcap)
+
+
+paged_decode_triton.options = ("window", "softcap")   # kernel_serves (kernels/models/decoder.py)
 
 
 def _side(cache):
@@ -243,7 +290,8 @@ def _side(cache):
 
 
 def _launch(q, key_cache, value_cache, block_tables, context_lens, scale: float,
-            partition: int, num_parts: int, block_n: int) -> torch.Tensor:
+            partition: int, num_parts: int, block_n: int, *, window: int | None = None,
+            softcap: float | None = None) -> torch.Tensor:
     key_cache, k_scale, quant_k = _side(key_cache)
     value_cache, v_scale, quant_v = _side(value_cache)
     b, h, d = q.shape
@@ -264,7 +312,8 @@ def _launch(q, key_cache, value_cache, block_tables, context_lens, scale: float,
         partials = torch.empty((b, h, num_parts, d), dtype=torch.float32, device=q.device)
         lse = torch.empty((b, h, num_parts), dtype=torch.float32, device=q.device)
     sk = key_cache.stride()
-    common = (block_tables, context_lens, partials, lse, scale,
+    window = _window_arg(window)
+    common = (block_tables, context_lens, partials, lse, scale, window, _softcap_arg(softcap),
               q.stride(0), q.stride(1),
               sk[0], sk[1], sk[2])
     tail = (block_tables.stride(0),
@@ -289,7 +338,7 @@ def _launch(q, key_cache, value_cache, block_tables, context_lens, scale: float,
             *common, ss[0], ss[1], ss[2], *tail, QUANT_K=quant_k, QUANT_V=quant_v, **meta)
     if not direct:
         _decode_reduce[(b, h)](
-            partials, lse, context_lens, out,
+            partials, lse, context_lens, out, window,
             partials.stride(0), partials.stride(1), partials.stride(2),
             lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1),
@@ -301,7 +350,10 @@ class SplitDecode:
     """The decode-attention callable the model uses on CUDA (decode_attention's contract):
     each call picks its partition with `rule` (kernels/gpu/decode_split.py) from the batch's
     rows and longest context; inside a CUDA graph capture, from the graph rule (fixed at
-    capture, grid over the whole table width)."""
+    capture, grid over the whole table width). A layer's window and soft-cap are the
+    kernel's runtime arguments: the same variants serve every layer."""
+
+    options = ("window", "softcap")   # kernel_serves (kernels/models/decoder.py)
 
     def __init__(self, rule: SplitRule):
         self.rule = rule
@@ -313,14 +365,16 @@ class SplitDecode:
         return self.rule.eager(rows, max_context)
 
     def __call__(self, q, key_cache, value_cache, block_tables, context_lens, max_context: int,
-                 scale: float, mask=None) -> torch.Tensor:
+                 scale: float, mask=None, *, window: int | None = None,
+                 softcap: float | None = None) -> torch.Tensor:
         key = (q.shape[0], max_context, q.is_cuda and torch.cuda.is_current_stream_capturing())
         if self._last[0] != key:
             self._last = (key, self.variant(*key))
         v = self._last[1]
         num_parts = 1 if v.direct else cdiv(max_context, v.partition)
         return _launch(q, key_cache, value_cache, block_tables, context_lens, scale,
-                       v.partition, num_parts, self.rule.block_n)
+                       v.partition, num_parts, self.rule.block_n, window=window,
+                       softcap=softcap)
 
     def server_variants(self, max_rows: int, width: int, graph_sizes=()) -> set[Variant]:
         """Every variant a server can meet: eager steps of 1..max_rows decode rows with

@@ -21,6 +21,11 @@
 // too, its codes decoded as they are loaded (Code, load16), when K and V share a format;
 // otherwise decode_kernel_q below, a whole sequence per item.
 //
+// A layer's options (kernels/attention.py): a sliding window (> 0) starts every path's keys
+// at the window's first (first_visible), so a windowed decode costs its window, not its
+// context; a soft-cap (> 0) caps a work item's scores in one pass before its softmax
+// (softcap_scores, vec_exp.h). Without them the loops are those of the plain kernel.
+//
 // Built with -fopenmp (kernels/cpu/attention.py): without it at::parallel_for compiles to a plain
 // loop and every sequence runs on the calling thread. (Splitting a sequence's kv heads
 // across threads was measured too: no faster for a lone sequence, slower when one thread;
@@ -64,6 +69,14 @@ static inline void prefetch_row(const T* row, int64_t n) {
 // sequence's result is the same whatever else is in the step and however many threads run
 // (a lone 1,100-token decode spreads over every core instead of one).
 constexpr int64_t kSpan = 256;
+
+// The first key a decode query after `ctx` keys sees: with a sliding window (> 0), its last
+// `window` keys only. Every path starts its loops there: the keys behind it are never read,
+// nor their block-table entries (a hybrid KV layout points them at a reserved block of
+// garbage, actors/kv/groups.py).
+static inline int64_t first_visible(int64_t ctx, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
+}
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -268,7 +281,7 @@ static void decode_item_avx512(const float* qf, const uint16_t* qb, const T* kc,
                                int64_t BS, int64_t blk_stride, int64_t row_stride, float scale,
                                float* scores_all, float* acc_all, float* pmax_all,
                                float* psum_all, const float* ks = nullptr,
-                               const float* vs = nullptr) {
+                               const float* vs = nullptr, float softcap = 0.f) {
   constexpr int64_t D = NV * 16;
   const int64_t n = t1 - t0, quads = (G + 3) / 4, R = KVH * D;
   const __m128 sc4 = _mm_set1_ps(scale);
@@ -296,6 +309,9 @@ static void decode_item_avx512(const float* qf, const uint16_t* qb, const T* kc,
                            scores_all + g * quads * n * 4);
     }
   }
+  // Soft-capped scores (scaled, and a quantized key's scale folded in) before the softmax;
+  // the zero-padded heads of a quad stay 0.
+  if (softcap > 0.f) softcap_scores(scores_all, KVH * quads * n * 4, softcap);
   for (int64_t g = 0; g < KVH; ++g) {
     const int64_t off = g * D;
     float* scores = scores_all + g * quads * n * 4;
@@ -367,14 +383,18 @@ static bool g_vector_path = true;
 // streams; a kv head's slice of each row (128 or 256 bytes of every 384 or 768) read
 // 1.1-1.3x slower from a cold cache (session 19, with the L2 prefetch above).
 // `item(qf, qb, table, ctx, t0, t1, scores, acc, pmax, psum)` computes one item's
-// partials.
+// partials. With a sliding `window` (> 0) a sequence's spans start at its first visible key
+// (first_visible).
 template <typename T>
 class SpanItems {
  public:
-  SpanItems(const int64_t* lens, int64_t B, int64_t H, int64_t KVH, int64_t D)
-      : lens_(lens), B_(B), H_(H), KVH_(KVH), D_(D), G_(H / KVH), first_(B + 1, 0) {
+  SpanItems(const int64_t* lens, int64_t B, int64_t H, int64_t KVH, int64_t D,
+            int64_t window = 0)
+      : lens_(lens), B_(B), H_(H), KVH_(KVH), D_(D), G_(H / KVH), window_(window),
+        first_(B + 1, 0) {
     for (int64_t b = 0; b < B; ++b)   // items of sequence b: first_[b]..first_[b + 1]
-      first_[b + 1] = first_[b] + std::max<int64_t>(1, (lens[b] + kVecSpan - 1) / kVecSpan);
+      first_[b + 1] = first_[b] + std::max<int64_t>(
+          1, (lens[b] - first_visible(lens[b], window) + kVecSpan - 1) / kVecSpan);
     items_ = first_[B];
     part_acc_.resize(items_ * H * D);
     part_max_.resize(items_ * H);
@@ -406,7 +426,8 @@ class SpanItems {
     while ((item = next_.fetch_add(1, std::memory_order_relaxed)) < items_) {
       const int64_t b = std::upper_bound(first_.begin(), first_.end(), item) - first_.begin() - 1;
       const int64_t span = item - first_[b];
-      const int64_t ctx = lens_[b], t0 = span * kVecSpan, t1 = std::min(ctx, t0 + kVecSpan);
+      const int64_t ctx = lens_[b], t0 = first_visible(ctx, window_) + span * kVecSpan;
+      const int64_t t1 = std::min(ctx, t0 + kVecSpan);
       float* pm = &part_max_[item * H];
       float* ps = &part_sum_[item * H];
       float* pa = &part_acc_[item * H * D];
@@ -456,7 +477,7 @@ class SpanItems {
 
  private:
   const int64_t* lens_;
-  int64_t B_, H_, KVH_, D_, G_, items_ = 0;
+  int64_t B_, H_, KVH_, D_, G_, window_, items_ = 0;
   std::vector<int64_t> first_;
   std::vector<float> part_acc_, part_max_, part_sum_;
   std::atomic<int64_t> next_{0};
@@ -465,8 +486,8 @@ class SpanItems {
 template <typename T, typename Item>
 static void decode_spans_vec(const T* q, const int64_t* tables, const int64_t* lens, T* out,
                                 int64_t B, int64_t H, int64_t KVH, int64_t D,
-                                int64_t max_blocks, const Item& item_fn) {
-  SpanItems<T> spans(lens, B, H, KVH, D);
+                                int64_t max_blocks, int64_t window, const Item& item_fn) {
+  SpanItems<T> spans(lens, B, H, KVH, D, window);
   at::parallel_for(0, std::min<int64_t>(spans.items(), at::get_num_threads()), 1,
                    [&](int64_t, int64_t) {
     typename SpanItems<T>::Scratch s(KVH, H / KVH, D);
@@ -483,12 +504,12 @@ static inline void item_avx512(const float* qf, const uint16_t* qb, const C* kc,
                                int64_t KVH, int64_t G, int64_t D, int64_t BS,
                                int64_t blk_stride, int64_t row_stride, float scale,
                                float* scores, float* pa, float* pm, float* ps,
-                               const float* ks = nullptr, const float* vs = nullptr) {
+                               const float* ks, const float* vs, float softcap) {
   switch (D / 16) {
 #define TL_ITEM(NV)                                                                        \
   case NV:                                                                                 \
     decode_item_avx512<C, NV, QB>(qf, qb, kc, vc, table, ctx, t0, t1, KVH, G, BS, blk_stride, \
-                                  row_stride, scale, scores, pa, pm, ps, ks, vs);          \
+                                  row_stride, scale, scores, pa, pm, ps, ks, vs, softcap); \
     break;
     TL_ITEM(1) TL_ITEM(2) TL_ITEM(3) TL_ITEM(4) TL_ITEM(5) TL_ITEM(6) TL_ITEM(7)
     TL_ITEM(8) TL_ITEM(9) TL_ITEM(10) TL_ITEM(11) TL_ITEM(12) TL_ITEM(13) TL_ITEM(14)
@@ -506,26 +527,29 @@ struct ItemAvx512 {
   float scale;
   const float* ks;
   const float* vs;
+  float softcap = 0.f;   // > 0: scores soft-capped
   void operator()(const float* qf, const uint16_t* qb, const int64_t* table, int64_t ctx,
                   int64_t t0, int64_t t1, float* scores, float* pa, float* pm,
                   float* ps) const {
     item_avx512<C, QB>(qf, qb, kc, vc, table, ctx, t0, t1, KVH, G, D, BS, blk_stride,
-                       row_stride, scale, scores, pa, pm, ps, ks, vs);
+                       row_stride, scale, scores, pa, pm, ps, ks, vs, softcap);
   }
 };
 
 // C: the cache's element (T; a Code of a quantized cache with its scales ks / vs; or bf16
-// or fp16 under an fp32 query, cache.kv_dtype bf16 / fp16).
+// or fp16 under an fp32 query, cache.kv_dtype bf16 / fp16). window > 0: each query sees its
+// last `window` keys; softcap > 0: scores soft-capped.
 template <typename T, typename C = T>
 static void decode_kernel_avx512(const T* q, const C* kc, const C* vc, const int64_t* tables,
                                  const int64_t* lens, T* out, int64_t B, int64_t H, int64_t KVH,
                                  int64_t D, int64_t BS, int64_t max_blocks, int64_t blk_stride,
-                                 int64_t row_stride, float scale, const float* ks = nullptr,
+                                 int64_t row_stride, float scale, int64_t window,
+                                 float softcap, const float* ks = nullptr,
                                  const float* vs = nullptr) {
   constexpr bool QB = std::is_same_v<T, c10::BFloat16>;   // the query in bf16 (qb filled)
-  decode_spans_vec<T>(q, tables, lens, out, B, H, KVH, D, max_blocks,
+  decode_spans_vec<T>(q, tables, lens, out, B, H, KVH, D, max_blocks, window,
                       ItemAvx512<C, QB>{kc, vc, KVH, H / KVH, D, BS, blk_stride, row_stride,
-                                        scale, ks, vs});
+                                        scale, ks, vs, softcap});
 }
 #endif  // TL_DECODE_AVX512
 
@@ -646,7 +670,7 @@ static void decode_item_avx2(const float* qf, const T* kc, const T* vc, const in
                              int64_t ctx, int64_t t0, int64_t t1, int64_t KVH, int64_t G,
                              int64_t D, int64_t BS, int64_t blk_stride, int64_t row_stride,
                              float scale, float* scores_all, float* acc_all, float* pmax_all,
-                             float* psum_all) {
+                             float* psum_all, float softcap) {
   const int64_t n = t1 - t0, quads = (G + 3) / 4, R = KVH * D;
   const __m128 sc4 = _mm_set1_ps(scale);
   for (int64_t t = t0; t < t1;) {
@@ -673,6 +697,7 @@ static void decode_item_avx2(const float* qf, const T* kc, const T* vc, const in
       }
     }
   }
+  if (softcap > 0.f) softcap_scores(scores_all, KVH * quads * n * 4, softcap);
   for (int64_t g = 0; g < KVH; ++g) {
     float* scores = scores_all + g * quads * n * 4;
     float* acc = acc_all + g * G * D;
@@ -711,11 +736,12 @@ struct ItemAvx2 {
   const C* vc;
   int64_t KVH, G, D, BS, blk_stride, row_stride;
   float scale;
+  float softcap = 0.f;   // > 0: scores soft-capped
   void operator()(const float* qf, const uint16_t*, const int64_t* table, int64_t ctx,
                   int64_t t0, int64_t t1, float* scores, float* pa, float* pm,
                   float* ps) const {
     decode_item_avx2<C>(qf, kc, vc, table, ctx, t0, t1, KVH, G, D, BS, blk_stride, row_stride,
-                        scale, scores, pa, pm, ps);
+                        scale, scores, pa, pm, ps, softcap);
   }
 };
 
@@ -723,9 +749,10 @@ template <typename T, typename C = T>
 static void decode_kernel_avx2(const T* q, const C* kc, const C* vc, const int64_t* tables,
                                const int64_t* lens, T* out, int64_t B, int64_t H, int64_t KVH,
                                int64_t D, int64_t BS, int64_t max_blocks, int64_t blk_stride,
-                               int64_t row_stride, float scale) {
-  decode_spans_vec<T>(q, tables, lens, out, B, H, KVH, D, max_blocks,
-                      ItemAvx2<C>{kc, vc, KVH, H / KVH, D, BS, blk_stride, row_stride, scale});
+                               int64_t row_stride, float scale, int64_t window, float softcap) {
+  decode_spans_vec<T>(q, tables, lens, out, B, H, KVH, D, max_blocks, window,
+                      ItemAvx2<C>{kc, vc, KVH, H / KVH, D, BS, blk_stride, row_stride, scale,
+                                  softcap});
 }
 #endif  // TL_DECODE_AVX2
 
@@ -797,11 +824,13 @@ template <typename T, typename C = T>
 static void decode_kernel(const T* q, const C* kc, const C* vc, const int64_t* tables,
                           const int64_t* lens, T* out, int64_t B, int64_t H, int64_t KVH,
                           int64_t D, int64_t BS, int64_t max_blocks, int64_t blk_stride,
-                          int64_t row_stride, float scale) {
+                          int64_t row_stride, float scale, int64_t window = 0,
+                          float softcap = 0.f) {
   const int64_t G = H / KVH;
   std::vector<int64_t> first(B + 1, 0);   // sequence b's spans are items first[b]..first[b+1]
-  for (int64_t b = 0; b < B; ++b)
-    first[b + 1] = first[b] + std::max<int64_t>(1, (lens[b] + kSpan - 1) / kSpan);
+  for (int64_t b = 0; b < B; ++b)   // (from its first visible key: SpanItems)
+    first[b + 1] = first[b] + std::max<int64_t>(
+        1, (lens[b] - first_visible(lens[b], window) + kSpan - 1) / kSpan);
   const int64_t items = first[B];
   std::vector<float> part_acc(items * H * D), part_max(items * H), part_sum(items * H);
   // One work item per span: a token's keys for all kv heads are one contiguous row
@@ -812,7 +841,8 @@ static void decode_kernel(const T* q, const C* kc, const C* vc, const int64_t* t
     for (int64_t item = begin; item < end; ++item) {
       while (first[b + 1] <= item) ++b;
       const int64_t ctx = lens[b];
-      const int64_t t0 = (item - first[b]) * kSpan, t1 = std::min(ctx, t0 + kSpan);
+      const int64_t t0 = first_visible(ctx, window) + (item - first[b]) * kSpan;
+      const int64_t t1 = std::min(ctx, t0 + kSpan);
       const int64_t n = std::max<int64_t>(t1 - t0, 0);
       const int64_t* table = tables + b * max_blocks;
       for (int64_t i = 0; i < H * D; ++i) qf[i] = to_f(q[b * H * D + i]) * scale;
@@ -836,6 +866,7 @@ static void decode_kernel(const T* q, const C* kc, const C* vc, const int64_t* t
           scores[h * n + t - t0] = s;
         }
       }
+      if (softcap > 0.f) softcap_scores(scores.data(), H * n, softcap);
       // Softmax partials per query head (fp32): the span's max and sum of exp(s - max).
       for (int64_t h = 0; h < H; ++h) {
         float* sc = &scores[h * n];
@@ -891,9 +922,14 @@ static void decode_kernel(const T* q, const C* kc, const C* vc, const int64_t* t
   });
 }
 
+// window > 0: each sequence's query sees its last `window` keys only; softcap > 0: scores
+// become softcap * tanh(score / softcap) before the softmax (0: neither, as before).
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
-                           torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+                           torch::Tensor block_tables, torch::Tensor context_lens, double scale,
+                           int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3, "q must be [B, H, D]");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "paged_decode: window and softcap >= 0 (0: none)");
+  const float cap = static_cast<float>(softcap);
   TORCH_CHECK(key_cache.dim() == 4, "key_cache must be [num_blocks, block_size, kv_heads, D]");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && context_lens.scalar_type() == torch::kInt64,
@@ -921,20 +957,22 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor key_cache, torch::Tens
     if (g_vector_path && D % 16 == 0 && D <= 256) {
       decode_kernel_avx512<T, C>(qp, kp, vp, block_tables.data_ptr<int64_t>(),
                                  context_lens.data_ptr<int64_t>(), op, B, H, KVH, D, BS,
-                                 max_blocks, blk_stride, row_stride, static_cast<float>(scale));
+                                 max_blocks, blk_stride, row_stride, static_cast<float>(scale),
+                                 window, cap);
       return;
     }
 #elif defined(TL_DECODE_AVX2)
     if (g_vector_path && D % 8 == 0 && D <= 256) {
       decode_kernel_avx2<T, C>(qp, kp, vp, block_tables.data_ptr<int64_t>(),
                                context_lens.data_ptr<int64_t>(), op, B, H, KVH, D, BS,
-                               max_blocks, blk_stride, row_stride, static_cast<float>(scale));
+                               max_blocks, blk_stride, row_stride, static_cast<float>(scale),
+                               window, cap);
       return;
     }
 #endif
     decode_kernel<T, C>(qp, kp, vp, block_tables.data_ptr<int64_t>(),
                         context_lens.data_ptr<int64_t>(), op, B, H, KVH, D, BS, max_blocks,
-                        blk_stride, row_stride, static_cast<float>(scale));
+                        blk_stride, row_stride, static_cast<float>(scale), window, cap);
   };
   const auto qt = q.scalar_type(), ct = key_cache.scalar_type();
   TORCH_CHECK(value_cache.scalar_type() == ct, "key and value caches must share a dtype");
@@ -947,7 +985,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor key_cache, torch::Tens
     decode_kernel<double>(q.data_ptr<double>(), key_cache.data_ptr<double>(),
                           value_cache.data_ptr<double>(), block_tables.data_ptr<int64_t>(),
                           context_lens.data_ptr<int64_t>(), out.data_ptr<double>(), B, H, KVH,
-                          D, BS, max_blocks, blk_stride, row_stride, static_cast<float>(scale));
+                          D, BS, max_blocks, blk_stride, row_stride, static_cast<float>(scale),
+                          window, cap);
   } else {
     TORCH_CHECK(false, "paged_decode: a ", qt, " query over a ", ct, " cache (the same dtype, "
                 "or an fp32 query over a bf16 or fp16 cache)");
@@ -1006,16 +1045,18 @@ template <typename T>
 static void decode_kernel_q(const T* q, const uint8_t* kc, const uint8_t* vc, const float* ks,
                             const float* vs, int kfmt, int vfmt, const int64_t* tables,
                             const int64_t* lens, T* out, int64_t B, int64_t H, int64_t KVH,
-                            int64_t D, int64_t BS, int64_t max_blocks, float scale) {
+                            int64_t D, int64_t BS, int64_t max_blocks, float scale,
+                            int64_t window, float softcap) {
   const int64_t G = H / KVH, row_stride = KVH * D, blk_stride = BS * row_stride;
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(H * D), acc(H * D), scores, row(row_stride), pv(KVH);
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t ctx = lens[b];
+      // keys lo .. ctx - 1, score t at scores[h * n + t - lo]
+      const int64_t ctx = lens[b], lo = first_visible(ctx, window), n = ctx - lo;
       const int64_t* table = tables + b * max_blocks;
       for (int64_t i = 0; i < H * D; ++i) qf[i] = to_f(q[b * H * D + i]) * scale;
-      scores.assign(H * ctx, 0.f);
-      for (int64_t t = 0; t < ctx; ++t) {
+      scores.assign(H * n, 0.f);
+      for (int64_t t = lo; t < ctx; ++t) {
         const int64_t blk = table[t / BS];
         if (t + BS < ctx) prefetch_row(kc + table[t / BS + 1] * blk_stride + (t % BS) * row_stride, row_stride);
         decode_row(kc + blk * blk_stride + (t % BS) * row_stride, row.data(), row_stride, kfmt);
@@ -1025,26 +1066,27 @@ static void decode_kernel_q(const T* q, const uint8_t* kc, const uint8_t* vc, co
           const float* kh = row.data() + (h / G) * D;
           float s = 0.f;
           for (int64_t d = 0; d < D; ++d) s += qh[d] * kh[d];
-          scores[h * ctx + t] = s * sc[h / G];
+          scores[h * n + t - lo] = s * sc[h / G];
         }
       }
+      if (softcap > 0.f) softcap_scores(scores.data(), H * n, softcap);
       for (int64_t h = 0; h < H; ++h) {
-        float* s = &scores[h * ctx];
+        float* s = &scores[h * n];
         float m = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < ctx; ++t) m = s[t] > m ? s[t] : m;
+        for (int64_t t = 0; t < n; ++t) m = s[t] > m ? s[t] : m;
         float sum = 0.f;
-        for (int64_t t = 0; t < ctx; ++t) { s[t] = std::exp(s[t] - m); sum += s[t]; }
+        for (int64_t t = 0; t < n; ++t) { s[t] = std::exp(s[t] - m); sum += s[t]; }
         const float inv = 1.f / sum;
-        for (int64_t t = 0; t < ctx; ++t) s[t] *= inv;
+        for (int64_t t = 0; t < n; ++t) s[t] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < ctx; ++t) {
+      for (int64_t t = lo; t < ctx; ++t) {
         const int64_t blk = table[t / BS];
         if (t + BS < ctx) prefetch_row(vc + table[t / BS + 1] * blk_stride + (t % BS) * row_stride, row_stride);
         decode_row(vc + blk * blk_stride + (t % BS) * row_stride, row.data(), row_stride, vfmt);
         const float* sc = vs + (blk * BS + t % BS) * KVH;
         for (int64_t h = 0; h < H; ++h) {
-          const float p = scores[h * ctx + t] * sc[h / G];
+          const float p = scores[h * n + t - lo] * sc[h / G];
           const float* vh = row.data() + (h / G) * D;
           float* a = &acc[h * D];
           for (int64_t d = 0; d < D; ++d) a[d] += p * vh[d];
@@ -1058,8 +1100,10 @@ static void decode_kernel_q(const T* q, const uint8_t* kc, const uint8_t* vc, co
 torch::Tensor paged_decode_q(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
                              torch::Tensor key_scale, torch::Tensor value_scale, int64_t kfmt,
                              int64_t vfmt, torch::Tensor block_tables, torch::Tensor context_lens,
-                             double scale) {
+                             double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3, "q must be [B, H, D]");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "paged_decode_q: window and softcap >= 0 (0: none)");
+  const float cap = static_cast<float>(softcap);
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.scalar_type() == torch::kUInt8 &&
               value_cache.scalar_type() == torch::kUInt8,
               "quantized caches must be uint8 [num_blocks, block_size, kv_heads, D]");
@@ -1091,7 +1135,7 @@ torch::Tensor paged_decode_q(torch::Tensor q, torch::Tensor key_cache, torch::Te
               reinterpret_cast<const C*>(value_cache.data_ptr<uint8_t>()),
               block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
               out.data_ptr<scalar_t>(), B, H, KVH, D, BS, block_tables.size(1),
-              BS * row_stride, row_stride, static_cast<float>(scale),
+              BS * row_stride, row_stride, static_cast<float>(scale), window, cap,
               key_scale.data_ptr<float>(), value_scale.data_ptr<float>());
         };
         if (kfmt == 0) run(Code<0>{});
@@ -1106,7 +1150,8 @@ torch::Tensor paged_decode_q(torch::Tensor q, torch::Tensor key_cache, torch::Te
                               value_scale.data_ptr<float>(), static_cast<int>(kfmt),
                               static_cast<int>(vfmt), block_tables.data_ptr<int64_t>(),
                               context_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), B, H,
-                              KVH, D, BS, block_tables.size(1), static_cast<float>(scale));
+                              KVH, D, BS, block_tables.size(1), static_cast<float>(scale),
+                              window, cap);
   });
   return out;
 }
@@ -1179,10 +1224,28 @@ void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
 }
 
 // The same kernels as dispatcher operators, so that a compiled (torch.compile) decode
-// program can call them (graphs/cpu_compile.py registers their shape functions).
+// program can call them (graphs/cpu_compile.py registers their shape functions). The plain
+// ops keep their schemas (the decode stack calls them typed); a layer with a sliding window
+// or soft-capped scores calls paged_decode_window_cpu.
+static torch::Tensor paged_decode_plain(torch::Tensor q, torch::Tensor key_cache,
+                                        torch::Tensor value_cache, torch::Tensor block_tables,
+                                        torch::Tensor context_lens, double scale) {
+  return paged_decode(q, key_cache, value_cache, block_tables, context_lens, scale, 0, 0.0);
+}
+
+static torch::Tensor prefill_paged_plain(torch::Tensor q, torch::Tensor key_cache,
+                                         torch::Tensor value_cache, torch::Tensor block_table,
+                                         int64_t start_pos, double scale) {
+  return prefill_attention_paged(q, key_cache, value_cache, block_table, start_pos, scale, 0,
+                                 0.0);
+}
+
 TORCH_LIBRARY_FRAGMENT(tokenloom, m) {
   m.def("paged_decode_cpu(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
         "Tensor context_lens, float scale) -> Tensor");
+  m.def("paged_decode_window_cpu(Tensor q, Tensor key_cache, Tensor value_cache, "
+        "Tensor block_tables, Tensor context_lens, float scale, int window, float softcap) "
+        "-> Tensor");
   m.def("store_kv_cpu(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
         "Tensor slots) -> ()");
   m.def("prefill_attention_paged_cpu(Tensor q, Tensor key_cache, Tensor value_cache, "
@@ -1190,18 +1253,33 @@ TORCH_LIBRARY_FRAGMENT(tokenloom, m) {
 }
 
 TORCH_LIBRARY_IMPL(tokenloom, CPU, m) {
-  m.impl("paged_decode_cpu", &paged_decode);
+  m.impl("paged_decode_cpu", &paged_decode_plain);
+  m.impl("paged_decode_window_cpu", &paged_decode);
   m.impl("store_kv_cpu", &store_kv);
-  m.impl("prefill_attention_paged_cpu", &prefill_attention_paged);
+  m.impl("prefill_attention_paged_cpu", &prefill_paged_plain);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged-attention decode over the block pool (CPU)");
-  m.def("paged_decode_q", &paged_decode_q, "paged-attention decode over a quantized pool (CPU)");
+  namespace py = pybind11;
+  // window 0 / softcap 0: a plain causal layer (each positive: the layer's option).
+  m.def("paged_decode", &paged_decode, "paged-attention decode over the block pool (CPU)",
+        py::arg("q"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
+        py::arg("context_lens"), py::arg("scale"), py::arg("window") = 0,
+        py::arg("softcap") = 0.0);
+  m.def("paged_decode_q", &paged_decode_q, "paged-attention decode over a quantized pool (CPU)",
+        py::arg("q"), py::arg("key_cache"), py::arg("value_cache"), py::arg("key_scale"),
+        py::arg("value_scale"), py::arg("kfmt"), py::arg("vfmt"), py::arg("block_tables"),
+        py::arg("context_lens"), py::arg("scale"), py::arg("window") = 0,
+        py::arg("softcap") = 0.0);
   m.def("store_kv", &store_kv, "write K/V rows into their cache slots, skipping slot < 0");
-  m.def("prefill_attention", &prefill_attention, "causal prefill attention (CPU)");
+  m.def("prefill_attention", &prefill_attention, "causal prefill attention (CPU)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("window") = 0,
+        py::arg("softcap") = 0.0);
   m.def("prefill_attention_paged", &prefill_attention_paged,
-        "causal prefill attention reading K/V through a block table (CPU)");
+        "causal prefill attention reading K/V through a block table (CPU)", py::arg("q"),
+        py::arg("key_cache"), py::arg("value_cache"), py::arg("block_table"),
+        py::arg("start_pos"), py::arg("scale"), py::arg("window") = 0,
+        py::arg("softcap") = 0.0);
   m.def("prefill_bf16_dot_built", &prefill_bf16_dot_built,
         "whether bf16 prefill attention runs the AVX512-BF16 kernel");
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for uses for n items");

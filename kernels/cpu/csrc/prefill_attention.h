@@ -18,6 +18,11 @@
 // call: allocating and zeroing them per call (1.5 MB a layer at 2,000 keys) was ~12% of a
 // 64-token chunk's attention after 1,936 cached keys, and the other thread spun idle
 // meanwhile. The buffers only grow (to the largest context seen).
+//
+// A layer's options (kernels/attention.py) are arguments of both entries: a sliding window
+// (> 0) bounds the keys repacked and each row's softmax (ChunkWindow: nothing behind the
+// first query's window is read), a soft-cap (> 0) caps the scores before the softmax;
+// 0 and 0 are the plain causal kernel, its loops unchanged.
 #pragma once
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -26,10 +31,10 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+#include "vec_exp.h"
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
     defined(__AVX512VL__)
 #include <immintrin.h>
-#include "vec_exp.h"
 #define TL_PREFILL_BF16_DOT 1
 #else
 #define TL_PREFILL_BF16_DOT 0
@@ -73,9 +78,30 @@ inline T* scratch(int64_t count) {
 template <typename T>
 inline float elem_f32(T x) { return static_cast<float>(x); }
 
+// A chunk of n queries at positions ctx - n .. ctx - 1 under a sliding window (> 0): the
+// query at position p sees keys p - window + 1 .. p. The kernels repack only keys k0 ..
+// ctx - 1, k0 the first query's first visible key (`first`) rounded down to a whole tile
+// of `align` keys; the keys k0 .. first - 1 are zeros, never read (nor any before): a
+// hybrid KV layout points the blocks behind a window at a reserved block of garbage
+// (actors/kv/groups.py). A tile of queries scores from its first row's first visible key
+// (rounded down to a tile of keys) and each row's softmax starts at its own. No window:
+// k0 = first = 0 and every row starts at key 0, as before.
+struct ChunkWindow {
+  int64_t window, first, k0;
+  ChunkWindow(int64_t n, int64_t ctx, int64_t window, int64_t align)
+      : window(window), first(window > 0 ? std::max<int64_t>(0, ctx - n - window + 1) : 0),
+        k0(first / align * align) {}
+  // The first key the query at position p sees, counted from k0.
+  int64_t lo(int64_t p) const {
+    return window > 0 ? std::max<int64_t>(0, p - window + 1) - k0 : 0;
+  }
+};
+
 // Causal prefill attention over a context of `ctx` keys (fp32 or bf16; sums in fp32).
 // q: [n, H, D] contiguous; query i sits at position ctx - n + i and sees keys
-// 0 .. ctx - n + i. Returns [n, H, D] in q's dtype.
+// 0 .. ctx - n + i (with a `window` > 0, only its last `window` of them: ChunkWindow).
+// `softcap` > 0: scores become softcap * tanh(score / softcap) before the softmax.
+// Returns [n, H, D] in q's dtype.
 //
 // torch's fused CPU SDPA ran a 1,024-token causal prefill of the default model (9 heads,
 // D = 64) at about 85 GFLOP/s on 2 cores, 40% of the prefill's time. Here K is transposed
@@ -111,8 +137,13 @@ constexpr bool kScorePairs = false;
 
 template <typename T>
 inline void prefill_fp32(const torch::Tensor& q, const KVRows<T>& K, const KVRows<T>& V,
-                         int64_t KVH, int64_t ctx, float scale, torch::Tensor& out) {
+                         int64_t KVH, int64_t full_ctx, float scale, torch::Tensor& out,
+                         int64_t window, float softcap) {
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
+  // Below, keys are counted from w.k0 (0 without a window): ctx keys repacked, the first
+  // query at `off`.
+  const ChunkWindow w(n, full_ctx, window, kPL);
+  const int64_t ctx = full_ctx - w.k0, kz = w.first - w.k0, pos0 = full_ctx - n;
   const int64_t G = H / KVH, off = ctx - n;
   const int64_t cp = (ctx + kPL - 1) / kPL * kPL;        // keys padded to whole tiles
   // The scores' row stride: an odd number of 64-byte lines, so that a tile's rows do not
@@ -136,9 +167,14 @@ inline void prefill_fp32(const torch::Tensor& q, const KVRows<T>& K, const KVRow
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < KVH * ctx; ++i) {
       const int64_t h = i / ctx, t = i % ctx;
-      const T* kr = K.row(h, t);
-      const T* vr = V.row(h, t);
       float* vo = vf + (h * ctx + t) * dp;
+      if (t < kz) {                                        // behind every query's window
+        for (int64_t d = 0; d < D; ++d) kt[((h * kb + t / kPL) * D + d) * kPL + t % kPL] = 0.f;
+        for (int64_t d = 0; d < dp; ++d) vo[d] = 0.f;
+        continue;
+      }
+      const T* kr = K.row(h, w.k0 + t);
+      const T* vr = V.row(h, w.k0 + t);
       for (int64_t d = 0; d < D; ++d) {
         kt[((h * kb + t / kPL) * D + d) * kPL + t % kPL] = elem_f32(kr[d]);
         vo[d] = elem_f32(vr[d]);
@@ -157,6 +193,7 @@ inline void prefill_fp32(const torch::Tensor& q, const KVRows<T>& K, const KVRow
       const int64_t i0 = tile * kPR, rows = std::min<int64_t>(kPR, n - i0);
       const int64_t last = off + i0 + rows - 1;           // the tile's last visible key
       const int64_t tk = (last + kPL) / kPL * kPL;        // keys scored, whole tiles
+      const int64_t ts = w.lo(pos0 + i0) / kPL * kPL;     // from its first row's window
       float qr[kPR][256];
       for (int64_t r = 0; r < kPR; ++r)
         for (int64_t d = 0; d < D; ++d)
@@ -164,7 +201,7 @@ inline void prefill_fp32(const torch::Tensor& q, const KVRows<T>& K, const KVRow
       const float* ktp = kt + hk * D * cp;
       // scores: q . k, kScoreRows query rows x 32 (or 16) keys a pass
       for (int64_t g0 = 0; g0 < kPR; g0 += kScoreRows)
-        for (int64_t t0 = 0; t0 < tk; t0 += (kScorePairs ? 2 : 1) * kPL) {
+        for (int64_t t0 = ts; t0 < tk; t0 += (kScorePairs ? 2 : 1) * kPL) {
           const bool two = kScorePairs && t0 + kPL < tk;
           float a1[kScoreRows][kPL], a2[kScoreRows][kPL];
           for (int64_t r = 0; r < kScoreRows; ++r)
@@ -201,17 +238,20 @@ inline void prefill_fp32(const torch::Tensor& q, const KVRows<T>& K, const KVRow
             }
           }
         }
-      // Softmax numerators and sums over each row's visible keys; later keys get exactly 0
-      // (their scores are never read, so no exp of a huge negative number either).
+      // Softmax numerators and sums over each row's visible keys; keys outside them get
+      // exactly 0 (their scores are never read, so no exp of a huge negative number either).
       float inv[kPR];
       for (int64_t r = 0; r < kPR; ++r) {
         float* s = sc + r * ks;
+        const int64_t lo = r < rows ? w.lo(pos0 + i0 + r) : ts;
         const int64_t vis = std::min(off + i0 + r + 1, tk);
-        float m = s[0];
-        for (int64_t t = 1; t < vis; ++t) m = std::max(m, s[t]);
+        if (softcap > 0.f) softcap_scores(s + lo, vis - lo, softcap);
+        float m = s[lo];
+        for (int64_t t = lo + 1; t < vis; ++t) m = std::max(m, s[t]);
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < vis; ++t) { s[t] = std::exp(s[t] - m); sum += s[t]; }
+        for (int64_t t = lo; t < vis; ++t) { s[t] = std::exp(s[t] - m); sum += s[t]; }
+        for (int64_t t = ts; t < lo; ++t) s[t] = 0.f;
         for (int64_t t = vis; t < tk; ++t) s[t] = 0.f;
         inv[r] = 1.f / sum;
       }
@@ -227,7 +267,7 @@ inline void prefill_fp32(const torch::Tensor& q, const KVRows<T>& K, const KVRow
 #pragma omp simd
             for (int64_t l = 0; l < kVL; ++l) pv[r][l] = 0.f;
           if (lanes == kVL) {
-            for (int64_t t = 0; t < tv; ++t) {
+            for (int64_t t = ts; t < tv; ++t) {
               const float* vr = vp + t * dp + d0;
               for (int64_t r = 0; r < kVR; ++r) {
                 const float pr = sc[(r0 + r) * ks + t];
@@ -236,7 +276,7 @@ inline void prefill_fp32(const torch::Tensor& q, const KVRows<T>& K, const KVRow
               }
             }
           } else {
-            for (int64_t t = 0; t < tv; ++t) {
+            for (int64_t t = ts; t < tv; ++t) {
               const float* vr = vp + t * dp + d0;
               for (int64_t r = 0; r < kVR; ++r) {
                 const float pr = sc[(r0 + r) * ks + t];
@@ -258,13 +298,14 @@ inline void prefill_fp32(const torch::Tensor& q, const KVRows<T>& K, const KVRow
 static inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
 
 // acc[r][c] += P pairs of row r (broadcast) . V pairs (NV vectors of 16 value lanes), over
-// key pairs [0, pairs): the P . V tile of 4 rows x NV * 16 lanes.
+// key pairs [u0, pairs): the P . V tile of 4 rows x NV * 16 lanes.
 template <int NV>
 static inline void pv_tile_bf16(const uint32_t* vp, int64_t dp, const uint16_t* pb,
-                                int64_t cp, int64_t pairs, int64_t d0, __m512 (&acc)[4][4]) {
+                                int64_t cp, int64_t u0, int64_t pairs, int64_t d0,
+                                __m512 (&acc)[4][4]) {
   for (int r = 0; r < 4; ++r)
     for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t u = 0; u < pairs; ++u) {
+  for (int64_t u = u0; u < pairs; ++u) {
     const uint32_t* vr = vp + u * dp + d0;
     __m512bh vv[NV];
     for (int c = 0; c < NV; ++c) vv[c] = as_bh(_mm512_loadu_si512(vr + 16 * c));
@@ -277,24 +318,29 @@ static inline void pv_tile_bf16(const uint32_t* vp, int64_t dp, const uint16_t* 
   }
 }
 
-// Key pair u (keys 2u, 2u + 1) of kv head h into the pair layouts of prefill_bf16_dot: a key
-// row's 32-bit words are its d pairs (D is even), and the two value rows are interleaved by
-// two 16-bit permutes per 32 lanes (a scalar loop for other head sizes).
+// Key pair u (keys 2u, 2u + 1 counted from k0) of kv head h into the pair layouts of
+// prefill_bf16_dot: a key row's 32-bit words are its d pairs (D is even), and the two value
+// rows are interleaved by two 16-bit permutes per 32 lanes (a scalar loop for other head
+// sizes). Keys before kz (behind every query's window, ChunkWindow) are zeros, not read.
 static inline void repack_pair_bf16(const KVRows<uint16_t>& K, const KVRows<uint16_t>& V,
                                     int64_t h, int64_t u, int64_t ctx, int64_t D, int64_t dh,
                                     int64_t cp, int64_t dp, uint32_t* kp, uint32_t* vrow,
-                                    const uint16_t* zeros, __m512i lo, __m512i hi) {
+                                    const uint16_t* zeros, __m512i lo, __m512i hi, int64_t k0,
+                                    int64_t kz) {
+  const auto row_of = [&](const KVRows<uint16_t>& R, int64_t t) {
+    return t < kz ? zeros : R.row(h, k0 + t);
+  };
   const bool both = 2 * u + 1 < ctx;
   for (int64_t t = 2 * u; t < 2 * u + (both ? 2 : 1); ++t) {
-    const uint16_t* row = K.row(h, t);
+    const uint16_t* row = row_of(K, t);
     for (int64_t j = 0; j < dh; ++j) {
       uint32_t w;
       std::memcpy(&w, row + 2 * j, sizeof(w));
       kp[j * cp + t] = w;
     }
   }
-  const uint16_t* a = V.row(h, 2 * u);
-  const uint16_t* b = both ? V.row(h, 2 * u + 1) : zeros;
+  const uint16_t* a = row_of(V, 2 * u);
+  const uint16_t* b = both ? row_of(V, 2 * u + 1) : zeros;
   uint16_t* out = reinterpret_cast<uint16_t*>(vrow);
   int64_t d = 0;
   for (; d + 32 <= D; d += 32) {
@@ -313,13 +359,16 @@ static inline void repack_pair_bf16(const KVRows<uint16_t>& K, const KVRows<uint
 // its row's 32-bit words).
 //
 // The softmax takes the max and exp16 over each row's visible keys only and writes zeros
-// after them, and P . V writes the bf16 output rows (the rounding o32.to(bf16) did).
+// around them, and P . V writes the bf16 output rows (the rounding o32.to(bf16) did).
+// Keys are counted from the window's k0 (ChunkWindow), as in prefill_fp32.
 inline void prefill_bf16_dot(const torch::Tensor& q, const KVRows<uint16_t>& K,
-                             const KVRows<uint16_t>& V, int64_t KVH, int64_t ctx,
-                             float scale, torch::Tensor& out) {
+                             const KVRows<uint16_t>& V, int64_t KVH, int64_t full_ctx,
+                             float scale, torch::Tensor& out, int64_t window, float softcap) {
   constexpr int64_t kSR = 8;    // query rows per score tile
   constexpr int64_t kSK = 32;   // keys per score tile (two vectors)
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
+  const ChunkWindow w(n, full_ctx, window, kSK);
+  const int64_t ctx = full_ctx - w.k0, kz = w.first - w.k0, pos0 = full_ctx - n;
   const int64_t G = H / KVH, off = ctx - n;
   const int64_t dh = D / 2, cp = (ctx + kSK - 1) / kSK * kSK;
   const int64_t cv = (ctx + 1) / 2, dp = (D + 15) / 16 * 16;
@@ -345,7 +394,7 @@ inline void prefill_bf16_dot(const torch::Tensor& q, const KVRows<uint16_t>& K,
       const int64_t h = i / cv, u = i % cv;
       uint32_t* kph = kp + h * dh * cp;
       repack_pair_bf16(K, V, h, u, ctx, D, dh, cp, dp, kph, vp + (h * cv + u) * dp, zeros,
-                       lo, hi);
+                       lo, hi, w.k0, kz);
       if (u == cv - 1)                                     // this head's padding keys
         for (int64_t j = 0; j < dh; ++j)
           for (int64_t t = ctx; t < cp; ++t) kph[j * cp + t] = 0u;
@@ -361,12 +410,13 @@ inline void prefill_bf16_dot(const torch::Tensor& q, const KVRows<uint16_t>& K,
       const int64_t i0 = tile * kSR, rows = std::min<int64_t>(kSR, n - i0);
       const int64_t first = off + i0;                      // the tile's first row's last key
       const int64_t tk = (first + rows - 1 + kSK) / kSK * kSK;   // keys scored, whole tiles
+      const int64_t ts = w.lo(pos0 + i0) / kSK * kSK;      // from its first row's window
       for (int64_t r = 0; r < kSR; ++r) {
         if (r < rows) std::memcpy(qr + r * dh, qw + ((i0 + r) * H + h) * dh, dh * 4);
         else std::memset(qr + r * dh, 0, dh * 4);
       }
       const uint32_t* kpp = kp + hk * dh * cp;
-      for (int64_t t0 = 0; t0 < tk; t0 += kSK) {           // scores: 8 rows x 32 keys a pass
+      for (int64_t t0 = ts; t0 < tk; t0 += kSK) {          // scores: 8 rows x 32 keys a pass
         __m512 a0[kSR], a1[kSR];
         for (int64_t r = 0; r < kSR; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
         for (int64_t j = 0; j < dh; ++j) {
@@ -386,21 +436,32 @@ inline void prefill_bf16_dot(const torch::Tensor& q, const KVRows<uint16_t>& K,
       }
       float inv[kSR];
       for (int64_t r = 0; r < kSR; ++r) {     // softmax numerators over the visible keys
-        const float* s = sc + r * cp;
+        float* s = sc + r * cp;
         uint16_t* p = pb + r * cp;
+        const int64_t from = r < rows ? w.lo(pos0 + i0 + r) : ts;   // (ts without a window)
         const int64_t vis = std::min(first + r + 1, tk);
+        if (softcap > 0.f) softcap_scores(s + from, vis - from, softcap);
+        // 16-key chunks from the one holding `from`, its lanes before `from` masked off
+        const int64_t t1 = from / 16 * 16;
+        const __mmask16 low = static_cast<__mmask16>(0xFFFFu << (from - t1));
         __m512 mx = _mm512_set1_ps(-3.0e38f);
-        for (int64_t t = 0; t < vis; t += 16) {
+        __mmask16 first_lanes = low;
+        for (int64_t t = t1; t < vis; t += 16) {
           const int64_t left = vis - t;
-          const __mmask16 m = left >= 16 ? 0xFFFF : (1u << left) - 1;
+          const __mmask16 m = (left >= 16 ? 0xFFFF : (1u << left) - 1) & first_lanes;
+          first_lanes = 0xFFFF;
           mx = _mm512_mask_max_ps(mx, m, mx, _mm512_loadu_ps(s + t));
         }
         const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
         __m512 sum = _mm512_setzero_ps();
-        int64_t t = 0;
+        int64_t t = ts;
+        for (; t < t1; t += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t),
+                                                    _mm256_setzero_si256());
+        first_lanes = low;
         for (; t < vis; t += 16) {
           const int64_t left = vis - t;
-          const __mmask16 m = left >= 16 ? 0xFFFF : (1u << left) - 1;
+          const __mmask16 m = (left >= 16 ? 0xFFFF : (1u << left) - 1) & first_lanes;
+          first_lanes = 0xFFFF;
           const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t),
                                                                       mv)));
           sum = _mm512_add_ps(sum, e);
@@ -412,16 +473,17 @@ inline void prefill_bf16_dot(const torch::Tensor& q, const KVRows<uint16_t>& K,
       }
       const uint32_t* vpp = vp + hk * cv * dp;
       const int64_t pairs = std::min(tk / 2, cv);          // padding keys have p = 0
+      const int64_t u0 = ts / 2;
       for (int64_t r0 = 0; r0 < kSR && r0 < rows; r0 += 4)
         for (int64_t d0 = 0; d0 < dp; d0 += 64) {
           __m512 acc[4][4];
           const int64_t nv = std::min<int64_t>(4, (dp - d0) / 16);
           const uint16_t* pr = pb + r0 * cp;
           switch (nv) {
-            case 4: pv_tile_bf16<4>(vpp, dp, pr, cp, pairs, d0, acc); break;
-            case 3: pv_tile_bf16<3>(vpp, dp, pr, cp, pairs, d0, acc); break;
-            case 2: pv_tile_bf16<2>(vpp, dp, pr, cp, pairs, d0, acc); break;
-            default: pv_tile_bf16<1>(vpp, dp, pr, cp, pairs, d0, acc); break;
+            case 4: pv_tile_bf16<4>(vpp, dp, pr, cp, u0, pairs, d0, acc); break;
+            case 3: pv_tile_bf16<3>(vpp, dp, pr, cp, u0, pairs, d0, acc); break;
+            case 2: pv_tile_bf16<2>(vpp, dp, pr, cp, u0, pairs, d0, acc); break;
+            default: pv_tile_bf16<1>(vpp, dp, pr, cp, u0, pairs, d0, acc); break;
           }
           for (int64_t r = 0; r < 4 && r0 + r < rows; ++r) {
             const __m512 iv = _mm512_set1_ps(inv[r0 + r]);
@@ -445,14 +507,14 @@ inline bool prefill_bf16_dot_built() { return TL_PREFILL_BF16_DOT; }
 // The kernel for these rows: vdpbf16ps for bf16 where built (even head sizes), else fp32.
 inline torch::Tensor prefill_dispatch(const torch::Tensor& q, const KVRows<uint16_t>& kb,
                                       const KVRows<uint16_t>& vb, const KVRows<float>& kf,
-                                      const KVRows<float>& vf,
-                                      int64_t KVH, int64_t ctx, double scale) {
+                                      const KVRows<float>& vf, int64_t KVH, int64_t ctx,
+                                      double scale, int64_t window, float softcap) {
   torch::Tensor out;
   if (q.size(0) == 0) return torch::empty_like(q);
   if (q.scalar_type() == torch::kBFloat16) {
 #if TL_PREFILL_BF16_DOT
     if (q.size(2) % 2 == 0) {
-      prefill_bf16_dot(q, kb, vb, KVH, ctx, static_cast<float>(scale), out);
+      prefill_bf16_dot(q, kb, vb, KVH, ctx, static_cast<float>(scale), out, window, softcap);
       return out;
     }
 #endif
@@ -460,10 +522,10 @@ inline torch::Tensor prefill_dispatch(const torch::Tensor& q, const KVRows<uint1
                               kb.s_tok, kb.table, kb.bs, kb.s_blk};
     KVRows<c10::BFloat16> v16{reinterpret_cast<const c10::BFloat16*>(vb.base), vb.s_head,
                               vb.s_tok, vb.table, vb.bs, vb.s_blk};
-    prefill_fp32(q, k16, v16, KVH, ctx, static_cast<float>(scale), out);
+    prefill_fp32(q, k16, v16, KVH, ctx, static_cast<float>(scale), out, window, softcap);
     return out;
   }
-  prefill_fp32(q, kf, vf, KVH, ctx, static_cast<float>(scale), out);
+  prefill_fp32(q, kf, vf, KVH, ctx, static_cast<float>(scale), out, window, softcap);
   return out;
 }
 
@@ -483,7 +545,8 @@ inline void check_prefill(const torch::Tensor& q, const torch::Tensor& k, const 
 // fp32 kernel, its rows widened as it repacks them.
 inline torch::Tensor prefill_widened(const torch::Tensor& q, const KVRows<uint16_t>& k,
                                      const KVRows<uint16_t>& v, at::ScalarType kv_dtype,
-                                     int64_t KVH, int64_t ctx, double scale) {
+                                     int64_t KVH, int64_t ctx, double scale, int64_t window,
+                                     float softcap) {
   torch::Tensor out;
   if (q.size(0) == 0) return torch::empty_like(q);
   auto as = [](const KVRows<uint16_t>& r, auto tag) {
@@ -493,41 +556,50 @@ inline torch::Tensor prefill_widened(const torch::Tensor& q, const KVRows<uint16
   };
   if (kv_dtype == torch::kBFloat16)
     prefill_fp32(q, as(k, c10::BFloat16{}), as(v, c10::BFloat16{}), KVH, ctx,
-                 static_cast<float>(scale), out);
+                 static_cast<float>(scale), out, window, softcap);
   else
     prefill_fp32(q, as(k, c10::Half{}), as(v, c10::Half{}), KVH, ctx, static_cast<float>(scale),
-                 out);
+                 out, window, softcap);
   return out;
 }
 
-// q [n, H, D]; k, v [KVH, ctx, D] (any strides).
+inline void check_options(int64_t window, double softcap, const char* what) {
+  TORCH_CHECK(window >= 0 && softcap >= 0, what, ": window and softcap >= 0 (0: none)");
+}
+
+// q [n, H, D]; k, v [KVH, ctx, D] (any strides). window > 0: each query sees its last
+// `window` keys (ChunkWindow); softcap > 0: soft-capped scores; 0: neither.
 inline torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                                       double scale) {
+                                       double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "prefill_attention: 3-d tensors");
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(2) == q.size(2) && q.size(1) % k.size(0) == 0,
               "prefill_attention: q [n, H, D], k and v [KVH, ctx, D], H a multiple of KVH");
   TORCH_CHECK(k.size(1) >= q.size(0), "prefill_attention: the context holds the queries");
   check_prefill(q, k, v, "prefill_attention");
+  check_options(window, softcap, "prefill_attention");
+  const float cap = static_cast<float>(softcap);
   q = q.contiguous();
   if (k.stride(2) != 1) k = k.contiguous();                // rows must be contiguous in d
   if (v.stride(2) != 1) v = v.contiguous();
   if (k.scalar_type() != q.scalar_type())
     return prefill_widened(q, view_rows<uint16_t>(k), view_rows<uint16_t>(v),
-                                   k.scalar_type(), k.size(0), k.size(1), scale);
+                                   k.scalar_type(), k.size(0), k.size(1), scale, window, cap);
   const bool bf = q.scalar_type() == torch::kBFloat16;
   KVRows<uint16_t> kb{}, vb{};
   KVRows<float> kf{}, vf{};
   if (bf) { kb = view_rows<uint16_t>(k); vb = view_rows<uint16_t>(v); }
   else { kf = view_rows<float>(k); vf = view_rows<float>(v); }
-  return prefill_dispatch(q, kb, vb, kf, vf, k.size(0), k.size(1), scale);
+  return prefill_dispatch(q, kb, vb, kf, vf, k.size(0), k.size(1), scale, window, cap);
 }
 
 // q [n, H, D] at positions start_pos .. start_pos + n - 1; key_cache, value_cache
 // [blocks, BS, KVH, D] (rows contiguous in d), already holding those positions' K/V;
-// block_table int64 [>= ceil((start_pos + n) / BS)].
+// block_table int64 [>= ceil((start_pos + n) / BS)]; with a window, the entries of blocks
+// wholly behind the first query's window are not read (nor checked).
 inline torch::Tensor prefill_attention_paged(torch::Tensor q, torch::Tensor key_cache,
                                              torch::Tensor value_cache, torch::Tensor block_table,
-                                             int64_t start_pos, double scale) {
+                                             int64_t start_pos, double scale, int64_t window,
+                                             double softcap) {
   TORCH_CHECK(q.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4,
               "prefill_attention_paged: q [n, H, D], caches [blocks, BS, KVH, D]");
   TORCH_CHECK(key_cache.sizes() == value_cache.sizes() && key_cache.size(3) == q.size(2) &&
@@ -537,20 +609,24 @@ inline torch::Tensor prefill_attention_paged(torch::Tensor q, torch::Tensor key_
                   key_cache.strides() == value_cache.strides(),
               "prefill_attention_paged: cache rows contiguous in d");
   check_prefill(q, key_cache, value_cache, "prefill_attention_paged");
+  check_options(window, softcap, "prefill_attention_paged");
+  const float cap = static_cast<float>(softcap);
   const int64_t ctx = start_pos + q.size(0), bs = key_cache.size(1);
   TORCH_CHECK(start_pos >= 0, "prefill_attention_paged: start_pos >= 0");
   TORCH_CHECK(block_table.scalar_type() == torch::kInt64 && block_table.dim() == 1 &&
                   block_table.is_contiguous() && block_table.size(0) * bs >= ctx,
               "prefill_attention_paged: an int64 block table covering the context");
   const int64_t* tb = block_table.data_ptr<int64_t>();
-  for (int64_t i = 0; i < (ctx + bs - 1) / bs; ++i)
+  const int64_t first_block = ChunkWindow(q.size(0), ctx, window, 1).first / bs;
+  for (int64_t i = first_block; i < (ctx + bs - 1) / bs; ++i)
     TORCH_CHECK(tb[i] >= 0 && tb[i] < key_cache.size(0),
                 "prefill_attention_paged: block ", tb[i], " is outside the cache");
   q = q.contiguous();
   if (key_cache.scalar_type() != q.scalar_type())
     return prefill_widened(q, pool_rows<uint16_t>(key_cache, block_table),
                                    pool_rows<uint16_t>(value_cache, block_table),
-                                   key_cache.scalar_type(), key_cache.size(2), ctx, scale);
+                                   key_cache.scalar_type(), key_cache.size(2), ctx, scale,
+                                   window, cap);
   const bool bf = q.scalar_type() == torch::kBFloat16;
   KVRows<uint16_t> kb{}, vb{};
   KVRows<float> kf{}, vf{};
@@ -561,5 +637,5 @@ inline torch::Tensor prefill_attention_paged(torch::Tensor q, torch::Tensor key_
     kf = pool_rows<float>(key_cache, block_table);
     vf = pool_rows<float>(value_cache, block_table);
   }
-  return prefill_dispatch(q, kb, vb, kf, vf, key_cache.size(2), ctx, scale);
+  return prefill_dispatch(q, kb, vb, kf, vf, key_cache.size(2), ctx, scale, window, cap);
 }

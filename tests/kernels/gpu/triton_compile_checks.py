@@ -22,7 +22,8 @@ import tokenloom.kernels.gpu.triton_fused as tf
 
 TARGET = GPUTarget("cuda", 90, 32)
 UNALIGNED = {"tables_ptr", "lens_ptr", "stride_tb", "stride_ob", "stride_oh", "stride_lb",
-             "stride_lh", "stride_pb", "stride_ph", "scale", "eps", "n_cols"}
+             "stride_lh", "stride_pb", "stride_ph", "scale", "eps", "n_cols", "window",
+             "softcap"}
 
 
 def compile_variant(fn, types: dict, constexprs: dict, num_warps: int) -> int:
@@ -43,14 +44,15 @@ def variants():
         p = "*" + dt
         types = dict(q_ptr=p, k_ptr=p, v_ptr=p, tables_ptr="*i64", lens_ptr="*i64",
                      out_ptr=p if direct else "*fp32", lse_ptr=p if direct else "*fp32",
-                     scale="fp32")
+                     scale="fp32", window="i32", softcap="fp32")
         types.update({s: "i32" for s in ["stride_qb", "stride_qh", "stride_kb", "stride_ks",
                                          "stride_kh", "stride_tb", "stride_ob", "stride_oh",
                                          "stride_os", "stride_lb", "stride_lh"]})
         yield (f"decode_partition {dt} G{g} D{d} direct={direct}", ta._decode_partition, types,
                dict(G=g, BLOCK_G=16, HEAD_DIM=d, BLOCK_SIZE=16, BLOCK_N=64, PARTITION=512,
                     DIRECT=direct, DOT_FP32=False), 4)
-    types = dict(part_ptr="*fp32", lse_ptr="*fp32", lens_ptr="*i64", out_ptr="*bf16")
+    types = dict(part_ptr="*fp32", lse_ptr="*fp32", lens_ptr="*i64", out_ptr="*bf16",
+                 window="i32")
     types.update({s: "i32" for s in ["stride_pb", "stride_ph", "stride_ps", "stride_lb",
                                      "stride_lh", "stride_ob", "stride_oh"]})
     yield ("decode_reduce bf16 D128", ta._decode_reduce, types,

@@ -211,3 +211,81 @@ def test_model_forward_with_triton_kernels(tk):
     # write to slot -1 would land in the neighbouring layer's last block).
     for a, b in zip(kv_ref.key + kv_ref.value, kv_tri.key + kv_tri.value):
         assert (a - b).abs().max().item() < 1e-5
+
+
+# -- a layer's options: a sliding window and soft-capped scores ---------------------------
+
+WINDOW_OPTIONS = [(24, None), (37, None), (None, 2.0), (37, 2.0), (1, None)]
+
+
+def _behind_window(tables, lens, window, block_size):
+    """A hybrid layout's tables: entries of blocks wholly behind each row's window point
+    at block 0, here filled with NaN by the caller."""
+    tables = tables.clone()
+    if window is not None:
+        for row, n in enumerate(lens.tolist()):
+            tables[row, : max(0, n - window) // block_size] = 0
+    return tables
+
+
+@pytest.mark.parametrize("window,softcap", WINDOW_OPTIONS)
+@pytest.mark.parametrize("partition", [32, 128])
+def test_window_and_softcap_match_the_reference(tk, window, softcap, partition):
+    """Contexts shorter than, at and past the window, several partitions a row (32 tokens)
+    or one; the keys behind the window are never read (block 0 is NaN there); the
+    reference reads the same tables over a finite pool."""
+    q, kc, vc, tables, lens = _case(4, 2, 32, 16, [1, 23, 24, 25, 70, 130], torch.float32,
+                                    seed=23)
+    tables = _behind_window(tables + 1, lens, window, 16)   # block 0: only as the null block
+    kc, vc = torch.cat([kc[:1], kc]), torch.cat([vc[:1], vc])
+    ref = decode_attention(q, kc, vc, tables, lens, 130, 0.2, window=window, softcap=softcap)
+    kc[0], vc[0] = float("nan"), float("nan")
+    out = tk.paged_decode_triton(q, kc, vc, tables, lens, 130, 0.2, partition=partition,
+                                 block_n=32, window=window, softcap=softcap)
+    assert (out - ref).abs().max().item() < 1e-5
+
+
+def test_window_and_softcap_over_a_quantized_cache(tk):
+    """The quantized variant takes the same options (int8 K and V, NaN scales in block 0)."""
+    from tokenloom.kernels.kv_quant import FORMATS
+    from tokenloom.kernels.kv_store import KVCache
+
+    g = torch.Generator().manual_seed(29)
+    kv = KVCache.allocate(1, 12, 16, 2, 32, torch.float32, "cpu", FORMATS["int8"],
+                          FORMATS["int8"])
+    n = 12 * 16
+    store_kv(torch.randn(n, 2, 32, generator=g), torch.randn(n, 2, 32, generator=g),
+             kv.key[0], kv.value[0], torch.randperm(n, generator=g))
+    lens = torch.tensor([5, 40, 90])
+    tables = torch.stack([torch.randperm(11, generator=g)[:6] + 1 for _ in range(3)])
+    tables = _behind_window(tables, lens, 37, 16)
+    q = torch.randn(3, 4, 32, generator=g)
+    ref = decode_attention(q, kv.key[0], kv.value[0], tables, lens, 90, 0.2, window=37,
+                           softcap=2.0)
+    kv.key[0].scale[0] = float("nan")
+    kv.value[0].scale[0] = float("nan")
+    out = tk.paged_decode_triton(q, kv.key[0], kv.value[0], tables, lens, 90, 0.2, partition=32,
+                                 block_n=32, window=37, softcap=2.0)
+    assert (out - ref).abs().max().item() < 1e-5
+
+
+def test_split_decode_takes_the_options_in_a_graph_sized_grid(tk):
+    """SplitDecode declares the options (kernel_serves); over a wide table, as a captured
+    graph launches it, the windowed rows give the eager call's result bit for bit."""
+    from tokenloom.kernels.gpu.decode_split import SplitRule
+
+    split = tk.SplitDecode(SplitRule(heads=4, kv_heads=2, head_dim=32, sm_count=4,
+                                     reference_context=64))
+    assert set(split.options) == set(tk.paged_decode_triton.options) == {"window", "softcap"}
+    q, kc, vc, tables, lens = _case(4, 2, 32, 16, [100, 9], torch.float32, seed=31)
+    ref = decode_attention(q, kc, vc, tables, lens, 100, 0.2, window=24, softcap=2.0)
+    out = split(q, kc, vc, tables, lens, 100, 0.2, window=24, softcap=2.0)
+    assert (out - ref).abs().max().item() < 1e-5
+    wide = torch.cat([tables, torch.zeros(2, 9, dtype=torch.int64)], dim=1)
+    graph = split.variant(2, 256, capturing=True)
+    got = tk._launch(q, kc, vc, wide, lens, 0.2, graph.partition, cdiv(256, graph.partition),
+                     split.rule.block_n, window=24, softcap=2.0)
+    assert torch.equal(got, tk.paged_decode_triton(q, kc, vc, tables, lens, 100, 0.2,
+                                                   partition=graph.partition,
+                                                   block_n=split.rule.block_n, window=24,
+                                                   softcap=2.0))
