@@ -124,7 +124,7 @@ def build_batch_inputs(batch: ExecuteBatch, block_size: int, device: torch.devic
                            np.int64, len(positions))
         rope_rows = _tensor(positions + long * long_rope.offset, device)
     groups = None
-    if seqs and seqs[0].group_tables:
+    if seqs and getattr(seqs[0], "group_tables", None):   # (plain sequence-likes: none)
         groups = tuple(_group_meta(seqs, nd, g, block_size, device, positions)
                        for g in range(len(seqs[0].group_tables)))
     # LoRA: each token row's adapter slot (getattr: plain sequence-like objects have none).
