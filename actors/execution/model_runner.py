@@ -277,26 +277,26 @@ class ModelRunner:
         # KV tiers: evicted blocks leave before anything below may overwrite them.
         if batch.kv_offloads:
             self.offload(batch.kv_offloads)
-        # In the order the KV manager decided them: a fork's copy-on-write comes from the
-        # round trip before this iteration's swaps (a swap-in may refill a block a copy
-        # targeted for a sibling preempted since).
+        # In the order the KV manager decided them within the step's one update: the swap
+        # victims' blocks are read out first (then freed), a fork's copy-on-write may land in
+        # one of them, and swap-ins refill blocks granted after both.
+        swap_seconds = 0.0
+        # A draft model's KV moves with the target's (actors/speculation/draft_model.py).
+        draft = self.proposer if getattr(self.proposer, "host_pool", None) else None
+        t_swap = time.perf_counter()
+        if batch.swap_out:  # swap preemption, before anything reuses the blocks
+            self.host_pool.swap_out(self.kv, batch.swap_out)
+            if draft is not None:
+                draft.swap_out(batch.swap_out)
         if batch.block_copies:  # copy-on-write of forked siblings' partial blocks
             self.kv.copy_blocks(batch.block_copies)
             if hasattr(self.proposer, "copy_blocks"):
                 self.proposer.copy_blocks(batch.block_copies)
-        swap_seconds = 0.0
-        if batch.swap_out or batch.swap_in:  # swap preemption, before anything reuses blocks
-            t_swap = time.perf_counter()
-            # A draft model's KV moves with the target's (actors/speculation/draft_model.py).
-            draft = self.proposer if getattr(self.proposer, "host_pool", None) else None
-            if batch.swap_out:
-                self.host_pool.swap_out(self.kv, batch.swap_out)
-                if draft is not None:
-                    draft.swap_out(batch.swap_out)
-            if batch.swap_in:
-                self.host_pool.swap_in(self.kv, batch.swap_in)
-                if draft is not None:
-                    draft.swap_in(batch.swap_in)
+        if batch.swap_in:
+            self.host_pool.swap_in(self.kv, batch.swap_in)
+            if draft is not None:
+                draft.swap_in(batch.swap_in)
+        if batch.swap_out or batch.swap_in:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             swap_seconds = time.perf_counter() - t_swap

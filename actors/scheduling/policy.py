@@ -2,7 +2,9 @@
 
 Each iteration, under `max_num_seqs` and `max_num_batched_tokens`:
   1. running decodes first (one token each), most important class first — streams keep
-     flowing: a running decode is only ever left out when it is preempted;
+     flowing: a running decode is only ever left out when it is preempted (or, with
+     sliding-window layer groups, for one step while the blocks its windows drop this
+     step are not yet reported free: waiting beats losing its KV);
   2. running prefills (the next chunk of a prompt already admitted), by class;
   3. waiting requests in the order given (the scheduler orders them by class, fair share
      and age: see fairness.py), each getting a chunk of whatever token budget is left.

@@ -40,7 +40,8 @@ requests waiting and nothing on its way to it is reported as stuck; a scenario h
 
 `run_scenario` runs one and `check()`s the end state: every request finished exactly
 once, by length with exactly max_tokens tokens — those the runner sampled, none sampled
-in vain — or by abort with a prefix of them; no running decode ever skipped; the KV pool
+in vain — or by abort with a prefix of them; no running decode ever skipped (with sliding
+windows: never two steps running); the KV pool
 whole and sound, swap slots free, no finished request's state left on the runner, the
 scheduler's registry empty. KNOWN_BUGS lists the scheduler bugs it tolerates by default.
 """
@@ -366,14 +367,15 @@ class FakeRunner:
         _check(not leaked, f"step {step}: the runner still holds the state of finished "
                            f"requests {sorted(leaked)} (never named in finished_ids)")
         blank = [None] * self.bs
-        # In the runner's order: tier offloads (before anything overwrites an evicted
-        # block), fork copies (decided first), swap-outs, swap-ins, tier restores.
+        # In the runner's order, the KV manager's within one update: tier offloads (before
+        # anything overwrites an evicted block), swap-outs (then freed: a fork's copy may
+        # land in one), fork copies, swap-ins, tier restores.
         self._offload(batch.kv_offloads)
+        for blk, slot in dropped_swap_outs + batch.swap_out:
+            self.host[slot] = list(self.kv.get(blk, blank))
         for src, dst in batch.block_copies:
             self.kv[dst] = list(self.kv.get(src, blank))
             self.num_copies += 1
-        for blk, slot in dropped_swap_outs + batch.swap_out:
-            self.host[slot] = list(self.kv.get(blk, blank))
         for slot, blk in batch.swap_in:
             _check(slot in self.host, f"step {step}: swap-in from host slot {slot}, which no "
                                       f"swap-out wrote")
@@ -835,7 +837,11 @@ class EngineHarness:
                 # ... exactly those the runner sampled: none lost, none sampled in vain.
                 assert tokens == sampled, f"{rid}: emitted {tokens}, sampled {sampled}"
         sched = self.scheduler.core
-        assert sched.observer.max_decode_skip == 0, sched.observer.max_decode_skip
+        # With sliding windows a decode may wait one step for the blocks its own windows
+        # drop (policy.py, `drops_pending`): reported free only by the next update.
+        groups = self.setup.kv_groups
+        bound = 1 if groups is not None and groups.hybrid else 0
+        assert sched.observer.max_decode_skip <= bound, sched.observer.max_decode_skip
         assert not sched.requests and not sched.waiting and not sched.running \
             and not self.scheduler.in_flight, self.describe()
         if sched.preemptor.swap is not None:
