@@ -128,6 +128,8 @@ def describe_groups(groups: KVGroups) -> str:
 def longest_sequence(groups: KVGroups, num_blocks: int, block_size: int) -> int:
     """The most tokens one request alone can hold in `num_blocks` blocks."""
     full = sum(w is None for w in groups.windows)
+    if not groups.hybrid:
+        return num_blocks * block_size
     if full:   # each full group holds a block a position; sliding ones their windows
         window_blocks = sum(groups.blocks_for(w, w, block_size) // groups.num_groups
                             for w in groups.windows if w is not None)
