@@ -154,7 +154,7 @@ def rope_from_config(cfg: Any, params: dict | None = None, head_dim: int | None 
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(original or 8192),
-        rotary_dim=rotary_dim,
+        rotary_dim=0 if rotary_dim == head_dim else rotary_dim,   # 0: the whole head
         attention_factor=_float_or_none(params.get("attention_factor")),
         beta_fast=float(params.get("beta_fast") or 32.0),
         beta_slow=float(params.get("beta_slow") or 1.0),

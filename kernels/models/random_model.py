@@ -43,6 +43,8 @@ def num_parameters(spec: ModelSpec) -> int:
     attn = h * (spec.q_size + 2 * spec.kv_size) + spec.q_size * h
     if spec.attention_bias:
         attn += spec.q_size + 2 * spec.kv_size
+    if spec.o_bias:
+        attn += h
     layer = attn + 3 * h * i + 2 * h
     head = 0 if spec.tie_word_embeddings else v * h
     return v * h + spec.num_layers * layer + h + head
@@ -104,6 +106,8 @@ def hf_tensor_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             if spec.attention_bias:
                 out[f"{p}self_attn.{proj}_proj.bias"] = (rows,)
         out[f"{p}self_attn.o_proj.weight"] = (h, spec.q_size)
+        if spec.o_bias:
+            out[f"{p}self_attn.o_proj.bias"] = (h,)
         out[f"{p}mlp.gate_proj.weight"] = (i, h)
         out[f"{p}mlp.up_proj.weight"] = (i, h)
         out[f"{p}mlp.down_proj.weight"] = (h, i)

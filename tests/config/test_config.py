@@ -133,6 +133,7 @@ def test_unknown_key_lists_allowed_keys(tmp_path):
     assert str(info.value) == (
         "config error: unknown key cache.blok_size (allowed: block_size, "
         "kv_cache_memory_bytes, gpu_memory_utilization, num_blocks, enable_prefix_caching, "
+        "hybrid_kv, "
         "swap_space_bytes, kv_dtype, k_dtype, v_dtype, kv_rotation, force_kv_dtype, "
         "kv_check_fraction, "
         "kv_check_max_kl, kv_check_max_error, kv_promote_layers)"

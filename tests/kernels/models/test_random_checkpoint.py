@@ -26,7 +26,8 @@ TINY = SHAPES["tiny"]
 SMALL_LLAMA3 = dataclasses.replace(SHAPES["llama3-8b"], num_layers=2, hidden_size=64,
                                    intermediate_size=96, num_heads=4, num_kv_heads=2,
                                    head_dim=16, vocab_size=128256)
-BIASED = dataclasses.replace(TINY, attention_bias=True, tie_word_embeddings=False,
+# Llama's `attention_bias` covers o_proj as well as q/k/v.
+BIASED = dataclasses.replace(TINY, attention_bias=True, o_bias=True, tie_word_embeddings=False,
                              rope=RopeSpec(theta=1e6, rope_type="linear", factor=2.0),
                              eos_token_ids=(2, 5))
 
