@@ -155,9 +155,9 @@ def install() -> Injector:
         return staticmethod(wrapper)
 
     def allocate(original):
-        def wrapper(self, grants):
+        def wrapper(self, grants, *args, **kwargs):
             inj.check("kv_allocate", [rid for rid, _ in grants])
-            return original(self, grants)
+            return original(self, grants, *args, **kwargs)
         return wrapper
 
     def kv_apply(original):
