@@ -7,7 +7,7 @@ TORCH   ?= torch==2.13.0
 STAMP   := $(VENV)/.installed
 PIPQ    := $(BIN)/pip install --quiet --disable-pip-version-check
 
-.PHONY: install serve lint test test-fast test-families browser redis bench gpu-check \
+.PHONY: install serve lint test test-fast test-families test-wide browser redis bench gpu-check \
 	gpu-wheels clean
 
 $(STAMP): pyproject.toml Makefile
@@ -31,14 +31,17 @@ serve: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-# The wide matrix of model families x schedules runs apart (make test-families): the default
-# run checks a few cases per family.
+# The wide matrices run apart: model families x schedules (make test-families), and the rest
+# of the matrices whose default run keeps a few cases (make test-wide runs both).
 test: $(STAMP) browser redis
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q --durations=25 -m "not families"
+	$(BIN)/python -m pytest -q --durations=25 -m "not families and not wide"
 
 test-families: $(STAMP)
 	$(BIN)/python -m pytest -q -m families
+
+test-wide: $(STAMP)
+	$(BIN)/python -m pytest -q -m "families or wide"
 
 # The diagnosis report's test screenshots it in a real browser (tests/screenshot.py).
 browser:
@@ -52,7 +55,7 @@ redis:
 
 test-fast: $(STAMP) browser redis
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -m "not slow and not families"
+	$(BIN)/python -m pytest -q -m "not slow and not families and not wide"
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/offline.py

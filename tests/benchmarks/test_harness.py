@@ -126,13 +126,18 @@ def test_every_benchmark_script_answers_help():
     parts; interference: serve.py --interference) must still import and exit 0."""
     scripts = sorted(p for p in BENCH.glob("*.py") if p.name not in LIBRARIES)
     assert len(scripts) >= 15
+    from concurrent.futures import ThreadPoolExecutor
+
+    def answer(script):
+        return script, subprocess.run([sys.executable, str(script), "--help"],
+                                      capture_output=True, text=True, timeout=120, cwd="/")
+
     failed = {}
-    for script in scripts:
-        done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True,
-                              text=True, timeout=120, cwd="/")
-        has_cli = "argparse" in script.read_text()
-        if done.returncode != 0 or (has_cli and "usage:" not in done.stdout):
-            failed[script.name] = (done.stderr or done.stdout)[-800:]
+    with ThreadPoolExecutor(2) as pool:   # each one mostly waits for imports: two at a time
+        for script, done in pool.map(answer, scripts):
+            has_cli = "argparse" in script.read_text()
+            if done.returncode != 0 or (has_cli and "usage:" not in done.stdout):
+                failed[script.name] = (done.stderr or done.stdout)[-800:]
     assert not failed, failed
 
 

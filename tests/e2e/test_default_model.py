@@ -114,8 +114,21 @@ def test_one_request_at_a_time(default_model_dir, prompt_ids, reference):
         llm.close()
 
 
-@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
-@pytest.mark.parametrize("name", list(CONFIGS))
+# The serial loop (the fallback) shares everything but the step loop with the overlapped one:
+# the default run takes it with the configurations that stress that loop (preemption, swap,
+# speculation's rollback); the rest are in the wide run.
+SERIAL_DEFAULT = {"preemption", "preemption_swap", "speculative_chunked_preemption",
+                  "chunked_prefill_64"}
+
+
+def _config_cases():
+    for name in CONFIGS:
+        yield pytest.param(name, True, id=f"{name}-overlap")
+        yield pytest.param(name, False, id=f"{name}-serial",
+                           marks=[] if name in SERIAL_DEFAULT else [pytest.mark.wide])
+
+
+@pytest.mark.parametrize("name,overlap", list(_config_cases()))
 def test_batched_configurations(name, overlap, default_model_dir, prompt_ids, reference):
     """Every configuration with overlapped steps (the default) and with the serial loop."""
     llm = _llm(default_model_dir, overlap=overlap, **CONFIGS[name])

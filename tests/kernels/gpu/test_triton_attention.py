@@ -19,13 +19,17 @@ import pytest
 pytest.importorskip("triton")
 
 
-@pytest.mark.parametrize("checks", ["triton_interpreted_checks.py", "triton_fused_checks.py"])
-def test_triton_kernels_under_interpreter(checks):
+# The interpreter is slow: whole-model checks in bf16 (the fp32 ones run the same kernels)
+# are in the wide run (make test-wide).
+@pytest.mark.parametrize("checks,select", [
+    ("triton_interpreted_checks.py", "not wide"), ("triton_fused_checks.py", "not wide"),
+    pytest.param("triton_fused_checks.py", "wide", marks=pytest.mark.wide, id="fused-wide")])
+def test_triton_kernels_under_interpreter(checks, select):
     path = Path(__file__).with_name(checks)
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--import-mode=importlib",
-         "--rootdir", str(path.parent), str(path)],
+         "-m", select, "--rootdir", str(path.parent), str(path)],
         env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]

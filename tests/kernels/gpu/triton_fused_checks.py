@@ -119,7 +119,8 @@ def test_rope_store_matches_reference_and_skips_padded_slots(dtype):
     assert torch.equal(q2, q) and torch.equal(k2, k)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32,
+                                   pytest.param(torch.bfloat16, marks=pytest.mark.wide)])
 def test_model_with_every_fused_kernel_matches_the_reference(dtype):
     """A tiny model with the fused kernels (and the Triton attention and store) against the
     reference model: prefill, then a mixed batch, then a padded static-buffer decode step."""
@@ -173,7 +174,8 @@ def test_model_with_every_fused_kernel_matches_the_reference(dtype):
         assert (a.float() - b.float()).abs().max().item() < tol
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32,
+                                   pytest.param(torch.bfloat16, marks=pytest.mark.wide)])
 def test_piecewise_pieces_with_fused_kernels_match_the_plain_forward(dtype):
     """Piecewise graphs' pieces (graphs/piecewise.py) run with the CUDA kernels: the fused
     norm updates the static residual buffer in place, RoPE+store writes the cache from the
