@@ -42,14 +42,15 @@ GROUPS = (
     ("The CPU forward, kernel by kernel and whole", (
         Section("gemv_kernels"), Section("onednn_shapes"), Section("decode_step"),
         Section("decode_team"), Section("prefill_step"), Section("mixed_step"),
-        Section("cpu_forward"), Section("offline"))),
+        Section("cpu_forward"), Section("offline"), Section("family_step"))),
     ("Serving", (
         Section("serve"),
         Section("serve_shared_prefix", "serve.py", "shared_prefix_main",
                 "python benchmarks/serve.py --shared-prefix"),
         Section("interference"), Section("engine_loop"), Section("hops"),
         Section("prefix_routing"), Section("disagg"), Section("kv_tiers"), Section("kv_quant"),
-        Section("lora"), Section("speculative"), Section("structured"), Section("agent_apis"),
+        Section("hybrid_kv"), Section("lora"), Section("speculative"), Section("structured"),
+        Section("agent_apis"),
         Section("vllm_cpu"))),
     ("On a GPU", (Section("gpu_check"),)),
     ("Robustness", (Section("soak"), Section("fuzz_api"))),
