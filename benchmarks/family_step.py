@@ -5,10 +5,12 @@ hidden 576, 9 query heads and 3 KV heads of 64, MLP 1,536: SmolLM2-135M's layer 
 with a small vocabulary so the layers dominate), so every family streams the same weight
 bytes; each family keeps what makes it itself (Qwen3's q/k norms, Gemma's four norms, GeGLU
 and soft-capping, sliding windows of 512 tokens where the family has them, Phi-3's fused
-checkpoint tensors and partial rotary). Each model is loaded by the offline engine exactly as
-it serves (kernels chosen at start-up, the C++ decode stack where the family's options allow
-it), one decode step at ~1,100 tokens of context and one 512-token prefill chunk after 512
-tokens are captured from a real request, and the engine is closed. Then, in interleaved
+checkpoint tensors and partial rotary), and Llama once more with the C++ decode stack
+refused (`llama-module`: the module forward the stack's missing options fall back to).
+Each model is loaded by the offline engine exactly as it serves (kernels chosen at
+start-up, the C++ decode stack where the family's options allow it), one decode step at
+~1,100 tokens of context and one 512-token prefill chunk after 512 tokens are captured from
+a real request, and the engine is closed. Then, in interleaved
 rounds on this thread, each family's step is timed; the summary is each family's time over
 Llama's from the same rounds (medians; the spread max/min beside each).
 
@@ -45,14 +47,20 @@ FAMILIES = {
     "gemma3": ("Gemma3TextConfig", dict(query_pre_attn_scalar=64, sliding_window=WINDOW,
                                         layer_types=([SLIDING] * 5 + [FULL]) * 2)),
     "phi3": ("Phi3Config", dict(pad_token_id=0, partial_rotary_factor=0.75)),
+    # Llama on the module forward (the C++ decode stack refused): what the families the
+    # stack does not implement pay for that alone.
+    "llama-module": ("LlamaConfig", {}),
 }
+NO_STACK = {"llama-module"}
 CONTEXT, CHUNK = 1100, 512
 
 
-def capture(path: Path, cache_dir: str) -> tuple[object, tuple, tuple, str]:
+def capture(path: Path, cache_dir: str, stack: bool = True) -> tuple[object, tuple, tuple, str]:
     """The engine's model, one decode step's and one prefill chunk's inputs, and whether
-    the C++ decode stack serves the family."""
+    the C++ decode stack serves the family (`stack` False: refused, as for a family whose
+    options it does not implement)."""
     from tokenloom import LLM, SamplingParams
+    from tokenloom.kernels.cpu import decode_stack
     from tokenloom.kernels.models import decoder
 
     captured: dict = {}
@@ -67,6 +75,9 @@ def capture(path: Path, cache_dir: str) -> tuple[object, tuple, tuple, str]:
         return original(self, input_ids, positions, kv, meta)
 
     decoder.CausalLM.forward_hidden = spy
+    install = decode_stack.install
+    if not stack:
+        decode_stack.install = lambda model: False
     try:
         llm = LLM(model=str(path), device="cpu", dtype="float32", quiet=True,
                   cache_dir=cache_dir, enable_prefix_caching=False, chunking="static",
@@ -78,6 +89,7 @@ def capture(path: Path, cache_dir: str) -> tuple[object, tuple, tuple, str]:
             llm.close()
     finally:
         decoder.CausalLM.forward_hidden = original
+        decode_stack.install = install
     model = captured["model"]
     stack = "on" if model.decode_stacks is not None else "off"
     return model, captured["decode"], captured["prefill"], stack
@@ -113,7 +125,7 @@ def main() -> None:
                 extra["layer_types"] = extra["layer_types"][:shape["num_hidden_layers"]]
             path = Path(tmp) / name
             tiny.build_tiny_model(path, cls, {**shape, **extra}, seed=1)
-            models[name] = capture(path, tmp)
+            models[name] = capture(path, tmp, stack=name not in NO_STACK)
             print(f"{name}: captured (C++ decode stack {models[name][3]})", flush=True)
     head = torch.tensor([0])
     runs = {name: {"decode": [], "prefill": []} for name in models}
