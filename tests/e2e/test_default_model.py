@@ -241,7 +241,8 @@ def _first_gap(hf_model, ids: list[int], continuation: list[int], at: int) -> fl
 
 
 @pytest.mark.parametrize("kv,name", [("int8", "chunked_prefill_64"),
-                                     ("int8", "preemption_swap"),
+                                     pytest.param("int8", "preemption_swap",
+                                                  marks=pytest.mark.wide),
                                      ("fp16", "chunked_prefill_64")])
 def test_a_smaller_kv_cache_agrees_with_transformers_up_to_near_ties(kv, name,
                                                                      default_model_dir,

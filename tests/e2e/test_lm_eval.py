@@ -90,6 +90,9 @@ def served_int8_kv(default_model_dir):
     assert server.stop() == 0
 
 
+# A second server and lm-eval run (~30 s): the KV gate and the default model's int8-KV
+# parity test cover int8 KV in the default run; this scores it end to end (make test-wide).
+@pytest.mark.wide
 def test_int8_kv_cache_scores_within_the_baselines_standard_error(served, served_int8_kv,
                                                                   default_model_dir, capsys):
     """The KV quantization gate through a real client: lm-eval's local-completions scores
