@@ -64,7 +64,9 @@ def module():
 def unsupported(spec) -> str | None:
     """The first option of the model's family the C++ stack does not implement (its
     layers then run the module forward), or None."""
-    checks = (("q/k norms", spec.qk_norm), ("an output-projection bias", spec.o_bias),
+    # (Qwen3's q/k norms run in the stack; Gemma's scale in fp32 first, an order it lacks)
+    checks = (("Gemma's q/k norms", spec.qk_norm and spec.norm_offset != 0),
+              ("an output-projection bias", spec.o_bias),
               (f"the {spec.activation} activation", spec.activation != "silu"),
               ("sandwich norms", spec.sandwich_norms),
               ("sliding-window layers", spec.has_sliding_layers),
@@ -200,6 +202,9 @@ class DecodeStacks:
             log.warning("C++ decode stack unavailable for these kernels; module forward",
                         kernels=list(kernels), reason=str(e))
             stack = None
+        if stack is not None and spec.qk_norm:
+            stack.set_qk_norms([n.weight.detach() for layer in layers
+                                for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)])
         if stack is not None:
             self.team_kernels[kernels] = _enable_team(stack)
         self._by_kernels[kernels] = stack

@@ -11,7 +11,8 @@
 //
 // The same arithmetic as the eager forward (kernels/models/llama.py) in the same order:
 //   h += m; x = rmsnorm(h) * w1            (m: the previous layer's MLP output, 0 first)
-//   q, k, v = x . Wqkv^T (+ b); q, k rotated (rotate-half RoPE from the cos/sin rows)
+//   q, k, v = x . Wqkv^T (+ b); q, k per-head RMSNorm'd where the model has q/k norms
+//   (Qwen3), then rotated (rotate-half RoPE from the cos/sin rows)
 //   k, v written into the layer's cache at the row's slot (slot < 0: not written)
 //   o = attention(q, cache) . Wo^T;  h += o;  x = rmsnorm(h) * w2
 //   m = (silu(gate) * up)(x . Wgu^T) . Wdown^T
@@ -164,6 +165,17 @@ class DecodeStack {
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(norms_.size() / 2); }
+
+  // Qwen3's per-head RMSNorm of q and k before RoPE: [q_norm, k_norm] per layer, each of
+  // head_dim weights in the norms' dtype (empty: the model has none).
+  void set_qk_norms(std::vector<Tensor> qk) {
+    TORCH_CHECK(qk.empty() || qk.size() == norms_.size(), "decode_stack: 2 q/k norms a layer");
+    for (auto& n : qk)
+      TORCH_CHECK(n.is_contiguous() && n.numel() == D_ &&
+                      n.scalar_type() == norms_[0].scalar_type(),
+                  "decode_stack: q/k norm weights of head_dim in the norms' dtype");
+    qk_norms_ = std::move(qk);
+  }
   int64_t team_steps() const { return team_steps_.load(std::memory_order_relaxed); }
 
   // Take the team path (team.h) where it applies: every projection packed q4 / q8 blocks
@@ -372,15 +384,18 @@ class DecodeStack {
         const T* s = sp + b * D_;
         T* qb = qp + b * Q;
         std::copy(row, row + Q, qb);
+        head_norms(qb, H_, l, 0);
         for (int64_t hh = 0; hh < H_; ++hh) Ops<T>::rope(qb + hh * D_, c, s, D_);
         if (slot[b] < 0) continue;
         TORCH_CHECK(slot[b] < slots_per_layer, "decode_stack: slot out of range");
         C* kd = kp + slot[b] * KV;
         if constexpr (std::is_same_v<T, C>) {   // rotated in place in the pool
           std::copy(row + Q, row + Q + KV, kd);
+          head_norms(kd, KVH_, l, 1);
           for (int64_t hh = 0; hh < KVH_; ++hh) Ops<T>::rope(kd + hh * D_, c, s, D_);
         } else {   // rotated in T, then rounded to the pool's dtype (as store_kv rounds)
           std::copy(row + Q, row + Q + KV, krow.begin());
+          head_norms(krow.data(), KVH_, l, 1);
           for (int64_t hh = 0; hh < KVH_; ++hh) Ops<T>::rope(krow.data() + hh * D_, c, s, D_);
           for (int64_t i = 0; i < KV; ++i) kd[i] = tl_rows::to_pool<C>(krow[i]);
         }
@@ -478,14 +493,17 @@ class DecodeStack {
         const T* s = sp + b * D_;
         T* qb = qp + b * Q;
         std::copy(row, row + Q, qb);
+        head_norms(qb, H_, l, 0);
         for (int64_t hh = 0; hh < H_; ++hh) Ops<T>::rope(qb + hh * D_, c, s, D_);
         if (slot[b] < 0) continue;
         C* kd = kp + slot[b] * KV;
         if constexpr (std::is_same_v<T, C>) {   // rotated in place in the pool
           std::copy(row + Q, row + Q + KV, kd);
+          head_norms(kd, KVH_, l, 1);
           for (int64_t hh = 0; hh < KVH_; ++hh) Ops<T>::rope(kd + hh * D_, c, s, D_);
         } else {
           std::copy(row + Q, row + Q + KV, krow.begin());
+          head_norms(krow.data(), KVH_, l, 1);
           for (int64_t hh = 0; hh < KVH_; ++hh) Ops<T>::rope(krow.data() + hh * D_, c, s, D_);
           for (int64_t i = 0; i < KV; ++i) kd[i] = tl_rows::to_pool<C>(krow[i]);
         }
@@ -614,7 +632,18 @@ class DecodeStack {
     }
   }
 
+  // Each of `heads` heads of x normalized in place by weights w (the module's RMSNorm over
+  // head_dim), before RoPE rotates it.
+  template <typename T>
+  void head_norms(T* x, int64_t heads, int64_t l, int which) const {
+    if (qk_norms_.empty()) return;
+    const T* w = qk_norms_[2 * l + which].data_ptr<T>();
+    for (int64_t hh = 0; hh < heads; ++hh)
+      Ops<T>::norm(x + hh * D_, nullptr, w, x + hh * D_, 1, D_, eps_);
+  }
+
   std::vector<Tensor> norms_;
+  std::vector<Tensor> qk_norms_;   // [q_norm, k_norm] per layer, or empty
   std::vector<Proj> projs_;
   bool team_ = false;
   tl_team::MakeProjection make_[3] = {nullptr, nullptr, nullptr};   // by tl_team::module_of
@@ -645,6 +674,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
                           std::vector<std::vector<Tensor>>, int64_t, int64_t, int64_t, double,
                           double>())
       .def("num_layers", &DecodeStack::num_layers)
+      .def("set_qk_norms", &DecodeStack::set_qk_norms,
+           "per-head q and k RMSNorm weights, two a layer (Qwen3), applied before RoPE")
       .def("team_steps", &DecodeStack::team_steps, "steps served by one OpenMP team")
       .def("enable_team", &DecodeStack::enable_team,
            "run decode-only steps in one OpenMP team where the kernels allow (team.h)")

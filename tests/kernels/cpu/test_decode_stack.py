@@ -43,10 +43,17 @@ def built():
 
 
 def _model(storage: str, bias: bool, dtype: torch.dtype = torch.float32,
-           kernel: str | None = None, monkeypatch=None):
-    """`kernel`: every projection runs it at every row count (else: the measured plan)."""
-    spec = dataclasses.replace(SHAPES["tiny"], attention_bias=bias)
+           kernel: str | None = None, monkeypatch=None, qk_norm: bool = False):
+    """`kernel`: every projection runs it at every row count (else: the measured plan).
+    `qk_norm`: Qwen3's per-head q/k norms, with weights away from 1."""
+    spec = dataclasses.replace(SHAPES["tiny"], attention_bias=bias, qk_norm=qk_norm)
     model = random_model(spec, dtype, "cpu", max_positions=256, seed=7)
+    if qk_norm:
+        gen = torch.Generator().manual_seed(9)
+        with torch.no_grad():
+            for layer in model.layers:
+                for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                    norm.weight.copy_(torch.rand(norm.weight.shape, generator=gen) + 0.5)
     if bias:   # random_model leaves biases at 0: make them count (seeded: the same model
         # whatever ran before in this process)
         gen = torch.Generator().manual_seed(8)
@@ -124,6 +131,14 @@ def _stack_equals_module(spec, model, dtype, row_counts=(1, 3), pool_dtype=None)
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_decode_step_on_the_stack_equals_the_module_forward(storage, dtype, bias):
     spec, model = _model(storage, bias, dtype)
+    _stack_equals_module(spec, model, dtype)
+
+
+@pytest.mark.parametrize("storage,dtype", [
+    ("float", torch.float32), ("q4", torch.float32), ("float", torch.bfloat16)])
+def test_qwen3_q_k_norms_run_on_the_stack_as_in_the_module_forward(storage, dtype):
+    spec, model = _model(storage, False, dtype, qk_norm=True)
+    assert decode_stack.unsupported(spec) is None
     _stack_equals_module(spec, model, dtype)
 
 
