@@ -71,9 +71,7 @@ def unsupported(spec) -> str | None:
               ("sandwich norms", spec.sandwich_norms),
               ("sliding-window layers", spec.has_sliding_layers),
               ("attention soft-capping", spec.attn_logit_softcap is not None),
-              ("partial rotary", spec.rope.rotary_dim not in (0, spec.head_dim)),
-              ("a second RoPE table", spec.rope_local is not None
-               or spec.rope.rope_type == "longrope"))
+              ("a second RoPE table", spec.rope_local is not None))
     return next((what for what, present in checks if present), None)
 
 
@@ -202,6 +200,8 @@ class DecodeStacks:
             log.warning("C++ decode stack unavailable for these kernels; module forward",
                         kernels=list(kernels), reason=str(e))
             stack = None
+        if stack is not None and spec.rope.rotary_dim not in (0, spec.head_dim):
+            stack.set_rotary_dim(spec.rope.rotary_dim)
         if stack is not None and spec.qk_norm:
             stack.set_qk_norms([n.weight.detach() for layer in layers
                                 for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)])
@@ -215,7 +215,8 @@ class DecodeStacks:
         """The residual stream after the last layer, [rows, hidden]."""
         model = self.model
         h = model.embed(input_ids)
-        cos, sin = model.rope.lookup(positions)
+        # (LongRoPE: a token's row says which factors rotate it, as in the module forward)
+        cos, sin = model.rope.lookup(positions if meta.rope_rows is None else meta.rope_rows)
         self.steps += 1
         bs = kv.pool.shape[3]
         segs = torch.tensor([[s.query_start, s.query_len, s.start_pos] for s in meta.prefills],

@@ -151,7 +151,8 @@ class DecodeStack {
   DecodeStack(std::vector<Tensor> norms, std::vector<int64_t> kinds,
               std::vector<std::vector<Tensor>> args, int64_t heads, int64_t kv_heads,
               int64_t head_dim, double eps, double scale)
-      : norms_(std::move(norms)), H_(heads), KVH_(kv_heads), D_(head_dim), eps_(eps),
+      : norms_(std::move(norms)), H_(heads), KVH_(kv_heads), D_(head_dim), RD_(head_dim),
+        eps_(eps),
         scale_(scale) {
     TORCH_CHECK(kinds.size() == args.size() && kinds.size() % 4 == 0 &&
                     norms_.size() * 2 == kinds.size(),
@@ -165,6 +166,13 @@ class DecodeStack {
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(norms_.size() / 2); }
+
+  // Partial rotary (Phi-4-mini): only the first `rotary_dim` dimensions of each head rotate,
+  // from cos / sin rows of that width; the rest pass through.
+  void set_rotary_dim(int64_t rd) {
+    TORCH_CHECK(rd > 0 && rd <= D_ && rd % 2 == 0, "decode_stack: rotary_dim in (0, head_dim]");
+    RD_ = rd;
+  }
 
   // Qwen3's per-head RMSNorm of q and k before RoPE: [q_norm, k_norm] per layer, each of
   // head_dim weights in the norms' dtype (empty: the model has none).
@@ -285,7 +293,7 @@ class DecodeStack {
     return team_;
   }
 
-  // h: [B, E] embeddings (fp32 or bf16, not modified); cos, sin: [B, D]; pool: the KV
+  // h: [B, E] embeddings (fp32 or bf16, not modified); cos, sin: [B, rotary_dim]; pool: the KV
   // pool [L, 2, blocks, block_size, KVH, D] (h's dtype, contiguous); slots [B]; the
   // decode rows (the first lens.size(0) rows): tables [nd, nb], lens [nd] (int64);
   // prefill chunks after them: segs [S, 3] (query_start, query_len, start_pos) with a
@@ -334,8 +342,8 @@ class DecodeStack {
     Tensor h = h_in.contiguous().clone();
     Tensor cs = cos.to(dtype).contiguous(), sn = sin.to(dtype).contiguous();
     Tensor sl = slots.contiguous();
-    TORCH_CHECK(cs.numel() == B * D_ && sn.numel() == B * D_ && sl.numel() == B,
-                "decode_stack: cos, sin and slots per row");
+    TORCH_CHECK(cs.numel() == B * RD_ && sn.numel() == B * RD_ && sl.numel() == B,
+                "decode_stack: cos, sin (rotary_dim) and slots per row");
     const T* cp = cs.data_ptr<T>();
     const T* sp = sn.data_ptr<T>();
     const int64_t* slot = sl.data_ptr<int64_t>();
@@ -380,23 +388,23 @@ class DecodeStack {
       T* qp = q.data_ptr<T>();
       for (int64_t b = 0; b < B; ++b) {
         const T* row = qkvp + b * (Q + 2 * KV);
-        const T* c = cp + b * D_;
-        const T* s = sp + b * D_;
+        const T* c = cp + b * RD_;
+        const T* s = sp + b * RD_;
         T* qb = qp + b * Q;
         std::copy(row, row + Q, qb);
         head_norms(qb, H_, l, 0);
-        for (int64_t hh = 0; hh < H_; ++hh) Ops<T>::rope(qb + hh * D_, c, s, D_);
+        for (int64_t hh = 0; hh < H_; ++hh) Ops<T>::rope(qb + hh * D_, c, s, RD_);
         if (slot[b] < 0) continue;
         TORCH_CHECK(slot[b] < slots_per_layer, "decode_stack: slot out of range");
         C* kd = kp + slot[b] * KV;
         if constexpr (std::is_same_v<T, C>) {   // rotated in place in the pool
           std::copy(row + Q, row + Q + KV, kd);
           head_norms(kd, KVH_, l, 1);
-          for (int64_t hh = 0; hh < KVH_; ++hh) Ops<T>::rope(kd + hh * D_, c, s, D_);
+          for (int64_t hh = 0; hh < KVH_; ++hh) Ops<T>::rope(kd + hh * D_, c, s, RD_);
         } else {   // rotated in T, then rounded to the pool's dtype (as store_kv rounds)
           std::copy(row + Q, row + Q + KV, krow.begin());
           head_norms(krow.data(), KVH_, l, 1);
-          for (int64_t hh = 0; hh < KVH_; ++hh) Ops<T>::rope(krow.data() + hh * D_, c, s, D_);
+          for (int64_t hh = 0; hh < KVH_; ++hh) Ops<T>::rope(krow.data() + hh * D_, c, s, RD_);
           for (int64_t i = 0; i < KV; ++i) kd[i] = tl_rows::to_pool<C>(krow[i]);
         }
         const T* vsrc = row + Q + KV;
@@ -489,22 +497,22 @@ class DecodeStack {
       std::vector<T> krow(KV);
       for (int64_t b = 0; b < B; ++b) {
         const T* row = qkvp + b * (Q + 2 * KV);
-        const T* c = cp + b * D_;
-        const T* s = sp + b * D_;
+        const T* c = cp + b * RD_;
+        const T* s = sp + b * RD_;
         T* qb = qp + b * Q;
         std::copy(row, row + Q, qb);
         head_norms(qb, H_, l, 0);
-        for (int64_t hh = 0; hh < H_; ++hh) Ops<T>::rope(qb + hh * D_, c, s, D_);
+        for (int64_t hh = 0; hh < H_; ++hh) Ops<T>::rope(qb + hh * D_, c, s, RD_);
         if (slot[b] < 0) continue;
         C* kd = kp + slot[b] * KV;
         if constexpr (std::is_same_v<T, C>) {   // rotated in place in the pool
           std::copy(row + Q, row + Q + KV, kd);
           head_norms(kd, KVH_, l, 1);
-          for (int64_t hh = 0; hh < KVH_; ++hh) Ops<T>::rope(kd + hh * D_, c, s, D_);
+          for (int64_t hh = 0; hh < KVH_; ++hh) Ops<T>::rope(kd + hh * D_, c, s, RD_);
         } else {
           std::copy(row + Q, row + Q + KV, krow.begin());
           head_norms(krow.data(), KVH_, l, 1);
-          for (int64_t hh = 0; hh < KVH_; ++hh) Ops<T>::rope(krow.data() + hh * D_, c, s, D_);
+          for (int64_t hh = 0; hh < KVH_; ++hh) Ops<T>::rope(krow.data() + hh * D_, c, s, RD_);
           for (int64_t i = 0; i < KV; ++i) kd[i] = tl_rows::to_pool<C>(krow[i]);
         }
         const T* vsrc = row + Q + KV;
@@ -654,6 +662,7 @@ class DecodeStack {
   std::vector<Tensor> biases_;              // fp32 copies the weights' bias pointers read
   mutable std::atomic<int64_t> team_steps_{0};    // steps the team path served
   int64_t H_, KVH_, D_;
+  int64_t RD_;   // the rotating dimensions of a head (head_dim unless partial)
   double eps_, scale_;
   c10::optional<c10::TypedOperatorHandle<Q4Op>> q4_, q4p_;
   c10::optional<c10::TypedOperatorHandle<Q8Op>> q8_, q8p_, small_, strips_, tile8_;
@@ -674,6 +683,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
                           std::vector<std::vector<Tensor>>, int64_t, int64_t, int64_t, double,
                           double>())
       .def("num_layers", &DecodeStack::num_layers)
+      .def("set_rotary_dim", &DecodeStack::set_rotary_dim,
+           "rotate only the first rotary_dim dimensions of each head (partial rotary)")
       .def("set_qk_norms", &DecodeStack::set_qk_norms,
            "per-head q and k RMSNorm weights, two a layer (Qwen3), applied before RoPE")
       .def("team_steps", &DecodeStack::team_steps, "steps served by one OpenMP team")

@@ -43,10 +43,13 @@ def built():
 
 
 def _model(storage: str, bias: bool, dtype: torch.dtype = torch.float32,
-           kernel: str | None = None, monkeypatch=None, qk_norm: bool = False):
+           kernel: str | None = None, monkeypatch=None, qk_norm: bool = False,
+           rotary_dim: int = 0):
     """`kernel`: every projection runs it at every row count (else: the measured plan).
-    `qk_norm`: Qwen3's per-head q/k norms, with weights away from 1."""
+    `qk_norm`: Qwen3's per-head q/k norms, with weights away from 1. `rotary_dim`: partial
+    rotary (0: the whole head)."""
     spec = dataclasses.replace(SHAPES["tiny"], attention_bias=bias, qk_norm=qk_norm)
+    spec = dataclasses.replace(spec, rope=dataclasses.replace(spec.rope, rotary_dim=rotary_dim))
     model = random_model(spec, dtype, "cpu", max_positions=256, seed=7)
     if qk_norm:
         gen = torch.Generator().manual_seed(9)
@@ -138,6 +141,14 @@ def test_a_decode_step_on_the_stack_equals_the_module_forward(storage, dtype, bi
     ("float", torch.float32), ("q4", torch.float32), ("float", torch.bfloat16)])
 def test_qwen3_q_k_norms_run_on_the_stack_as_in_the_module_forward(storage, dtype):
     spec, model = _model(storage, False, dtype, qk_norm=True)
+    assert decode_stack.unsupported(spec) is None
+    _stack_equals_module(spec, model, dtype)
+
+
+@pytest.mark.parametrize("storage,dtype", [
+    ("float", torch.float32), ("q4", torch.float32), ("float", torch.bfloat16)])
+def test_partial_rotary_runs_on_the_stack_as_in_the_module_forward(storage, dtype):
+    spec, model = _model(storage, False, dtype, rotary_dim=SHAPES["tiny"].head_dim // 2)
     assert decode_stack.unsupported(spec) is None
     _stack_equals_module(spec, model, dtype)
 
