@@ -357,6 +357,8 @@ class DecodeStack {
       covered += seg[3 * i + 1];
     }
     TORCH_CHECK(covered == B, "decode_stack: decode rows and chunks cover the step's rows");
+    for (int64_t b = 0; b < B; ++b)
+      TORCH_CHECK(slot[b] < slots_per_layer, "decode_stack: slot out of range");
     // Not with more threads than CPUs: a spin barrier waits on descheduled threads.
     static const int cpus = tl_team::usable_cpus();
     const int threads = at::get_num_threads();
@@ -386,31 +388,7 @@ class DecodeStack {
       C* vp = vc.data_ptr<C>();
       const T* qkvp = qkv.data_ptr<T>();
       T* qp = q.data_ptr<T>();
-      for (int64_t b = 0; b < B; ++b) {
-        const T* row = qkvp + b * (Q + 2 * KV);
-        const T* c = cp + b * RD_;
-        const T* s = sp + b * RD_;
-        T* qb = qp + b * Q;
-        std::copy(row, row + Q, qb);
-        head_norms(qb, H_, l, 0);
-        for (int64_t hh = 0; hh < H_; ++hh) Ops<T>::rope(qb + hh * D_, c, s, RD_);
-        if (slot[b] < 0) continue;
-        TORCH_CHECK(slot[b] < slots_per_layer, "decode_stack: slot out of range");
-        C* kd = kp + slot[b] * KV;
-        if constexpr (std::is_same_v<T, C>) {   // rotated in place in the pool
-          std::copy(row + Q, row + Q + KV, kd);
-          head_norms(kd, KVH_, l, 1);
-          for (int64_t hh = 0; hh < KVH_; ++hh) Ops<T>::rope(kd + hh * D_, c, s, RD_);
-        } else {   // rotated in T, then rounded to the pool's dtype (as store_kv rounds)
-          std::copy(row + Q, row + Q + KV, krow.begin());
-          head_norms(krow.data(), KVH_, l, 1);
-          for (int64_t hh = 0; hh < KVH_; ++hh) Ops<T>::rope(krow.data() + hh * D_, c, s, RD_);
-          for (int64_t i = 0; i < KV; ++i) kd[i] = tl_rows::to_pool<C>(krow[i]);
-        }
-        const T* vsrc = row + Q + KV;
-        C* vd = vp + slot[b] * KV;
-        for (int64_t i = 0; i < KV; ++i) vd[i] = tl_rows::to_pool<C>(vsrc[i]);
-      }
+      rope_store<T, C>(l, B, qkvp, cp, sp, qp, slot, kp, vp, krow.data());
       Tensor o;
       if (S == 0) {
         o = decode_.call(q, kc, vc, tables, lens, scale_).view({B, Q});
@@ -489,36 +467,13 @@ class DecodeStack {
     std::vector<const T*> norm_w;
     for (auto& n : norms_) norm_w.push_back(n.data_ptr<T>());
     const double eps = eps_;
+    std::vector<T> krow(KVH_ * D_);   // rope_store's scratch (one thread at a time uses it)
     // Serial steps between the kernels (run by the last thread to reach each barrier): the
     // per-call path's RoPE and K/V store (run_t), then the attention pointed at the layer.
-    auto rope_store = [&](int64_t l) {
+    auto rope_store_layer = [&](int64_t l) {
       C* kp = poolp + l * layer_stride;
       C* vp = kp + side;
-      std::vector<T> krow(KV);
-      for (int64_t b = 0; b < B; ++b) {
-        const T* row = qkvp + b * (Q + 2 * KV);
-        const T* c = cp + b * RD_;
-        const T* s = sp + b * RD_;
-        T* qb = qp + b * Q;
-        std::copy(row, row + Q, qb);
-        head_norms(qb, H_, l, 0);
-        for (int64_t hh = 0; hh < H_; ++hh) Ops<T>::rope(qb + hh * D_, c, s, RD_);
-        if (slot[b] < 0) continue;
-        C* kd = kp + slot[b] * KV;
-        if constexpr (std::is_same_v<T, C>) {   // rotated in place in the pool
-          std::copy(row + Q, row + Q + KV, kd);
-          head_norms(kd, KVH_, l, 1);
-          for (int64_t hh = 0; hh < KVH_; ++hh) Ops<T>::rope(kd + hh * D_, c, s, RD_);
-        } else {
-          std::copy(row + Q, row + Q + KV, krow.begin());
-          head_norms(krow.data(), KVH_, l, 1);
-          for (int64_t hh = 0; hh < KVH_; ++hh) Ops<T>::rope(krow.data() + hh * D_, c, s, RD_);
-          for (int64_t i = 0; i < KV; ++i) kd[i] = tl_rows::to_pool<C>(krow[i]);
-        }
-        const T* vsrc = row + Q + KV;
-        C* vd = vp + slot[b] * KV;
-        for (int64_t i = 0; i < KV; ++i) vd[i] = tl_rows::to_pool<C>(vsrc[i]);
-      }
+      rope_store<T, C>(l, B, qkvp, cp, sp, qp, slot, kp, vp, krow.data());
       attn->bind(qp, kp, vp, op);
     };
     tl_team::Barrier bar(nt);
@@ -538,7 +493,7 @@ class DecodeStack {
         for (int64_t l = 0; l < L; ++l) {
           const tl_team::Weights* w = &weights_[4 * l];
           call(l, 0)->rows(w[0], qkvp, part, parts);
-          bar.arrive([&] { rope_store(l); });
+          bar.arrive([&] { rope_store_layer(l); });
           attn->items(part);
           bar.arrive([&] {
             attn->merge();
@@ -637,6 +592,40 @@ class DecodeStack {
       }
       default: return at::linear(x, a[0], a.size() > 1 ? c10::optional<Tensor>(a[1])
                                                          : c10::nullopt);
+    }
+  }
+
+  // Between layer l's qkv projection and its attention, on both paths: each row's q
+  // (q/k-normed where the model has the norms, then rotated) into qp, its k (the same) and
+  // v stored at the row's slot in the layer's pool kp / vp (slot < 0: not stored; slots
+  // checked by run_t). krow: scratch for a key row in T when the pool's dtype differs.
+  template <typename T, typename C>
+  void rope_store(int64_t l, int64_t B, const T* qkvp, const T* cp, const T* sp, T* qp,
+                  const int64_t* slot, C* kp, C* vp, T* krow) const {
+    const int64_t Q = H_ * D_, KV = KVH_ * D_;
+    for (int64_t b = 0; b < B; ++b) {
+      const T* row = qkvp + b * (Q + 2 * KV);
+      const T* c = cp + b * RD_;
+      const T* s = sp + b * RD_;
+      T* qb = qp + b * Q;
+      std::copy(row, row + Q, qb);
+      head_norms(qb, H_, l, 0);
+      for (int64_t hh = 0; hh < H_; ++hh) Ops<T>::rope(qb + hh * D_, c, s, RD_);
+      if (slot[b] < 0) continue;
+      C* kd = kp + slot[b] * KV;
+      if constexpr (std::is_same_v<T, C>) {   // rotated in place in the pool
+        std::copy(row + Q, row + Q + KV, kd);
+        head_norms(kd, KVH_, l, 1);
+        for (int64_t hh = 0; hh < KVH_; ++hh) Ops<T>::rope(kd + hh * D_, c, s, RD_);
+      } else {   // rotated in T, then rounded to the pool's dtype (as store_kv rounds)
+        std::copy(row + Q, row + Q + KV, krow);
+        head_norms(krow, KVH_, l, 1);
+        for (int64_t hh = 0; hh < KVH_; ++hh) Ops<T>::rope(krow + hh * D_, c, s, RD_);
+        for (int64_t i = 0; i < KV; ++i) kd[i] = tl_rows::to_pool<C>(krow[i]);
+      }
+      const T* vsrc = row + Q + KV;
+      C* vd = vp + slot[b] * KV;
+      for (int64_t i = 0; i < KV; ++i) vd[i] = tl_rows::to_pool<C>(vsrc[i]);
     }
   }
 
