@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
+from harness import ms_per_call
 from records import record_run, write_raw
 
 MODES = {
@@ -73,14 +73,6 @@ def capture_steps(options: dict) -> tuple[object, dict[int, tuple]]:
     finally:
         decoder.CausalLM.forward_hidden = original
     return captured["model"], steps
-
-
-def _ms(fn, n: int) -> float:
-    fn()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - t) / n * 1000
 
 
 def measure(variants: dict, rounds: int, n: int) -> dict:
@@ -132,13 +124,13 @@ def _timers(model, steps: dict, n: int):
     def timer(ctx: int, runs: dict[str, list[float]]) -> None:
         args = steps[ctx]
         model.decode_stacks = None
-        runs["module"].append(_ms(lambda: step(args), n))
+        runs["module"].append(ms_per_call(lambda: step(args), n))
         model.decode_stacks = stacks
         if stacks is not None:
             before = stacks.steps
-            runs["stack"].append(_ms(lambda: step(args), n))
+            runs["stack"].append(ms_per_call(lambda: step(args), n))
             assert stacks.steps > before, "the stack did not serve the step"
-        runs["projections"].append(_ms(projections_only, n))
+        runs["projections"].append(ms_per_call(projections_only, n))
 
     return timer
 

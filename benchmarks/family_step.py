@@ -23,12 +23,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-from harness import tests_module
+from harness import ms_per_call, tests_module
 from records import record_run, write_raw
 
 SHAPE = dict(num_hidden_layers=12, hidden_size=576, intermediate_size=1536,
@@ -95,14 +94,6 @@ def capture(path: Path, cache_dir: str, stack: bool = True) -> tuple[object, tup
     return model, captured["decode"], captured["prefill"], stack
 
 
-def _ms(fn, n: int) -> float:
-    fn()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - t) / n * 1000
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=7)
@@ -132,9 +123,9 @@ def main() -> None:
     with torch.inference_mode():
         for _ in range(args.rounds):
             for name, (model, dec, pre, _) in models.items():
-                runs[name]["decode"].append(_ms(
+                runs[name]["decode"].append(ms_per_call(
                     lambda: model.logits(model.forward_hidden(*dec), head), 10))
-                runs[name]["prefill"].append(_ms(lambda: model.forward_hidden(*pre), 2))
+                runs[name]["prefill"].append(ms_per_call(lambda: model.forward_hidden(*pre), 2))
     med = {n: {k: statistics.median(v) for k, v in r.items()} for n, r in runs.items()}
     spread = {n: {k: max(v) / min(v) for k, v in r.items()} for n, r in runs.items()}
     base = med["llama"]

@@ -74,6 +74,15 @@ def percentile(xs, q: float, scale: float = 1.0) -> float | None:
     return float(np.percentile(xs, q)) * scale
 
 
+def ms_per_call(fn, n: int) -> float:
+    """Mean milliseconds of `fn()` over `n` calls, after one untimed warm-up call."""
+    fn()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t) / n * 1000
+
+
 def write_json(path: str | Path, obj, indent: int = 2, **kw) -> Path:
     """`obj` as JSON at `path` (folders made); `kw` goes to json.dumps. Returns the path."""
     path = Path(path)
