@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from tinymodel import COMMON_CONFIG
+from tinymodel import COMMON_CONFIG, random_hf_model
 
 THINK, END_THINK = "<think>", "</think>"
 THINKING_TEMPLATE = (
@@ -54,19 +54,12 @@ def build_thinking_model(path: Path, seed: int = 11, end_boost: float = END_BOOS
                          chat_template: str = THINKING_TEMPLATE, **config) -> dict:
     """Save the model (fp32, 2 layers, untied head) and its tokenizer; returns the
     tokenizer's facts (save_thinking_tokenizer)."""
-    import transformers
-
     path = Path(path)
     facts = save_thinking_tokenizer(path, chat_template)
-    cfg = transformers.LlamaConfig(**{**COMMON_CONFIG, "vocab_size": facts["vocab_size"],
-                                      "num_hidden_layers": 2, "tie_word_embeddings": False,
-                                      "max_position_embeddings": 2048, **config})
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model = random_hf_model("LlamaConfig", {
+        **COMMON_CONFIG, "vocab_size": facts["vocab_size"], "num_hidden_layers": 2,
+        "tie_word_embeddings": False, "max_position_embeddings": 2048, **config}, seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
         model.lm_head.weight[facts["end_think"]] *= end_boost
     model.save_pretrained(path, safe_serialization=True)
     return facts

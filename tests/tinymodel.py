@@ -56,15 +56,12 @@ def save_byte_tokenizer(path: Path, chat_template: str | None = None) -> int:
     return len(vocab)
 
 
-def build_tiny_model(path: Path, config_class: str, config: dict, seed: int,
-                     chat_template: str | None = None, byte_tokenizer: bool = False) -> None:
-    """Save a randomly initialised fp32 model (config.json + model.safetensors + tokenizer:
-    the word-level one, or with `byte_tokenizer` the byte-level one)."""
+def random_hf_model(config_class: str, config: dict, seed: int):
+    """transformers' fp32 model of `config_class(**config)`, randomly initialised from
+    `seed`, with norm weights around 1 and biases that count (random init leaves them 0)."""
     import transformers
 
-    if byte_tokenizer:
-        config = {**config, "vocab_size": 3 + 256}
-    cfg = getattr(transformers, config_class)(**{**COMMON_CONFIG, **config})
+    cfg = getattr(transformers, config_class)(**config)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
@@ -72,7 +69,17 @@ def build_tiny_model(path: Path, config_class: str, config: dict, seed: int,
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             elif name.endswith("_proj.bias"):
-                p.copy_(0.5 * torch.randn_like(p))  # random init leaves biases at zero
+                p.copy_(0.5 * torch.randn_like(p))
+    return model
+
+
+def build_tiny_model(path: Path, config_class: str, config: dict, seed: int,
+                     chat_template: str | None = None, byte_tokenizer: bool = False) -> None:
+    """Save a randomly initialised fp32 model (config.json + model.safetensors + tokenizer:
+    the word-level one, or with `byte_tokenizer` the byte-level one)."""
+    if byte_tokenizer:
+        config = {**config, "vocab_size": 3 + 256}
+    model = random_hf_model(config_class, {**COMMON_CONFIG, **config}, seed)
     model.save_pretrained(path, safe_serialization=True)
     if byte_tokenizer:
         save_byte_tokenizer(path, chat_template)
