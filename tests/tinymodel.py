@@ -8,6 +8,8 @@ sys.path).
 
 from __future__ import annotations
 
+import dataclasses
+import random
 from pathlib import Path
 
 import torch
@@ -54,6 +56,27 @@ def save_byte_tokenizer(path: Path, chat_template: str | None = None) -> int:
         fast.chat_template = chat_template
     fast.save_pretrained(path)
     return len(vocab)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """A tiny checkpoint to build (`config_class` of transformers with `config` over
+    COMMON_CONFIG, random weights from `seed`) and the lengths of its test prompts."""
+    config_class: str
+    config: dict
+    prompt_lens: tuple[int, ...]
+    seed: int
+
+
+def build_variant(path: Path, v: Variant, **hf_options) -> tuple[object, list[list[int]]]:
+    """Save `v` at `path`; returns transformers' model loaded back from it (fp32, eval;
+    `hf_options` for from_pretrained) and its prompts (random ids, seeded by `v.seed`)."""
+    from transformers import AutoModelForCausalLM
+
+    build_tiny_model(path, v.config_class, v.config, v.seed)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **hf_options).eval()
+    rng = random.Random(v.seed)
+    return hf, [[rng.randrange(3, VOCAB) for _ in range(n)] for n in v.prompt_lens]
 
 
 def random_hf_model(config_class: str, config: dict, seed: int):

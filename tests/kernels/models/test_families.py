@@ -32,20 +32,12 @@ from tokenloom.kernels.models.loader import load_spec
 from tokenloom.kernels.models.model_spec import UnsupportedModelError
 from tokenloom.kernels.models.registry import supported_architectures
 
-from tinymodel import VOCAB, build_tiny_model
+from tinymodel import VOCAB, Variant, build_tiny_model, build_variant
 
 MAX_TOKENS = 12
 BLOCK_SIZE = 8
 WINDOW = 24     # shorter than most prompts: every sliding layer drops keys
 GAP = 1e-3      # a reference top-2 gap below this is a near-tie
-
-
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    config_class: str
-    config: dict
-    prompt_lens: tuple[int, ...]
-    seed: int
 
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -140,20 +132,14 @@ def assert_greedy_matches(got: list[int], tokens: list[int], gaps: list[float], 
 @pytest.fixture(scope="session")
 def family(tmp_path_factory):
     """Factory: family(name) -> Family, built and saved once per session."""
-    from transformers import AutoModelForCausalLM
 
     built: dict[str, Family] = {}
 
     def get(name: str) -> Family:
         if name not in built:
-            v = VARIANTS[name]
             path = tmp_path_factory.mktemp(name)
-            build_tiny_model(path, v.config_class, v.config, v.seed)
-            hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                      attn_implementation="eager").eval()
-            rng = random.Random(v.seed)
-            prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in v.prompt_lens]
-            built[name] = Family(name, path, hf, prompts)
+            built[name] = Family(name, path, *build_variant(path, VARIANTS[name],
+                                                            attn_implementation="eager"))
         return built[name]
 
     return get

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import random
 from pathlib import Path
 
 import pytest
@@ -30,18 +29,10 @@ from tokenloom.kernels.kv_store import KVCache
 from tokenloom.kernels.models.loader import ModelLoadError, load_model, load_spec, resolve_model_dir
 from tokenloom.kernels.models.model_spec import UnsupportedModelError
 
-from tinymodel import VOCAB, build_tiny_model
+from tinymodel import VOCAB, Variant, build_variant
 
 MAX_TOKENS = 16
 BLOCK_SIZE = 8
-
-
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    config_class: str
-    config: dict
-    prompt_lens: tuple[int, ...]
-    seed: int
 
 
 VARIANTS = {
@@ -83,19 +74,13 @@ class TinyModel:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """Factory: tiny_model(name) -> TinyModel, built and saved once per session."""
-    from transformers import AutoModelForCausalLM
 
     built: dict[str, TinyModel] = {}
 
     def get(name: str) -> TinyModel:
         if name not in built:
-            v = VARIANTS[name]
             path = tmp_path_factory.mktemp(name)
-            build_tiny_model(path, v.config_class, v.config, v.seed)
-            hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-            rng = random.Random(v.seed)
-            prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in v.prompt_lens]
-            built[name] = TinyModel(name, path, hf, prompts)
+            built[name] = TinyModel(name, path, *build_variant(path, VARIANTS[name]))
         return built[name]
 
     return get
