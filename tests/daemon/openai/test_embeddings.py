@@ -58,22 +58,28 @@ def last_server(tiny_model_dir, tmp_path_factory):
     s.close()
 
 
-@pytest.fixture(scope="module")
-def mean_model_dir(tiny_model_dir, tmp_path_factory):
-    """The same weights with sentence-transformers' files: mean pooling, normalized, and
-    Matryoshka dimensions."""
-    path = tmp_path_factory.mktemp("tiny-mean") / "model"
-    shutil.copytree(tiny_model_dir, path)
+def write_sentence_transformers_files(path, pooling: dict) -> None:
+    """sentence-transformers' files beside a checkpoint: Transformer, then Pooling with
+    this config, then Normalize."""
     (path / "1_Pooling").mkdir()
-    (path / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"word_embedding_dimension": 64, "pooling_mode_mean_tokens": True,
-         "pooling_mode_lasttoken": False, "pooling_mode_cls_token": False}))
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
     (path / "modules.json").write_text(json.dumps([
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
         {"idx": 1, "name": "1", "path": "1_Pooling",
          "type": "sentence_transformers.models.Pooling"},
         {"idx": 2, "name": "2", "path": "2_Normalize",
          "type": "sentence_transformers.models.Normalize"}]))
+
+
+@pytest.fixture(scope="module")
+def mean_model_dir(tiny_model_dir, tmp_path_factory):
+    """The same weights with sentence-transformers' files: mean pooling, normalized, and
+    Matryoshka dimensions."""
+    path = tmp_path_factory.mktemp("tiny-mean") / "model"
+    shutil.copytree(tiny_model_dir, path)
+    write_sentence_transformers_files(path, {
+        "word_embedding_dimension": 64, "pooling_mode_mean_tokens": True,
+        "pooling_mode_lasttoken": False, "pooling_mode_cls_token": False})
     config = json.loads((path / "config.json").read_text())
     config["matryoshka_dimensions"] = [16, 32, 64]
     (path / "config.json").write_text(json.dumps(config))
@@ -231,15 +237,8 @@ def test_a_qwen3_embedding_shaped_model(tmp_path_factory):
     build_tiny_model(path, "Qwen3Config", dict(num_hidden_layers=2, head_dim=32,
                                                tie_word_embeddings=True),
                      seed=3, chat_template=CHAT_TEMPLATE)
-    (path / "1_Pooling").mkdir()
-    (path / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"pooling_mode_lasttoken": True, "include_prompt": True}))
-    (path / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling",
-         "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize",
-         "type": "sentence_transformers.models.Normalize"}]))
+    write_sentence_transformers_files(path, {"pooling_mode_lasttoken": True,
+                                             "include_prompt": True})
     s = ServerThread(tiny_config(path, tmp_path_factory.mktemp("cache"),
                                  **{"server.embeddings": True}))
     try:
