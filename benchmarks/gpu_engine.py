@@ -82,10 +82,12 @@ SERVER_MODULES = ("aiohttp", "uvloop", "prometheus_client")
 
 def _load_by_path(name: str, path: Path):
     """Import a sibling script (benchmarks/ and tests/ are not packages)."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module    # before exec: dataclasses look their module up
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
 def bench_harness():

@@ -48,11 +48,13 @@ def tests_module(name: str):
     path: tests/ is not a package, and nothing is added to sys.path."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(f"tokenloom_tests_{name}",
-                                                  ROOT / "tests" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    key = f"tokenloom_tests_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, ROOT / "tests" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module    # before exec: dataclasses look their module up
+        spec.loader.exec_module(module)
+    return sys.modules[key]
 
 
 def run_async(coro):
