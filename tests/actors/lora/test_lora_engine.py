@@ -151,8 +151,7 @@ def test_compiled_programs_serve_adapters(world, tmp_path):
     """Decode steps replay compiled programs with the static LoRA path (every resident slot,
     masked per row); output equals PEFT's."""
     _, _, prompts, names, expected = world
-    # (one size: every decode batch of the six prompts pads to it)
-    llm = make_llm(world, tmp_path, cpu_compile=True, cpu_capture_sizes=[8])
+    llm = make_llm(world, tmp_path, cpu_compile=True, cpu_capture_sizes=[4, 8])
     try:
         got = [o.token_ids for o in llm.generate(prompts, GREEDY, lora=names)]
         graphs = llm.graph_stats()
